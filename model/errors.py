@@ -1,0 +1,65 @@
+"""Errors raised by the reference model.
+
+Every operation of the model either completes or raises one of these and leaves the model exactly as it
+was (the stateful tests assert that). ``kvstrata.impl.errors`` builds its own hierarchy on top of these
+so that a caller can catch the same error class from the model and from the implementation.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "CapacityError",
+    "DoubleRenderError",
+    "IllegalTransition",
+    "InvariantViolation",
+    "KeyParseError",
+    "KvStrataError",
+    "MisuseError",
+    "ModelError",
+]
+
+
+class KvStrataError(Exception):
+    """Root of every error kvstrata raises on purpose."""
+
+
+class ModelError(KvStrataError):
+    """Root of the errors raised by ``kvstrata.model``."""
+
+
+class MisuseError(ModelError, ValueError):
+    """The caller asked for something that is not allowed (bad argument, unknown handle, unlock of an
+    unlocked node, ...). Nothing was changed."""
+
+
+class CapacityError(ModelError):
+    """Not enough free slots (after allowed eviction) to do what was asked. Nothing was changed."""
+
+
+class IllegalTransition(ModelError):
+    """A lifecycle was asked to take an event that its transition table does not allow in its current
+    state. Nothing was changed."""
+
+    def __init__(self, machine: str, state: object, event: object) -> None:
+        super().__init__(f"{machine}: event {event!s} is not allowed in state {state!s}")
+        self.machine = machine
+        self.state = state
+        self.event = event
+
+
+class DoubleRenderError(ModelError, TypeError):
+    """A store key was about to be rendered from something that is already a rendered key (the historic
+    "tagged twice" bug: every lookup then misses while writes go on)."""
+
+
+class KeyParseError(ModelError, ValueError):
+    """A string is not a store key of a schema version this library knows."""
+
+
+class InvariantViolation(ModelError, AssertionError):
+    """One of the invariants of SPEC §7 does not hold. This is always a bug in kvstrata."""
+
+    def __init__(self, invariant: str, detail: str) -> None:
+        super().__init__(f"{invariant}: {detail}")
+        self.invariant = invariant
+        self.detail = detail

@@ -1,0 +1,377 @@
+"""Page hashes and the store key schema (SPEC §4). Pure functions, no state, no I/O.
+
+This module is intentionally a library of its own: an external router that wants to predict which store
+keys kvstrata reads and writes can import it alone.
+
+Page hashes
+    SHA-256, chained: the hash of page ``i`` covers the digest of page ``i - 1`` followed by the page's
+    token ids as 4-byte little-endian unsigned integers. A page hash therefore names the whole prefix that
+    ends with that page. The default namespace starts the chain from the empty string; any other namespace
+    starts it from a domain-separated digest of ``(extra_key, salt)``, so equal tokens in different
+    namespaces never share a hash. Nothing here uses ``hash()`` or a random seed (I8).
+
+Store keys
+    A :class:`StoreKey` is rendered by exactly one function, :func:`render_store_key`, from typed parts
+    (:class:`KeyParts`): schema version, optional deployment tag, model identity (name, dtype, KV kind, page
+    size or embedding dim), namespace, shard (tp rank *and* tp size, pp rank and size), pool, component and
+    page hash. :func:`parse_store_key` inverts it. A :class:`PageHash` and a :class:`StoreKey` are different
+    types, so rendering a rendered key is a type error for mypy and a :class:`DoubleRenderError` at run time
+    (the historic "tagged twice" bug).
+
+Rendered form (schema version 1), one path segment per field, each percent-escaped::
+
+    kvs1/<tag|_>/<model>/<dtype>/<kind>/<p<page_size>|d<dim>>/<namespace>/tp<r>of<s>|tp-rep/pp<r>of<s>/<pool>/<component>/<hex digest>
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import re
+import struct
+from collections.abc import Sequence
+from urllib.parse import quote, unquote
+
+import attrs
+
+from kvstrata.model.errors import DoubleRenderError, KeyParseError, MisuseError
+
+__all__ = [
+    "DEFAULT_NAMESPACE",
+    "SCHEMA_VERSION",
+    "KVKind",
+    "KeyParts",
+    "KeySpace",
+    "ModelIdentity",
+    "Namespace",
+    "PageHash",
+    "Shard",
+    "StoreKey",
+    "chain_page_hashes",
+    "content_hash",
+    "parse_store_key",
+    "render_store_key",
+]
+
+SCHEMA_VERSION = 1
+_PREFIX = "kvs"
+_NAMESPACE_DOMAIN = b"kvstrata.namespace.v1\x00"
+_CONTENT_DOMAIN = b"kvstrata.content.v1\x00"
+_MAX_TOKEN = 2**32 - 1
+_NAME_RE = re.compile(r"[a-z][a-z0-9_]*\Z")
+_TAG_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9.\-]*\Z")
+
+
+def _check_digest(_instance: object, _attribute: object, value: bytes) -> None:
+    if not isinstance(value, bytes) or len(value) != 32:
+        raise MisuseError(f"a page hash is 32 bytes of SHA-256, got {value!r}")
+
+
+@attrs.frozen(repr=False)
+class PageHash:
+    """The SHA-256 digest naming one page *and* its whole prefix (or, for embeddings, one media item)."""
+
+    digest: bytes = attrs.field(validator=_check_digest)
+
+    def hex(self) -> str:
+        return self.digest.hex()
+
+    @classmethod
+    def from_hex(cls, text: str) -> PageHash:
+        try:
+            return cls(bytes.fromhex(text))
+        except ValueError as exc:
+            raise KeyParseError(f"not a hex page hash: {text!r}") from exc
+
+    def __repr__(self) -> str:
+        return f"PageHash({self.digest.hex()[:12]}…)"
+
+
+@attrs.frozen
+class Namespace:
+    """A cache namespace (LoRA id, tenant salt, ...). Namespaces never share pages or keys."""
+
+    extra_key: str | None = None
+    salt: str = ""
+
+    @property
+    def is_default(self) -> bool:
+        return self.extra_key is None and self.salt == ""
+
+    def seed(self) -> bytes:
+        """The chain seed: empty for the default namespace, a domain-separated digest otherwise."""
+        if self.is_default:
+            return b""
+        extra = b"\x00" if self.extra_key is None else b"\x01" + self.extra_key.encode()
+        salt = self.salt.encode()
+        payload = (
+            _NAMESPACE_DOMAIN
+            + struct.pack("<Q", len(extra))
+            + extra
+            + struct.pack("<Q", len(salt))
+            + salt
+        )
+        return hashlib.sha256(payload).digest()
+
+    def key_id(self) -> str:
+        """The namespace as it appears in a store key."""
+        return "default" if self.is_default else "ns-" + self.seed().hex()[:32]
+
+
+DEFAULT_NAMESPACE = Namespace()
+
+
+def chain_page_hashes(
+    tokens: Sequence[int],
+    page_size: int,
+    namespace: Namespace = DEFAULT_NAMESPACE,
+    parent: PageHash | None = None,
+) -> tuple[PageHash, ...]:
+    """The page hashes of every *full* page of ``tokens`` (a trailing partial page is ignored).
+
+    ``parent`` continues an existing chain (the hash of the page just before ``tokens``); without it the
+    chain starts from ``namespace``'s seed.
+    """
+    if page_size <= 0:
+        raise MisuseError(f"page_size must be > 0, got {page_size}")
+    pages = len(tokens) // page_size
+    page_format = f"<{page_size}I"
+    previous = parent.digest if parent is not None else namespace.seed()
+    out: list[PageHash] = []
+    for index in range(pages):
+        page = tokens[index * page_size : (index + 1) * page_size]
+        try:
+            payload = struct.pack(page_format, *page)
+        except struct.error as exc:
+            raise MisuseError(f"token ids must be ints in [0, {_MAX_TOKEN}]: {exc}") from exc
+        previous = hashlib.sha256(previous + payload).digest()
+        out.append(PageHash(previous))
+    return tuple(out)
+
+
+def content_hash(data: bytes) -> PageHash:
+    """A content hash for a media item (multimodal embedding cache, SPEC §6)."""
+    if not isinstance(data, bytes | bytearray | memoryview):
+        raise MisuseError(f"content_hash takes bytes, got {type(data).__name__}")
+    return PageHash(hashlib.sha256(_CONTENT_DOMAIN + bytes(data)).digest())
+
+
+class KVKind(enum.Enum):
+    """What one object of the model's pool holds: MHA K/V planes, an MLA latent, or an embedding."""
+
+    MHA = "mha"
+    MLA = "mla"
+    EMBEDDING = "emb"
+
+
+def _check_name(_instance: object, attribute: attrs.Attribute[str], value: str) -> None:
+    if not isinstance(value, str) or not value:
+        raise MisuseError(f"{attribute.name} must be a non-empty string, got {value!r}")
+
+
+@attrs.frozen
+class ModelIdentity:
+    """Everything about a model that changes the bytes of its cached objects.
+
+    KV kinds carry ``page_size`` (tokens per page) and ``dim == 0``; embeddings carry ``dim`` and
+    ``page_size == 0``.
+    """
+
+    name: str = attrs.field(validator=_check_name)
+    dtype: str = attrs.field(validator=_check_name)
+    kind: KVKind = attrs.field(validator=attrs.validators.instance_of(KVKind))
+    page_size: int = 0
+    dim: int = 0
+
+    def __attrs_post_init__(self) -> None:
+        if self.kind is KVKind.EMBEDDING:
+            if self.dim <= 0 or self.page_size != 0:
+                raise MisuseError(f"an embedding identity needs dim > 0 and no page size: {self!r}")
+        elif self.page_size <= 0 or self.dim != 0:
+            raise MisuseError(f"a KV identity needs page_size > 0 and no dim: {self!r}")
+
+    @property
+    def components(self) -> tuple[str, ...]:
+        """The objects one page of the KV pool is stored as."""
+        return {KVKind.MHA: ("k", "v"), KVKind.MLA: ("latent",), KVKind.EMBEDDING: ("emb",)}[self.kind]
+
+
+@attrs.frozen
+class Shard:
+    """Which slice of the model's state an object holds. ``tp_rank is None`` means replicated across
+    tensor-parallel ranks (MLA): one rank writes it and every rank reads it."""
+
+    tp_rank: int | None = 0
+    tp_size: int = 1
+    pp_rank: int = 0
+    pp_size: int = 1
+
+    def __attrs_post_init__(self) -> None:
+        if self.tp_size <= 0 or self.pp_size <= 0:
+            raise MisuseError(f"tp_size and pp_size must be > 0: {self!r}")
+        if self.tp_rank is not None and not 0 <= self.tp_rank < self.tp_size:
+            raise MisuseError(f"tp_rank must be in [0, tp_size): {self!r}")
+        if not 0 <= self.pp_rank < self.pp_size:
+            raise MisuseError(f"pp_rank must be in [0, pp_size): {self!r}")
+
+    @classmethod
+    def replicated(cls, pp_rank: int = 0, pp_size: int = 1) -> Shard:
+        return cls(tp_rank=None, tp_size=1, pp_rank=pp_rank, pp_size=pp_size)
+
+
+@attrs.frozen(repr=False)
+class StoreKey:
+    """A rendered store key. Only :func:`render_store_key` makes one; it is not a :class:`PageHash`."""
+
+    text: str
+
+    def __str__(self) -> str:
+        return self.text
+
+    def __repr__(self) -> str:
+        return f"StoreKey({self.text!r})"
+
+
+def _check_component_name(_instance: object, attribute: attrs.Attribute[str], value: str) -> None:
+    if not isinstance(value, str) or not _NAME_RE.match(value):
+        raise MisuseError(f"{attribute.name} must match [a-z][a-z0-9_]*, got {value!r}")
+
+
+def _check_tag(_instance: object, _attribute: object, value: str | None) -> None:
+    if value is not None and (not isinstance(value, str) or not _TAG_RE.match(value)):
+        raise MisuseError(f"a deployment tag must match [A-Za-z0-9][A-Za-z0-9.-]*, got {value!r}")
+
+
+@attrs.frozen
+class KeyParts:
+    """The typed, not yet rendered, form of a store key."""
+
+    model: ModelIdentity
+    namespace_id: str
+    shard: Shard
+    pool: str = attrs.field(validator=_check_component_name)
+    component: str = attrs.field(validator=_check_component_name)
+    page_hash: PageHash
+    tag: str | None = attrs.field(default=None, validator=_check_tag)
+    version: int = SCHEMA_VERSION
+
+
+def _segment(value: str) -> str:
+    return quote(value, safe="")
+
+
+def render_store_key(parts: KeyParts) -> StoreKey:
+    """The one function that turns key parts into the string the store sees."""
+    if isinstance(parts, StoreKey | str):
+        raise DoubleRenderError(f"refusing to render an already rendered key: {parts!r}")
+    if not isinstance(parts, KeyParts):
+        raise TypeError(f"render_store_key takes KeyParts, got {type(parts).__name__}")
+    if not isinstance(parts.page_hash, PageHash):
+        raise DoubleRenderError(f"page_hash is not a PageHash: {parts.page_hash!r}")
+    if parts.version != SCHEMA_VERSION:
+        raise MisuseError(f"cannot render schema version {parts.version}")
+    model = parts.model
+    unit = f"d{model.dim}" if model.kind is KVKind.EMBEDDING else f"p{model.page_size}"
+    shard = parts.shard
+    tp = "tp-rep" if shard.tp_rank is None else f"tp{shard.tp_rank}of{shard.tp_size}"
+    segments = (
+        f"{_PREFIX}{parts.version}",
+        "_" if parts.tag is None else parts.tag,
+        _segment(model.name),
+        _segment(model.dtype),
+        model.kind.value,
+        unit,
+        _segment(parts.namespace_id),
+        tp,
+        f"pp{shard.pp_rank}of{shard.pp_size}",
+        parts.pool,
+        parts.component,
+        parts.page_hash.hex(),
+    )
+    return StoreKey("/".join(segments))
+
+
+_KEY_RE = re.compile(
+    r"kvs(?P<version>[0-9]+)/(?P<tag>[^/]+)/(?P<name>[^/]+)/(?P<dtype>[^/]+)/(?P<kind>[a-z]+)/"
+    r"(?:p(?P<page>[0-9]+)|d(?P<dim>[0-9]+))/(?P<ns>[^/]+)/"
+    r"(?:tp-rep|tp(?P<tp_rank>[0-9]+)of(?P<tp_size>[0-9]+))/pp(?P<pp_rank>[0-9]+)of(?P<pp_size>[0-9]+)/"
+    r"(?P<pool>[^/]+)/(?P<component>[^/]+)/(?P<hash>[0-9a-f]{64})\Z"
+)
+
+
+def parse_store_key(key: StoreKey | str) -> KeyParts:
+    """The inverse of :func:`render_store_key`; raises :class:`KeyParseError` for anything else.
+
+    The result renders back to exactly the same text (a key with, say, a doubled prefix does not
+    parse)."""
+    text = key.text if isinstance(key, StoreKey) else key
+    if not isinstance(text, str):
+        raise KeyParseError(f"a store key is a string, got {type(text).__name__}")
+    match = _KEY_RE.match(text)
+    if match is None or int(match["version"]) != SCHEMA_VERSION:
+        raise KeyParseError(f"not a kvstrata v{SCHEMA_VERSION} store key: {text!r}")
+    try:
+        kind = KVKind(match["kind"])
+        model = ModelIdentity(
+            name=unquote(match["name"]),
+            dtype=unquote(match["dtype"]),
+            kind=kind,
+            page_size=int(match["page"] or 0),
+            dim=int(match["dim"] or 0),
+        )
+        tp_rank = None if match["tp_rank"] is None else int(match["tp_rank"])
+        shard = Shard(
+            tp_rank=tp_rank,
+            tp_size=1 if match["tp_size"] is None else int(match["tp_size"]),
+            pp_rank=int(match["pp_rank"]),
+            pp_size=int(match["pp_size"]),
+        )
+        parts = KeyParts(
+            model=model,
+            namespace_id=unquote(match["ns"]),
+            shard=shard,
+            pool=match["pool"],
+            component=match["component"],
+            page_hash=PageHash.from_hex(match["hash"]),
+            tag=None if match["tag"] == "_" else match["tag"],
+        )
+    except (ValueError, MisuseError) as exc:
+        raise KeyParseError(f"malformed store key {text!r}: {exc}") from exc
+    if render_store_key(parts).text != text:
+        raise KeyParseError(f"store key is not in canonical form: {text!r}")
+    return parts
+
+
+@attrs.frozen
+class KeySpace:
+    """The fixed part of every key one cache instance reads and writes.
+
+    Two instances share L3 objects exactly when their key spaces are equal (same model identity,
+    namespace, shard and tag)."""
+
+    model: ModelIdentity
+    shard: Shard = Shard()
+    tag: str | None = attrs.field(default=None, validator=_check_tag)
+
+    def key(
+        self, namespace: Namespace, pool: str, component: str, page_hash: PageHash
+    ) -> StoreKey:
+        return render_store_key(
+            KeyParts(
+                model=self.model,
+                namespace_id=namespace.key_id(),
+                shard=self.shard,
+                pool=pool,
+                component=component,
+                page_hash=page_hash,
+                tag=self.tag,
+            )
+        )
+
+    def page_keys(
+        self, namespace: Namespace, page_hash: PageHash, pool: str = "kv"
+    ) -> tuple[StoreKey, ...]:
+        """The keys of every component object of one page of ``pool``."""
+        return tuple(
+            self.key(namespace, pool, component, page_hash) for component in self.model.components
+        )

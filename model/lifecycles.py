@@ -1,0 +1,210 @@
+"""Every lifecycle of kvstrata, declared once as data (SPEC §7).
+
+The model and the implementation advance through these tables with :meth:`Lifecycle.next`;
+``docs/model.md`` shows them and ``transitions`` builds checked machines from them
+(``tests/unit/test_lifecycles.py``). Change a lifecycle here first, then the docs, then the code.
+"""
+
+from __future__ import annotations
+
+import enum
+
+from kvstrata.model.lifecycle import Lifecycle
+
+__all__ = [
+    "ALL_LIFECYCLES",
+    "BACKUP_OP",
+    "EMBEDDING_ENTRY",
+    "LOAD_OP",
+    "PAGE_RESIDENCY",
+    "PREFETCH_OP",
+    "WRITE_OP",
+    "BackupEvent",
+    "BackupState",
+    "EntryEvent",
+    "EntryState",
+    "OpEvent",
+    "OpState",
+    "PrefetchEvent",
+    "PrefetchState",
+    "Residency",
+    "ResidencyEvent",
+]
+
+
+class OpState(enum.Enum):
+    """A device<->host copy (write-through L1->L2 or load-back L2->L1)."""
+
+    PENDING = "pending"  # copy started, source pinned, not acked yet
+    DONE = "done"
+
+
+class OpEvent(enum.Enum):
+    ACK = "ack"
+
+
+#: Write-through L1->L2: acked strictly in FIFO order of enqueue.
+WRITE_OP: Lifecycle[OpState, OpEvent] = Lifecycle(
+    name="write-through op",
+    initial=OpState.PENDING,
+    table={(OpState.PENDING, OpEvent.ACK): OpState.DONE},
+    final={OpState.DONE},
+)
+
+#: Load-back L2->L1: the loaded nodes stay pinned until the ack.
+LOAD_OP: Lifecycle[OpState, OpEvent] = Lifecycle(
+    name="load-back op",
+    initial=OpState.PENDING,
+    table={(OpState.PENDING, OpEvent.ACK): OpState.DONE},
+    final={OpState.DONE},
+)
+
+
+class BackupState(enum.Enum):
+    QUEUED = "queued"  # waiting for the store worker; host pages pinned
+    IN_FLIGHT = "in_flight"  # puts begun (keys reserved, invisible)
+    DONE = "done"  # puts ended: objects visible; host pages unpinned
+
+
+class BackupEvent(enum.Enum):
+    START = "start"
+    ACK = "ack"
+    FAIL = "fail"  # the batch failed: puts aborted, op queued again (retried, never dropped)
+
+
+BACKUP_OP: Lifecycle[BackupState, BackupEvent] = Lifecycle(
+    name="backup op",
+    initial=BackupState.QUEUED,
+    table={
+        (BackupState.QUEUED, BackupEvent.START): BackupState.IN_FLIGHT,
+        (BackupState.IN_FLIGHT, BackupEvent.ACK): BackupState.DONE,
+        (BackupState.IN_FLIGHT, BackupEvent.FAIL): BackupState.QUEUED,
+    },
+    final={BackupState.DONE},
+)
+
+
+class PrefetchState(enum.Enum):
+    LOADING = "loading"  # host pages reserved; reads arriving in order
+    COMPLETE = "complete"  # every page arrived, or the store lost one (the rest is a miss)
+    CANCELLING = "cancelling"  # committed or aborted while reads may still land: slots held
+    DONE = "done"  # every reserved slot committed to the tree or freed
+
+
+class PrefetchEvent(enum.Enum):
+    ARRIVE = "arrive"
+    COMPLETE = "complete"
+    COMMIT = "commit"
+    ABORT = "abort"
+    DRAIN = "drain"  # the I/O worker confirmed it will not write into the op's slots again
+
+
+PREFETCH_OP: Lifecycle[PrefetchState, PrefetchEvent] = Lifecycle(
+    name="prefetch op",
+    initial=PrefetchState.LOADING,
+    table={
+        (PrefetchState.LOADING, PrefetchEvent.ARRIVE): PrefetchState.LOADING,
+        (PrefetchState.LOADING, PrefetchEvent.COMPLETE): PrefetchState.COMPLETE,
+        (PrefetchState.LOADING, PrefetchEvent.COMMIT): PrefetchState.CANCELLING,
+        (PrefetchState.LOADING, PrefetchEvent.ABORT): PrefetchState.CANCELLING,
+        (PrefetchState.COMPLETE, PrefetchEvent.COMMIT): PrefetchState.DONE,
+        (PrefetchState.COMPLETE, PrefetchEvent.ABORT): PrefetchState.DONE,
+        (PrefetchState.CANCELLING, PrefetchEvent.DRAIN): PrefetchState.DONE,
+    },
+    final={PrefetchState.DONE},
+)
+
+
+class Residency(enum.Enum):
+    """Where the bytes of one page (and so of its node) are valid."""
+
+    NEW = "new"
+    DEVICE = "device"  # L1 only
+    WRITING = "writing"  # L1 valid; L2 slot allocated, write-through in flight
+    BOTH = "both"  # L1 and L2 valid
+    HOST = "host"  # L2 only (evicted from L1, or committed by a prefetch)
+    LOADING = "loading"  # L2 valid; L1 slot allocated, load-back in flight
+    GONE = "gone"
+
+
+class ResidencyEvent(enum.Enum):
+    INSERT = "insert"
+    COMMIT_PREFETCH = "commit_prefetch"
+    WRITE_START = "write_start"
+    WRITE_ACK = "write_ack"
+    DEMOTE = "demote"  # L1 eviction of a page with a host copy
+    STAGE = "stage"  # write_back: L1 eviction copies to L2 first (blocking)
+    REVIVE = "revive"  # insert of freshly computed KV for a host-only page
+    LOAD_START = "load_start"
+    LOAD_ACK = "load_ack"
+    DELETE = "delete"
+
+
+PAGE_RESIDENCY: Lifecycle[Residency, ResidencyEvent] = Lifecycle(
+    name="page residency",
+    initial=Residency.NEW,
+    table={
+        (Residency.NEW, ResidencyEvent.INSERT): Residency.DEVICE,
+        (Residency.NEW, ResidencyEvent.COMMIT_PREFETCH): Residency.HOST,
+        (Residency.DEVICE, ResidencyEvent.WRITE_START): Residency.WRITING,
+        (Residency.WRITING, ResidencyEvent.WRITE_ACK): Residency.BOTH,
+        (Residency.BOTH, ResidencyEvent.DEMOTE): Residency.HOST,
+        (Residency.DEVICE, ResidencyEvent.STAGE): Residency.HOST,
+        (Residency.HOST, ResidencyEvent.REVIVE): Residency.BOTH,
+        (Residency.HOST, ResidencyEvent.LOAD_START): Residency.LOADING,
+        (Residency.LOADING, ResidencyEvent.LOAD_ACK): Residency.BOTH,
+        (Residency.DEVICE, ResidencyEvent.DELETE): Residency.GONE,
+        (Residency.HOST, ResidencyEvent.DELETE): Residency.GONE,
+    },
+    final={Residency.GONE},
+)
+
+
+class EntryState(enum.Enum):
+    """One embedding entry of the multimodal cache (SPEC §6)."""
+
+    FREE = "free"
+    FILLING = "filling"  # slot handed out, local bytes being written
+    LOADING = "loading"  # slot handed out, a GET from the store is writing it (pinned)
+    READY = "ready"  # complete: may be read or pushed
+    PUSHING = "pushing"  # its address is with the store (pinned until the store acks)
+
+
+class EntryEvent(enum.Enum):
+    FILL = "fill"
+    FILLED = "filled"
+    FILL_FAILED = "fill_failed"
+    LOAD = "load"
+    LOADED = "loaded"
+    LOAD_FAILED = "load_failed"
+    PUSH = "push"
+    PUSH_ACK = "push_ack"
+    PUSH_FAILED = "push_failed"
+    EVICT = "evict"
+
+
+EMBEDDING_ENTRY: Lifecycle[EntryState, EntryEvent] = Lifecycle(
+    name="embedding entry",
+    initial=EntryState.FREE,
+    table={
+        (EntryState.FREE, EntryEvent.FILL): EntryState.FILLING,
+        (EntryState.FILLING, EntryEvent.FILLED): EntryState.READY,
+        (EntryState.FILLING, EntryEvent.FILL_FAILED): EntryState.FREE,
+        (EntryState.FREE, EntryEvent.LOAD): EntryState.LOADING,
+        (EntryState.LOADING, EntryEvent.LOADED): EntryState.READY,
+        (EntryState.LOADING, EntryEvent.LOAD_FAILED): EntryState.FREE,
+        (EntryState.READY, EntryEvent.PUSH): EntryState.PUSHING,
+        (EntryState.PUSHING, EntryEvent.PUSH_ACK): EntryState.READY,
+        (EntryState.PUSHING, EntryEvent.PUSH_FAILED): EntryState.READY,
+        (EntryState.READY, EntryEvent.EVICT): EntryState.FREE,
+    },
+)
+
+ALL_LIFECYCLES: tuple[Lifecycle, ...] = (  # type: ignore[type-arg]
+    WRITE_OP,
+    LOAD_OP,
+    BACKUP_OP,
+    PREFETCH_OP,
+    PAGE_RESIDENCY,
+    EMBEDDING_ENTRY,
+)
