@@ -70,6 +70,8 @@ class BackupEvent(enum.Enum):
     START = "start"
     ACK = "ack"
     FAIL = "fail"  # the batch failed: puts aborted, op queued again (retried, never dropped)
+    RETRY = "retry"  # acked, but some pages are not visible (another writer's put of the same key
+    # was in flight and did not complete): those pages are queued again
 
 
 BACKUP_OP: Lifecycle[BackupState, BackupEvent] = Lifecycle(
@@ -79,6 +81,7 @@ BACKUP_OP: Lifecycle[BackupState, BackupEvent] = Lifecycle(
         (BackupState.QUEUED, BackupEvent.START): BackupState.IN_FLIGHT,
         (BackupState.IN_FLIGHT, BackupEvent.ACK): BackupState.DONE,
         (BackupState.IN_FLIGHT, BackupEvent.FAIL): BackupState.QUEUED,
+        (BackupState.IN_FLIGHT, BackupEvent.RETRY): BackupState.QUEUED,
     },
     final={BackupState.DONE},
 )

@@ -23,6 +23,7 @@ settings.register_profile(
     derandomize=True,
     database=None,
     max_examples=150,
+    phases=[Phase.explicit, Phase.reuse, Phase.generate, Phase.target, Phase.shrink],
     suppress_health_check=[HealthCheck.too_slow],
     **_COMMON,
 )

@@ -1,0 +1,904 @@
+"""The hierarchical cache model: radix tree + L1/L2 slot pools + write-through, load-back, backup and
+prefetch queues + the L3 store (SPEC §3, §4, §7).
+
+Theory of operation
+-------------------
+* Residency is kept **per page** (keyed by its page hash, which names the whole prefix and namespace),
+  never per node. Nodes only group pages. Every operation captures the exact pages it covers when it is
+  enqueued; a split regroups pages and so cannot change what a pending operation covers (I4, the
+  "lost split" bug).
+* Slots hold content identities (:mod:`kvstrata.model.slots`): the content of a KV page is its page hash,
+  the content of a store object is ``(page hash, component)``. Every copy reads its source and every read
+  is checked, so a stale or freed slot shows up as a wrong identity or an I5/I7 violation at once.
+* Every public method validates its arguments first and raises a typed error with nothing changed, then
+  advances lifecycles only through the tables of :mod:`kvstrata.model.lifecycles`, then (if
+  ``config.check``) runs every invariant of :mod:`kvstrata.model.invariants`.
+* ``clock`` is the step counter: it advances once per public operation and orders LRU and timeouts.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import deque
+from collections.abc import Hashable, Sequence
+
+import attrs
+
+from kvstrata.model.errors import MisuseError
+from kvstrata.model.keys import (
+    DEFAULT_NAMESPACE,
+    KeySpace,
+    Namespace,
+    PageHash,
+    StoreKey,
+    chain_page_hashes,
+)
+from kvstrata.model.lifecycles import (
+    BACKUP_OP,
+    LOAD_OP,
+    PAGE_RESIDENCY,
+    PREFETCH_OP,
+    WRITE_OP,
+    BackupEvent,
+    BackupState,
+    OpEvent,
+    OpState,
+    PrefetchEvent,
+    PrefetchState,
+    Residency,
+    ResidencyEvent,
+)
+from kvstrata.model.prefetch import PrefetchOp, PrefetchPolicy, PrefetchTimeout
+from kvstrata.model.slots import SlotPool
+from kvstrata.model.store import StoreModel
+from kvstrata.model.tree import Node, RadixTree
+
+__all__ = [
+    "BackupOp",
+    "CacheConfig",
+    "CacheModel",
+    "CopyOp",
+    "InsertResult",
+    "MatchResult",
+    "PageInfo",
+    "WritePolicy",
+]
+
+DEVICE_VALID = frozenset({Residency.DEVICE, Residency.WRITING, Residency.BOTH})
+DEVICE_CLAIMED = DEVICE_VALID | {Residency.LOADING}
+HOST_VALID = frozenset({Residency.BOTH, Residency.HOST, Residency.LOADING})
+HOST_CLAIMED = HOST_VALID | {Residency.WRITING}
+
+
+class WritePolicy(enum.Enum):
+    WRITE_THROUGH = "write_through"
+    WRITE_THROUGH_SELECTIVE = "write_through_selective"
+    WRITE_BACK = "write_back"
+
+
+def _positive(_instance: object, attribute: attrs.Attribute[int], value: int) -> None:
+    if not isinstance(value, int) or value <= 0:
+        raise MisuseError(f"{attribute.name} must be a positive int, got {value!r}")
+
+
+def _non_negative(_instance: object, attribute: attrs.Attribute[int], value: int) -> None:
+    if not isinstance(value, int) or value < 0:
+        raise MisuseError(f"{attribute.name} must be an int >= 0, got {value!r}")
+
+
+@attrs.frozen
+class CacheConfig:
+    """Sizes in pages, thresholds in tokens. ``host_pages == 0`` means no L2 (and so no L3);
+    ``keys is None`` means no L3."""
+
+    page_size: int = attrs.field(validator=_positive)
+    device_pages: int = attrs.field(validator=_positive)
+    host_pages: int = attrs.field(default=0, validator=_non_negative)
+    write_policy: WritePolicy = attrs.field(
+        default=WritePolicy.WRITE_THROUGH, validator=attrs.validators.instance_of(WritePolicy)
+    )
+    write_through_threshold: int = attrs.field(default=2, validator=_positive)
+    load_back_threshold: int = attrs.field(default=0, validator=_non_negative)
+    load_back_quota: int | None = None
+    prefetch_threshold: int = attrs.field(default=256, validator=_non_negative)
+    prefetch_policy: PrefetchPolicy = attrs.field(
+        default=PrefetchPolicy.BEST_EFFORT, validator=attrs.validators.instance_of(PrefetchPolicy)
+    )
+    prefetch_timeout: PrefetchTimeout = PrefetchTimeout()
+    keys: KeySpace | None = None
+    check: bool = True
+
+    def __attrs_post_init__(self) -> None:
+        if self.keys is not None and self.keys.model.page_size != self.page_size:
+            raise MisuseError("the key space's page size differs from the cache's page size")
+        if self.load_back_quota is not None and self.load_back_quota <= 0:
+            raise MisuseError(f"load_back_quota must be > 0 or None, got {self.load_back_quota}")
+
+
+@attrs.define
+class PageInfo:
+    """Where one page's bytes are. ``host_pins`` counts backup ops still reading the host copy."""
+
+    residency: Residency
+    device_slot: int | None = None
+    host_slot: int | None = None
+    host_pins: int = 0
+
+
+@attrs.define
+class CopyOp:
+    """A device<->host copy (write-through or load-back): the pages it covers are fixed at enqueue."""
+
+    op_id: int
+    node_id: int  # the node it locks while in flight; never used to find the pages it covers
+    pages: tuple[PageHash, ...]
+    state: OpState = OpState.PENDING
+
+
+@attrs.define
+class BackupOp:
+    """An L2 -> L3 write of whole pages; host copies are pinned until it is done."""
+
+    op_id: int
+    namespace: Namespace
+    pages: tuple[PageHash, ...]
+    state: BackupState = BackupState.QUEUED
+    begun: tuple[StoreKey, ...] = ()
+    attempts: int = 0
+
+
+@attrs.frozen
+class MatchResult:
+    """What ``match`` reports: the L1 prefix, then the L2-only continuation (SPEC §3)."""
+
+    device_pages: int
+    host_pages: int
+    device_node: int  # deepest node of the L1 prefix (a root if none)
+    host_node: int  # deepest node of the L2 continuation (== device_node if none)
+    device_slots: tuple[int, ...]
+
+
+@attrs.frozen
+class InsertResult:
+    node_id: int  # deepest node covering what was inserted (a root if nothing)
+    inserted_pages: int  # pages now valid on L1 because of this insert (new + revived)
+    new_pages: int
+    truncated_pages: int  # pages left out for lack of L1 room (a smaller cache, not an error)
+
+
+def _check_tokens(tokens: object) -> tuple[int, ...]:
+    if isinstance(tokens, str | bytes) or not isinstance(tokens, Sequence):
+        raise MisuseError(f"tokens must be a sequence of ints, got {type(tokens).__name__}")
+    out = tuple(tokens)
+    for token in out:
+        if not isinstance(token, int) or isinstance(token, bool) or not 0 <= token < 2**32:
+            raise MisuseError(f"token ids must be ints in [0, 2**32), got {token!r}")
+    return out
+
+
+@attrs.define
+class CacheModel:
+    config: CacheConfig
+    store: StoreModel = attrs.field(factory=StoreModel)
+    tree: RadixTree = attrs.field(init=False)
+    device: SlotPool = attrs.field(init=False)
+    host: SlotPool = attrs.field(init=False)
+    page_info: dict[PageHash, PageInfo] = attrs.field(init=False, factory=dict)
+    write_ops: deque[CopyOp] = attrs.field(init=False, factory=deque)
+    load_ops: deque[CopyOp] = attrs.field(init=False, factory=deque)
+    backup_ops: list[BackupOp] = attrs.field(init=False, factory=list)
+    prefetch_ops: dict[int, PrefetchOp] = attrs.field(init=False, factory=dict)
+    evictable_pages: int = attrs.field(init=False, default=0)
+    protected_pages: int = attrs.field(init=False, default=0)
+    clock: int = attrs.field(init=False, default=0)
+    _next_op: int = attrs.field(init=False, default=0)
+
+    def __attrs_post_init__(self) -> None:
+        self.tree = RadixTree(self.config.page_size)
+        self.device = SlotPool("L1", self.config.device_pages)
+        self.host = SlotPool("L2", self.config.host_pages)
+
+    # ----------------------------------------------------------------- helpers
+    @property
+    def page_size(self) -> int:
+        return self.config.page_size
+
+    @property
+    def has_l3(self) -> bool:
+        return self.config.keys is not None and self.config.host_pages > 0
+
+    def _op_id(self) -> int:
+        self._next_op += 1
+        return self._next_op
+
+    def _tick(self) -> None:
+        self.clock += 1
+
+    def _finish(self) -> None:
+        if self.config.check:
+            from kvstrata.model.invariants import check_cache
+
+            check_cache(self)
+
+    def residency_of(self, node: Node) -> Residency | None:
+        """The residency shared by every page of ``node`` (``None`` for a root)."""
+        if node.is_root:
+            return None
+        return self.page_info[node.pages[0]].residency
+
+    def _advance(self, node: Node, event: ResidencyEvent) -> None:
+        for page in node.pages:
+            self._advance_page(page, event)
+
+    def _advance_page(self, page: PageHash, event: ResidencyEvent) -> None:
+        info = self.page_info[page]
+        info.residency = PAGE_RESIDENCY.next(info.residency, event)
+
+    def _host_claimed_or_root(self, node: Node) -> bool:
+        return node.is_root or self.residency_of(node) in HOST_CLAIMED
+
+    def _page_keys(self, namespace: Namespace, page: PageHash) -> tuple[StoreKey, ...]:
+        assert self.config.keys is not None
+        return self.config.keys.page_keys(namespace, page)
+
+    @staticmethod
+    def _content(page: PageHash) -> Hashable:
+        """The bytes of a KV page, as an identity: the page hash names its prefix exactly."""
+        return page
+
+    def _lock(self, node: Node, delta: int) -> None:
+        for crossed in self.tree.add_lock(node, delta):
+            device = len(crossed.pages) if self.residency_of(crossed) in DEVICE_VALID else 0
+            if crossed.lock_ref:  # became protected
+                self.evictable_pages -= device
+                self.protected_pages += device
+            else:
+                self.evictable_pages += device
+                self.protected_pages -= device
+
+    def _count_device(self, node: Node, sign: int) -> None:
+        """``node``'s pages start (+1) or stop (-1) being device-valid."""
+        if node.lock_ref:
+            self.protected_pages += sign * len(node.pages)
+        else:
+            self.evictable_pages += sign * len(node.pages)
+
+    # ----------------------------------------------------------------- queries
+    def residency(self, tokens: Sequence[int], namespace: Namespace = DEFAULT_NAMESPACE) -> tuple[
+        Residency, ...
+    ]:
+        """Residency of each full page of ``tokens`` present in the tree (no split, no LRU touch)."""
+        tokens = _check_tokens(tokens)
+        walk = self.tree.walk(tokens, namespace, split=False)
+        out: list[Residency] = []
+        for node in walk.path:
+            out.extend(self.page_info[page].residency for page in node.pages)
+        return tuple(out)
+
+    def device_content(self, slots: Sequence[int]) -> tuple[Hashable, ...]:
+        return tuple(self.device.read(slot) for slot in slots)
+
+    def host_content(self, slots: Sequence[int]) -> tuple[Hashable, ...]:
+        return tuple(self.host.read(slot) for slot in slots)
+
+    def l3_exists(self, tokens: Sequence[int], namespace: Namespace = DEFAULT_NAMESPACE) -> int:
+        """How many leading full pages of ``tokens`` the store holds completely (0 without L3)."""
+        tokens = _check_tokens(tokens)
+        if not self.has_l3:
+            return 0
+        pages = chain_page_hashes(tokens, self.page_size, namespace)
+        return self.store.exists_pages(self._page_keys(namespace, page) for page in pages)
+
+    # ----------------------------------------------------------------- match
+    def match(self, tokens: Sequence[int], namespace: Namespace = DEFAULT_NAMESPACE) -> MatchResult:
+        """Longest cached page-aligned prefix; splits a node the match ends inside."""
+        tokens = _check_tokens(tokens)
+        self._tick()
+        walk = self.tree.walk(tokens, namespace, split=True)
+        device_pages = host_pages = 0
+        device_node = host_node = walk.root
+        slots: list[int] = []
+        in_device = True
+        for node in walk.path:
+            node.last_access = self.clock
+            node.hits += 1
+            state = self.residency_of(node)
+            if in_device and state in DEVICE_VALID:
+                device_pages += len(node.pages)
+                device_node = host_node = node
+                slots.extend(self._device_slot(page) for page in node.pages)
+                continue
+            in_device = False
+            if state not in HOST_VALID:
+                break
+            host_pages += len(node.pages)
+            host_node = node
+        if self.config.write_policy is WritePolicy.WRITE_THROUGH_SELECTIVE:
+            for node in walk.path:
+                if (
+                    node.hits >= self.config.write_through_threshold
+                    and self.residency_of(node) is Residency.DEVICE
+                ):
+                    self._write_through_chain(node)
+        self._finish()
+        return MatchResult(
+            device_pages, host_pages, device_node.node_id, host_node.node_id, tuple(slots)
+        )
+
+    def _device_slot(self, page: PageHash) -> int:
+        slot = self.page_info[page].device_slot
+        assert slot is not None
+        return slot
+
+    # ----------------------------------------------------------------- insert
+    def insert(self, tokens: Sequence[int], namespace: Namespace = DEFAULT_NAMESPACE) -> InsertResult:
+        """Insert freshly computed KV for ``tokens`` (whole pages). Pages already cached on L1 are
+        kept; host-only pages are revived on L1; new pages form a new leaf. If L1 has no room even
+        after eviction, the tail that does not fit is left out (``truncated_pages``)."""
+        tokens = _check_tokens(tokens)
+        self._tick()
+        total = len(tokens) // self.page_size
+        walk = self.tree.walk(tokens, namespace, split=True)
+        last = walk.last
+        self._lock(last, +1)  # keep the path out of the eviction below
+        revive = [n for n in walk.path if self.residency_of(n) is Residency.HOST]
+        new_pages = total - walk.matched_pages
+        needed = sum(len(n.pages) for n in revive) + new_pages
+        if needed > self.device.free_count:
+            self._evict_device(needed - self.device.free_count)
+        room = self.device.free_count
+        inserted = 0
+        for node in walk.path:
+            node.last_access = self.clock
+            node.hits += 1
+        for node in revive:  # top-down: stop at the first that does not fit (L1 stays anchored)
+            if len(node.pages) > room:
+                room = 0
+                break
+            self._revive(node)
+            room -= len(node.pages)
+            inserted += len(node.pages)
+        fits = (
+            min(new_pages, room) if all(self.residency_of(n) in DEVICE_CLAIMED for n in walk.path)
+            else 0
+        )
+        deepest = last
+        if fits:
+            start = walk.matched_pages
+            leaf_tokens = tokens[start * self.page_size : (start + fits) * self.page_size]
+            parent_hash = last.last_page
+            pages = chain_page_hashes(leaf_tokens, self.page_size, namespace, parent_hash)
+            slots = self.device.alloc(fits)
+            leaf = self.tree.add_leaf(last, leaf_tokens, pages, self.clock)
+            for page, slot in zip(pages, slots, strict=True):
+                self.page_info[page] = PageInfo(Residency.NEW, device_slot=slot)
+                self._advance_page(page, ResidencyEvent.INSERT)
+                self.device.write(slot, self._content(page))
+            self._count_device(leaf, +1)
+            inserted += fits
+            deepest = leaf
+            if self.config.write_policy is WritePolicy.WRITE_THROUGH:
+                self._write_through_chain(leaf)
+        self._lock(last, -1)
+        self._finish()
+        return InsertResult(deepest.node_id, inserted, fits, new_pages - fits)
+
+    def _revive(self, node: Node) -> None:
+        slots = self.device.alloc(len(node.pages))
+        for page, slot in zip(node.pages, slots, strict=True):
+            info = self.page_info[page]
+            info.device_slot = slot
+            self.device.write(slot, self._content(page))
+            self._advance_page(page, ResidencyEvent.REVIVE)
+        self._count_device(node, +1)
+
+    # ----------------------------------------------------------------- write-through
+    def _write_through_chain(self, node: Node) -> None:
+        """Write ``node`` and its ancestors that have no host copy yet, top-down, as far as L2 room
+        allows (host copies stay root-anchored: I3; FIFO acks keep it so while in flight)."""
+        if self.config.host_pages == 0:
+            return
+        chain = [n for n in self.tree.ancestors(node) if self.residency_of(n) is Residency.DEVICE]
+        for current in reversed(chain):
+            parent = self.tree.parent(current)
+            assert parent is not None
+            if not self._host_claimed_or_root(parent):
+                return
+            if not self._alloc_host_for(current):
+                return
+            self._lock(current, +1)
+            self._advance(current, ResidencyEvent.WRITE_START)
+            self.write_ops.append(CopyOp(self._op_id(), current.node_id, current.pages))
+
+    def _alloc_host_for(self, node: Node) -> bool:
+        """Give every page of ``node`` a host slot (evicting L2 if needed); False if impossible."""
+        needed = len(node.pages)
+        if needed > self.host.free_count:
+            self.tree.add_lock(node, +1)
+            self._evict_host(needed - self.host.free_count)
+            self.tree.add_lock(node, -1)
+        if needed > self.host.free_count:
+            return False
+        for page, slot in zip(node.pages, self.host.alloc(needed), strict=True):
+            self.page_info[page].host_slot = slot
+        return True
+
+    def ack_write(self) -> int:
+        """The oldest pending write-through completes (acks are FIFO). Returns its page count."""
+        if not self.write_ops:
+            raise MisuseError("no write-through is pending")
+        op = self.write_ops[0]
+        state = WRITE_OP.next(op.state, OpEvent.ACK)
+        self._tick()
+        self.write_ops.popleft()
+        op.state = state
+        for page in op.pages:
+            info = self.page_info[page]
+            assert info.device_slot is not None and info.host_slot is not None
+            self.host.write(info.host_slot, self.device.read(info.device_slot))
+            self._advance_page(page, ResidencyEvent.WRITE_ACK)
+        self._lock(self.tree.node(op.node_id), -1)
+        node = self.tree.node(op.node_id)
+        if self.has_l3:
+            self._enqueue_backup(node.namespace, op.pages)
+        self._finish()
+        return len(op.pages)
+
+    # ----------------------------------------------------------------- backup (L2 -> L3)
+    def _enqueue_backup(self, namespace: Namespace, pages: tuple[PageHash, ...]) -> None:
+        for page in pages:
+            self.page_info[page].host_pins += 1
+        self.backup_ops.append(BackupOp(self._op_id(), namespace, pages))
+
+    def _backup_op(self, state: BackupState) -> BackupOp:
+        for op in self.backup_ops:
+            if op.state is state:
+                return op
+        raise MisuseError(f"no backup op is {state.value}")
+
+    def start_backup(self) -> int:
+        """The store worker starts the oldest queued backup: exists-then-put-missing, puts begun."""
+        op = self._backup_op(BackupState.QUEUED)
+        state = BACKUP_OP.next(op.state, BackupEvent.START)
+        self._tick()
+        begun: list[StoreKey] = []
+        for page in op.pages:
+            for key in self._page_keys(op.namespace, page):
+                if self.store.begin_put(key):
+                    begun.append(key)
+        op.begun = tuple(begun)
+        op.attempts += 1
+        op.state = state
+        self._finish()
+        return op.op_id
+
+    def ack_backup(self) -> int:
+        """The oldest in-flight backup completes: its objects become visible, host pins drop.
+
+        A key this op did not write (``begin_put`` said another writer had it) may still be
+        invisible if that writer has not finished or failed; such pages are queued again rather
+        than reported as backed up (I2, I4). Returns the number of pages now durable in L3."""
+        op = self._backup_op(BackupState.IN_FLIGHT)
+        keys = self.config.keys
+        assert keys is not None
+        begun = set(op.begun)
+        visible_after = [
+            all(key in begun or self.store.contains(key) for key in self._page_keys(op.namespace, p))
+            for p in op.pages
+        ]
+        event = BackupEvent.ACK if all(visible_after) else BackupEvent.RETRY
+        state = BACKUP_OP.next(op.state, event)
+        self._tick()
+        for page in op.pages:
+            info = self.page_info[page]
+            assert info.host_slot is not None
+            content = self.host.read(info.host_slot)
+            for component, key in zip(
+                keys.model.components, self._page_keys(op.namespace, page), strict=True
+            ):
+                if key in begun:
+                    self.store.end_put(key, (content, component))
+        done = [page for page, ok in zip(op.pages, visible_after, strict=True) if ok]
+        for page in done:
+            self.page_info[page].host_pins -= 1
+        op.state = state
+        op.begun = ()
+        self.backup_ops.remove(op)
+        if state is BackupState.QUEUED:
+            op.pages = tuple(p for p, ok in zip(op.pages, visible_after, strict=True) if not ok)
+            self.backup_ops.append(op)
+        self._finish()
+        return len(done)
+
+    def fail_backup(self) -> int:
+        """The oldest in-flight backup fails: its puts are aborted and it is queued again (retried
+        later, never dropped; host pages stay pinned)."""
+        op = self._backup_op(BackupState.IN_FLIGHT)
+        state = BACKUP_OP.next(op.state, BackupEvent.FAIL)
+        self._tick()
+        for key in op.begun:
+            self.store.abort_put(key)
+        op.begun = ()
+        op.state = state
+        self.backup_ops.remove(op)
+        self.backup_ops.append(op)
+        self._finish()
+        return len(op.pages)
+
+    def store_evict(self, key: StoreKey) -> bool:
+        """The store drops one object on its own (eviction, owner gone)."""
+        self._tick()
+        dropped = self.store.evict(key)
+        self._finish()
+        return dropped
+
+    # ----------------------------------------------------------------- locks
+    def lock(self, node_id: int) -> None:
+        node = self.tree.node(node_id)
+        if node.is_root:
+            raise MisuseError("the root cannot be locked")
+        self._tick()
+        self._lock(node, +1)
+        self._finish()
+
+    def unlock(self, node_id: int) -> None:
+        node = self.tree.node(node_id)
+        external = node.pins - self._op_pins(node)
+        if node.is_root or external <= 0:
+            raise MisuseError(f"node {node_id} is not locked by the caller")
+        self._tick()
+        self._lock(node, -1)
+        self._finish()
+
+    def _op_pins(self, node: Node) -> int:
+        """Locks held on ``node`` by in-flight operations (not by the caller)."""
+        ops = [*self.write_ops, *self.load_ops]
+        held = sum(1 for op in ops if op.node_id == node.node_id)
+        held += sum(
+            1
+            for op in self.prefetch_ops.values()
+            if op.anchor_id == node.node_id
+            and op.state in (PrefetchState.LOADING, PrefetchState.COMPLETE)
+        )
+        return held
+
+    # ----------------------------------------------------------------- eviction
+    def evict_device(self, pages: int) -> int:
+        """Free at least ``pages`` L1 pages if possible (LRU over unlocked L1 leaves)."""
+        if not isinstance(pages, int) or pages < 0:
+            raise MisuseError(f"pages must be an int >= 0, got {pages!r}")
+        self._tick()
+        freed = self._evict_device(pages)
+        self._finish()
+        return freed
+
+    def _device_leaves(self) -> list[Node]:
+        out = []
+        for node in self.tree.non_root_nodes():
+            if node.lock_ref or self.residency_of(node) not in DEVICE_VALID:
+                continue
+            children = (self.tree.nodes[c] for c in node.children.values())
+            if any(self.residency_of(child) in DEVICE_CLAIMED for child in children):
+                continue
+            out.append(node)
+        return sorted(out, key=lambda n: (n.last_access, n.node_id))
+
+    def _evict_device(self, pages: int) -> int:
+        freed = 0
+        while freed < pages:
+            leaves = self._device_leaves()
+            if not leaves:
+                break
+            node = leaves[0]
+            freed += len(node.pages)
+            slots = [self._device_slot(page) for page in node.pages]
+            self._count_device(node, -1)
+            state = self.residency_of(node)
+            if state is Residency.BOTH:
+                self._advance(node, ResidencyEvent.DEMOTE)
+            elif self.config.write_policy is WritePolicy.WRITE_BACK and self._stage(node):
+                pass
+            else:
+                self._advance(node, ResidencyEvent.DELETE)
+                self._forget(node)
+            for page in node.pages:
+                if page in self.page_info:
+                    self.page_info[page].device_slot = None
+            self.device.free(slots)
+        return freed
+
+    def _stage(self, node: Node) -> bool:
+        """write_back: copy an evicted L1-only node to L2 (blocking) if it keeps I3 and fits."""
+        parent = self.tree.parent(node)
+        if parent is None or not self._host_claimed_or_root(parent) or self.config.host_pages == 0:
+            return False
+        if not self._alloc_host_for(node):
+            return False
+        for page in node.pages:
+            info = self.page_info[page]
+            assert info.device_slot is not None and info.host_slot is not None
+            self.host.write(info.host_slot, self.device.read(info.device_slot))
+        self._advance(node, ResidencyEvent.STAGE)
+        if self.has_l3:
+            self._enqueue_backup(node.namespace, node.pages)
+        return True
+
+    def _forget(self, node: Node) -> None:
+        for page in node.pages:
+            del self.page_info[page]
+        self.tree.remove_leaf(node)
+
+    def evict_host(self, pages: int) -> int:
+        """Free at least ``pages`` L2 pages if possible (LRU over unpinned host-only leaves)."""
+        if not isinstance(pages, int) or pages < 0:
+            raise MisuseError(f"pages must be an int >= 0, got {pages!r}")
+        self._tick()
+        freed = self._evict_host(pages)
+        self._finish()
+        return freed
+
+    def _host_leaves(self) -> list[Node]:
+        out = [
+            node
+            for node in self.tree.non_root_nodes()
+            if not node.children
+            and not node.lock_ref
+            and self.residency_of(node) is Residency.HOST
+            and all(self.page_info[page].host_pins == 0 for page in node.pages)
+        ]
+        return sorted(out, key=lambda n: (n.last_access, n.node_id))
+
+    def _evict_host(self, pages: int) -> int:
+        freed = 0
+        while freed < pages:
+            leaves = self._host_leaves()
+            if not leaves:
+                break
+            node = leaves[0]
+            slots = [self.page_info[page].host_slot for page in node.pages]
+            self._advance(node, ResidencyEvent.DELETE)
+            self._forget(node)
+            self.host.free(slot for slot in slots if slot is not None)
+            freed += len(slots)
+        return freed
+
+    # ----------------------------------------------------------------- load-back (L2 -> L1)
+    def load_back(self, node_id: int) -> int | None:
+        """Start loading the host-only chain that ends at ``node_id`` back to L1, all or nothing.
+        Returns the op id, or ``None`` if skipped (below the threshold, over the quota, no room)."""
+        node = self.tree.node(node_id)
+        self._tick()
+        chain: list[Node] = []
+        for current in self.tree.ancestors(node):
+            if self.residency_of(current) is not Residency.HOST:
+                break
+            chain.append(current)
+        chain.reverse()
+        pages = sum(len(n.pages) for n in chain)
+        quota = self.config.load_back_quota
+        if (
+            not chain
+            or pages * self.page_size < self.config.load_back_threshold
+            or (quota is not None and pages > quota)
+        ):
+            self._finish()
+            return None
+        self._lock(node, +1)
+        if pages > self.device.free_count:
+            self._evict_device(pages - self.device.free_count)
+        if pages > self.device.free_count:
+            self._lock(node, -1)
+            self._finish()
+            return None
+        for current in chain:
+            slots = self.device.alloc(len(current.pages))
+            for page, slot in zip(current.pages, slots, strict=True):
+                self.page_info[page].device_slot = slot
+            self._advance(current, ResidencyEvent.LOAD_START)
+        covered = tuple(page for current in chain for page in current.pages)
+        op = CopyOp(self._op_id(), node.node_id, covered)
+        self.load_ops.append(op)
+        self._finish()
+        return op.op_id
+
+    def ack_load(self) -> int:
+        """The oldest pending load-back completes (FIFO); its nodes become L1-valid and unpinned."""
+        if not self.load_ops:
+            raise MisuseError("no load-back is pending")
+        op = self.load_ops[0]
+        state = LOAD_OP.next(op.state, OpEvent.ACK)
+        self._tick()
+        self.load_ops.popleft()
+        op.state = state
+        node = self.tree.node(op.node_id)
+        for page in op.pages:
+            info = self.page_info[page]
+            assert info.device_slot is not None and info.host_slot is not None
+            self.device.write(info.device_slot, self.host.read(info.host_slot))
+            self._advance_page(page, ResidencyEvent.LOAD_ACK)
+        for current in self.tree.ancestors(node):
+            if current.pages[0] in op.pages:
+                self._count_device(current, +1)
+        self._lock(node, -1)
+        self._finish()
+        return len(op.pages)
+
+    # ----------------------------------------------------------------- prefetch (L3 -> L2)
+    def prefetch_reserved(self) -> int:
+        return sum(len(op.held_slots) for op in self.prefetch_ops.values())
+
+    def prefetch(self, tokens: Sequence[int], namespace: Namespace = DEFAULT_NAMESPACE) -> int | None:
+        """Start reading from L3 what follows the local match of ``tokens``. Returns the op id, or
+        ``None`` when there is nothing worth fetching or no room (rate limit: half of L2)."""
+        tokens = _check_tokens(tokens)
+        self._tick()
+        op = self._start_prefetch(tokens, namespace)
+        self._finish()
+        return None if op is None else op.op_id
+
+    def _start_prefetch(self, tokens: tuple[int, ...], namespace: Namespace) -> PrefetchOp | None:
+        if not self.has_l3:
+            return None
+        walk = self.tree.walk(tokens, namespace, split=True)
+        anchor = walk.last
+        if not self._host_claimed_or_root(anchor):
+            return None
+        start = walk.matched_pages
+        rest = tokens[start * self.page_size :]
+        remaining = len(rest) // self.page_size
+        if remaining == 0 or remaining * self.page_size < self.config.prefetch_threshold:
+            return None
+        pages = chain_page_hashes(rest, self.page_size, namespace, anchor.last_page)
+        hit = self.store.exists_pages(self._page_keys(namespace, page) for page in pages)
+        if hit == 0 or self.prefetch_reserved() + hit > self.config.host_pages // 2:
+            return None
+        if hit > self.host.free_count:
+            self.tree.add_lock(anchor, +1)
+            self._evict_host(hit - self.host.free_count)
+            self.tree.add_lock(anchor, -1)
+        if hit > self.host.free_count:
+            return None
+        slots = self.host.alloc(hit)
+        if not anchor.is_root:
+            self._lock(anchor, +1)
+        op = PrefetchOp(
+            op_id=self._op_id(),
+            namespace=namespace,
+            anchor_id=anchor.node_id,
+            prefix_tokens=tokens[: start * self.page_size],
+            page_tokens=tuple(self.tree.page_tokens(rest, i) for i in range(hit)),
+            pages=pages[:hit],
+            host_slots=slots,
+            started=self.clock,
+        )
+        self.prefetch_ops[op.op_id] = op
+        return op
+
+    def _prefetch_op(self, op_id: int) -> PrefetchOp:
+        op = self.prefetch_ops.get(op_id)
+        if op is None:
+            raise MisuseError(f"no prefetch op {op_id}")
+        return op
+
+    def prefetch_arrive(self, op_id: int, pages: int = 1) -> int:
+        """Up to ``pages`` more pages of op ``op_id`` are read from the store, in order. A page whose
+        objects are not all in the store any more ends the op there (the rest is a miss)."""
+        op = self._prefetch_op(op_id)
+        PREFETCH_OP.next(op.state, PrefetchEvent.ARRIVE)
+        if pages <= 0:
+            raise MisuseError(f"pages must be > 0, got {pages}")
+        self._tick()
+        for _ in range(pages):
+            if op.arrived >= op.limit:
+                break
+            index = op.arrived
+            page = op.pages[index]
+            keys = self._page_keys(op.namespace, page)
+            contents = [self.store.get(key) for key in keys]
+            if any(content is None for content in contents):
+                op.limit = index
+                break
+            first = contents[0]
+            assert isinstance(first, tuple)
+            self.host.write(op.host_slots[index], first[0])
+            op.arrived += 1
+        if op.arrived >= op.limit:
+            op.state = PREFETCH_OP.next(op.state, PrefetchEvent.COMPLETE)
+        self._finish()
+        return op.arrived
+
+    def prefetch_ready(self, op_id: int) -> bool:
+        """Whether the scheduler stops waiting for ``op_id`` now, under the configured policy."""
+        op = self._prefetch_op(op_id)
+        if op.state is not PrefetchState.LOADING:
+            return True
+        policy = self.config.prefetch_policy
+        if policy is PrefetchPolicy.BEST_EFFORT:
+            return True
+        if policy is PrefetchPolicy.WAIT_COMPLETE:
+            return False
+        tokens = len(op.pages) * self.page_size
+        return self.clock - op.started >= self.config.prefetch_timeout.limit(tokens)
+
+    def tick(self, steps: int = 1) -> None:
+        """Let ``steps`` steps of time pass (for timeouts)."""
+        if steps < 0:
+            raise MisuseError("time does not run backwards")
+        self.clock += steps
+
+    def prefetch_commit(self, op_id: int) -> int:
+        """Insert the pages that arrived as host-only nodes; returns how many were added. Slots of
+        pages still in flight stay reserved until :meth:`prefetch_drain`."""
+        op = self._prefetch_op(op_id)
+        state = PREFETCH_OP.next(op.state, PrefetchEvent.COMMIT)
+        self._tick()
+        anchor = self.tree.node(op.anchor_id)
+        if not anchor.is_root:
+            self._lock(anchor, -1)
+        added = self._commit_pages(op)
+        op.released = op.arrived
+        op.state = state
+        self._settle(op)
+        self._finish()
+        return added
+
+    def _commit_pages(self, op: PrefetchOp) -> int:
+        """Attach the arrived pages under the node the prefix ends at. Pages that are already in the
+        tree give their slot back; the rest become one host-only leaf if its parent has a host copy
+        (I3), else they are given back too."""
+        arrived = op.arrived
+        tokens = op.prefix_tokens + tuple(t for page in op.page_tokens[:arrived] for t in page)
+        walk = self.tree.walk(tokens, op.namespace, split=True)
+        have = min(arrived, walk.matched_pages - len(op.prefix_tokens) // self.page_size)
+        spare = list(op.host_slots[:have])
+        added = 0
+        if have < arrived and self._host_claimed_or_root(walk.last):
+            pages = op.pages[have:arrived]
+            leaf_tokens = tokens[len(op.prefix_tokens) + have * self.page_size :]
+            self.tree.add_leaf(walk.last, leaf_tokens, pages, self.clock)
+            for page, slot in zip(pages, op.host_slots[have:arrived], strict=True):
+                self.page_info[page] = PageInfo(Residency.NEW, host_slot=slot)
+                self._advance_page(page, ResidencyEvent.COMMIT_PREFETCH)
+            added = len(pages)
+        else:
+            spare.extend(op.host_slots[have:arrived])
+        self.host.free(spare)
+        return added
+
+    def prefetch_abort(self, op_id: int) -> None:
+        """The request went away: release everything the op reserved (in-flight slots after drain)."""
+        op = self._prefetch_op(op_id)
+        state = PREFETCH_OP.next(op.state, PrefetchEvent.ABORT)
+        self._tick()
+        anchor = self.tree.node(op.anchor_id)
+        if not anchor.is_root:
+            self._lock(anchor, -1)
+        self.host.free(op.host_slots[: op.arrived])
+        op.released = op.arrived
+        op.state = state
+        self._settle(op)
+        self._finish()
+
+    def prefetch_drain(self, op_id: int) -> None:
+        """The I/O worker confirms it will not write into op ``op_id``'s slots any more."""
+        op = self._prefetch_op(op_id)
+        state = PREFETCH_OP.next(op.state, PrefetchEvent.DRAIN)
+        self._tick()
+        op.state = state
+        self._settle(op)
+        self._finish()
+
+    def _settle(self, op: PrefetchOp) -> None:
+        if op.state is PrefetchState.DONE:
+            self.host.free(op.host_slots[op.released :])
+            op.released = len(op.host_slots)
+            del self.prefetch_ops[op.op_id]
+
+    # ----------------------------------------------------------------- misc
+    def pending(self) -> dict[str, int]:
+        return {
+            "write": len(self.write_ops),
+            "load": len(self.load_ops),
+            "backup": len(self.backup_ops),
+            "prefetch": len(self.prefetch_ops),
+        }

@@ -1,0 +1,304 @@
+"""Hybrid-model side pools and their hit policies (SPEC §5). Pure functions over injected probes.
+
+Theory of operation
+-------------------
+The KV pool is the *anchor*: it owns page indices and token accounting, and its L3 hit
+``kv_hit`` is the number of consecutive pages, from the first, whose KV objects all exist. A
+hybrid model adds *side pools*, each with a hit policy that says which prefixes of ``n`` pages it
+can serve:
+
+``ALL_PAGES`` (sparse-attention indexer keys)
+    one object per KV page; ``n`` is usable iff the pool's objects for pages ``0 .. n-1`` all
+    exist.
+``TRAILING_PAGES`` (Mamba / linear-attention state)
+    one state per node end, keyed by the last page hash of that prefix; ``n`` is usable iff
+    ``n == 0`` or the state for the prefix ending at page ``n - 1`` exists (earlier pages need
+    nothing).
+
+The usable prefix is the largest ``n <= kv_hit`` usable in *every* pool (I6). A pool is queried
+through a *probe* ``probe(i) -> bool`` ("do this pool's objects for page ``i`` exist?"),
+injected so that the same policy code serves the model, the implementation and the tests; a
+probe is never called with ``i >= kv_hit`` (SPEC §5: side pools are never queried beyond the KV
+hit).
+
+Design rationale: why not the minimum of independently computed boundaries
+    Computing each pool's boundary against ``kv_hit`` on its own and taking the minimum is wrong
+    as soon as a ``TRAILING_PAGES`` pool meets a pool that cuts deeper: with ``kv_hit == 5``, an
+    indexer present on pages 0-1 only (boundary 2) and a Mamba state only at page 4 (boundary 5),
+    the minimum is 2, but no state ends at page 1, so 2 is not usable in the Mamba pool (an I6
+    violation). The usable set of a ``TRAILING_PAGES`` pool is not downward closed, so its
+    boundary must be taken *under the cap the other pools impose*. :func:`usable_prefix` applies
+    the ``ALL_PAGES`` pools first (their usable sets are downward closed, so their boundaries
+    commute with any cap), then lowers the cap through the ``TRAILING_PAGES`` pools until none
+    lowers it further. The result is still the minimum over pools of each pool's policy boundary,
+    each boundary taken with ``kv_hit`` replaced by that cap; every (pool, page) pair is probed at
+    most once.
+
+:func:`hybrid_exists` runs this against a :class:`~kvstrata.model.store.StoreModel`, rendering
+every key through the :class:`~kvstrata.model.keys.KeySpace` (never by string concatenation,
+I1); an object still being written is invisible to the store and so never counts (I2).
+:func:`check_usable` raises ``InvariantViolation("I6", ...)`` for a prefix some pool cannot
+serve.
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+from collections.abc import Callable, Iterable, Sequence
+
+import attrs
+
+from kvstrata.model.errors import InvariantViolation, MisuseError
+from kvstrata.model.keys import KeySpace, Namespace, PageHash, StoreKey
+from kvstrata.model.store import StoreModel
+
+__all__ = [
+    "KV_POOL",
+    "HitPolicy",
+    "Probe",
+    "SidePool",
+    "check_usable",
+    "hybrid_exists",
+    "is_usable",
+    "pool_boundary",
+    "side_page_keys",
+    "usable_prefix",
+]
+
+#: The name of the anchor pool (the KV pages) in store keys.
+KV_POOL = "kv"
+
+#: ``probe(i)``: whether a pool's object(s) for page ``i`` (0-based) exist.
+Probe = Callable[[int], bool]
+
+_NAME_RE = re.compile(r"[a-z][a-z0-9_]*\Z")
+
+
+class HitPolicy(enum.Enum):
+    """Which prefixes a side pool can serve (SPEC §5)."""
+
+    ALL_PAGES = "all_pages"  # every page of the prefix needs the pool's object
+    TRAILING_PAGES = "trailing_pages"  # only the prefix's last page needs the pool's state
+
+
+def _check_pool_name(_instance: object, _attribute: object, value: str) -> None:
+    if not isinstance(value, str) or not _NAME_RE.match(value):
+        raise MisuseError(f"a side pool name must match [a-z][a-z0-9_]*, got {value!r}")
+    if value == KV_POOL:
+        raise MisuseError(f"{KV_POOL!r} is the anchor pool, not a side pool")
+
+
+def _check_components(_instance: object, _attribute: object, value: tuple[str, ...]) -> None:
+    if not value:
+        raise MisuseError("a side pool needs at least one component")
+    for component in value:
+        if not isinstance(component, str) or not _NAME_RE.match(component):
+            raise MisuseError(f"a component name must match [a-z][a-z0-9_]*, got {component!r}")
+    if len(set(value)) != len(value):
+        raise MisuseError(f"component names must be distinct, got {value!r}")
+
+
+def _to_components(value: Iterable[str]) -> tuple[str, ...]:
+    if isinstance(value, str):
+        raise MisuseError(f"components is a sequence of names, got the string {value!r}")
+    return tuple(value)
+
+
+@attrs.frozen
+class SidePool:
+    """One side pool of a hybrid model: its name in store keys, hit policy and components.
+
+    Invariants: ``name`` and every component match ``[a-z][a-z0-9_]*``; ``name`` is not the
+    anchor pool ``"kv"``; ``components`` is non-empty and has no repeats. A page of the pool
+    exists only if *all* its component objects exist.
+    """
+
+    name: str = attrs.field(validator=_check_pool_name)
+    policy: HitPolicy = attrs.field(validator=attrs.validators.instance_of(HitPolicy))
+    components: tuple[str, ...] = attrs.field(converter=_to_components, validator=_check_components)
+
+
+def _check_count(name: str, value: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise MisuseError(f"{name} must be an int >= 0, got {value!r}")
+
+
+def pool_boundary(policy: HitPolicy, probe: Probe, kv_hit: int) -> int:
+    """The longest prefix ``n <= kv_hit`` that one pool of ``policy`` can serve.
+
+    ``ALL_PAGES``: the number of consecutive pages from 0 (capped at ``kv_hit``) whose objects
+    exist; probes ``0, 1, ...`` and stops at the first miss. ``TRAILING_PAGES``: the largest
+    ``n <= kv_hit`` with ``n == 0`` or a state for the prefix ending at page ``n - 1``; probes
+    ``kv_hit - 1`` downwards and stops at the first hit. ``probe`` is only ever called with
+    ``0 <= i < kv_hit``, each ``i`` at most once.
+    """
+    _check_count("kv_hit", kv_hit)
+    if policy is HitPolicy.ALL_PAGES:
+        count = 0
+        while count < kv_hit and probe(count):
+            count += 1
+        return count
+    if policy is HitPolicy.TRAILING_PAGES:
+        for last in range(kv_hit - 1, -1, -1):
+            if probe(last):
+                return last + 1
+        return 0
+    raise MisuseError(f"policy must be a HitPolicy, got {policy!r}")
+
+
+def is_usable(policy: HitPolicy, probe: Probe, prefix: int) -> bool:
+    """Whether a pool of ``policy`` can serve the first ``prefix`` pages (what I6 checks).
+
+    Probes only pages ``< prefix``.
+    """
+    _check_count("prefix", prefix)
+    if policy is HitPolicy.ALL_PAGES:
+        return all(probe(index) for index in range(prefix))
+    if policy is HitPolicy.TRAILING_PAGES:
+        return prefix == 0 or probe(prefix - 1)
+    raise MisuseError(f"policy must be a HitPolicy, got {policy!r}")
+
+
+def usable_prefix(kv_hit: int, pools_and_probes: Iterable[tuple[HitPolicy, Probe]]) -> int:
+    """The largest prefix ``n <= kv_hit`` usable in every pool (I6); ``kv_hit`` when there are none.
+
+    Equals the minimum over pools of :func:`pool_boundary`, each taken under the cap set by the
+    others (see the module's design rationale). Returns 0 at once, probing nothing, when
+    ``kv_hit == 0``, and stops as soon as the cap reaches 0. Never probes a page ``>= kv_hit``;
+    probes each (pool, page) at most once.
+    """
+    _check_count("kv_hit", kv_hit)
+    pools = list(pools_and_probes)
+    for policy, _probe in pools:
+        if not isinstance(policy, HitPolicy):
+            raise MisuseError(f"policy must be a HitPolicy, got {policy!r}")
+    cap = kv_hit
+    # ALL_PAGES first: their usable sets are downward closed, so one pass under a shrinking cap
+    # is exact.
+    for policy, probe in pools:
+        if cap == 0:
+            return 0
+        if policy is HitPolicy.ALL_PAGES:
+            cap = pool_boundary(policy, probe, cap)
+    trailing = [probe for policy, probe in pools if policy is HitPolicy.TRAILING_PAGES]
+    # Then lower the cap through the TRAILING_PAGES pools to a common fixpoint. ``served[j]`` is
+    # the last boundary pool j returned (a prefix it can serve); it is asked again only under a
+    # lower cap, so it only ever probes pages below the ones it probed before.
+    served: list[int | None] = [None] * len(trailing)
+    changed = True
+    while changed and cap > 0:
+        changed = False
+        for index, probe in enumerate(trailing):
+            if served[index] == cap:
+                continue
+            boundary = pool_boundary(HitPolicy.TRAILING_PAGES, probe, cap)
+            served[index] = boundary
+            if boundary < cap:
+                cap = boundary
+                changed = True
+                if cap == 0:
+                    return 0
+    return cap
+
+
+def side_page_keys(
+    keys: KeySpace, namespace: Namespace, pool: SidePool, page_hash: PageHash
+) -> tuple[StoreKey, ...]:
+    """The store keys of every component object of ``pool`` for one page, rendered by ``keys``.
+
+    For a ``TRAILING_PAGES`` pool, ``page_hash`` is the hash of the last page of the prefix the
+    state belongs to.
+    """
+    return tuple(
+        keys.key(namespace, pool.name, component, page_hash) for component in pool.components
+    )
+
+
+def _check_side_pools(side_pools: Sequence[SidePool]) -> None:
+    for pool in side_pools:
+        if not isinstance(pool, SidePool):
+            raise MisuseError(f"side pools are SidePool values, got {type(pool).__name__}")
+    names = [pool.name for pool in side_pools]
+    if len(set(names)) != len(names):
+        raise MisuseError(f"side pool names must be distinct, got {names!r}")
+
+
+def _store_probe(
+    store: StoreModel,
+    keys: KeySpace,
+    namespace: Namespace,
+    page_hashes: Sequence[PageHash],
+    pool: SidePool,
+) -> Probe:
+    def probe(index: int) -> bool:
+        page_keys = side_page_keys(keys, namespace, pool, page_hashes[index])
+        return all(store.contains(key) for key in page_keys)
+
+    return probe
+
+
+def hybrid_exists(
+    store: StoreModel,
+    keys: KeySpace,
+    namespace: Namespace,
+    page_hashes: Sequence[PageHash],
+    side_pools: Sequence[SidePool],
+) -> int:
+    """How many pages of ``page_hashes``, from the first, L3 can serve in every pool (SPEC §5, I6).
+
+    The KV hit is :meth:`StoreModel.exists_pages` over the anchor pool's component keys
+    (:meth:`KeySpace.page_keys`), rendered page by page only as far as the first miss. Side pools
+    are then probed through :meth:`KeySpace.key` (each probed component key rendered once per
+    probe, never concatenated) and never beyond the KV hit. Objects still being written are
+    invisible (I2).
+    """
+    _check_side_pools(side_pools)
+    kv_hit = store.exists_pages(
+        keys.page_keys(namespace, page_hash, KV_POOL) for page_hash in page_hashes
+    )
+    if kv_hit == 0 or not side_pools:
+        return kv_hit
+    return usable_prefix(
+        kv_hit,
+        [
+            (pool.policy, _store_probe(store, keys, namespace, page_hashes, pool))
+            for pool in side_pools
+        ],
+    )
+
+
+def check_usable(
+    store: StoreModel,
+    keys: KeySpace,
+    namespace: Namespace,
+    page_hashes: Sequence[PageHash],
+    side_pools: Sequence[SidePool],
+    *,
+    prefix: int,
+) -> None:
+    """Raise ``InvariantViolation("I6", ...)`` unless the first ``prefix`` pages are usable in
+    every pool: every KV component visible for pages ``< prefix``, and each side pool usable under
+    its policy.
+    """
+    _check_side_pools(side_pools)
+    _check_count("prefix", prefix)
+    if prefix > len(page_hashes):
+        raise InvariantViolation(
+            "I6", f"reported prefix {prefix} is longer than the {len(page_hashes)} pages asked"
+        )
+    kv_pages = store.exists_pages(
+        keys.page_keys(namespace, page_hash, KV_POOL) for page_hash in page_hashes[:prefix]
+    )
+    if kv_pages < prefix:
+        raise InvariantViolation(
+            "I6", f"reported prefix {prefix} but KV page {kv_pages} is not in the store"
+        )
+    for pool in side_pools:
+        probe = _store_probe(store, keys, namespace, page_hashes, pool)
+        if not is_usable(pool.policy, probe, prefix):
+            raise InvariantViolation(
+                "I6",
+                f"reported prefix {prefix} is not usable in side pool {pool.name!r} "
+                f"({pool.policy.name})",
+            )

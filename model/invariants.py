@@ -1,0 +1,244 @@
+"""The invariants of SPEC §7, each a function over a :class:`~kvstrata.model.cache.CacheModel`.
+
+:func:`check_cache` runs them all; the model calls it after every public operation (``config.check``),
+and the stateful tests call it again after every step. Each raises :class:`InvariantViolation` naming the
+invariant, with the bug it prevents in its docstring.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from kvstrata.model.errors import InvariantViolation, KeyParseError
+from kvstrata.model.keys import parse_store_key, render_store_key
+from kvstrata.model.lifecycles import BackupState, PrefetchState, Residency
+
+if TYPE_CHECKING:
+    from kvstrata.model.cache import CacheModel
+
+__all__ = [
+    "ALL_CHECKS",
+    "check_accounting",
+    "check_cache",
+    "check_i1_keys",
+    "check_i2_visible_durable",
+    "check_i3_host_anchored",
+    "check_i4_coverage",
+    "check_i5_slots",
+    "check_i7_contents",
+    "check_i8_hashes",
+]
+
+
+def _fail(invariant: str, detail: str) -> None:
+    raise InvariantViolation(invariant, detail)
+
+
+def check_i1_keys(cache: CacheModel) -> None:
+    """I1: every key in the store was built by the one schema function and parses back (prevents
+    the double tag: a key tagged twice never parses, and every lookup of it would miss)."""
+    keys = cache.config.keys
+    for key in [*(k for k, _ in cache.store.visible_items()), *cache.store.writing_keys()]:
+        try:
+            parts = parse_store_key(key)
+        except KeyParseError as exc:
+            _fail("I1", f"store holds a key the schema did not make: {key.text!r} ({exc})")
+        if render_store_key(parts) != key:
+            _fail("I1", f"key does not render back to itself: {key.text!r}")
+        if keys is not None and (
+            parts.model != keys.model or parts.shard != keys.shard or parts.tag != keys.tag
+        ):
+            _fail("I1", f"key outside this cache's key space: {key.text!r}")
+
+
+def check_i2_visible_durable(cache: CacheModel) -> None:
+    """I2: a visible object holds exactly the bytes its key names (prevents hits on partial or
+    poisoned objects: a stale offset pushed to the store would hold another page's bytes)."""
+    for key, content in cache.store.visible_items():
+        parts = parse_store_key(key)
+        if content != (parts.page_hash, parts.component):
+            _fail("I2", f"store object {key.text!r} holds {content!r}")
+    overlap = {k for k, _ in cache.store.visible_items()} & cache.store.writing_keys()
+    if overlap:
+        _fail("I2", f"keys both visible and being written: {sorted(k.text for k in overlap)}")
+
+
+def check_i3_host_anchored(cache: CacheModel) -> None:
+    """I3: nodes with a host copy (or one on its way) form a root-anchored prefix, and so do nodes
+    with a device copy (prevents load-back of a chain with a hole, and L2 hits that cannot be
+    reached)."""
+    from kvstrata.model.cache import DEVICE_CLAIMED, HOST_CLAIMED
+
+    tree = cache.tree
+    for node in tree.non_root_nodes():
+        parent = tree.parent(node)
+        assert parent is not None
+        if parent.is_root:
+            continue
+        state, parent_state = cache.residency_of(node), cache.residency_of(parent)
+        if state in HOST_CLAIMED and parent_state not in HOST_CLAIMED:
+            _fail("I3", f"node {node.node_id} ({state}) under {parent.node_id} ({parent_state})")
+        if state in DEVICE_CLAIMED and parent_state not in DEVICE_CLAIMED:
+            _fail("I3", f"L1 node {node.node_id} ({state}) under {parent.node_id} ({parent_state})")
+
+
+def check_i4_coverage(cache: CacheModel) -> None:
+    """I4: every page waiting for a copy is covered by exactly one pending op, and every op covers
+    exactly pages in the matching state (prevents the lost split: an op that follows a node instead of
+    its enqueued range leaves the split-off prefix without a host copy or without a backup)."""
+    writing = Counter(page for op in cache.write_ops for page in op.pages)
+    loading = Counter(page for op in cache.load_ops for page in op.pages)
+    backing = Counter(
+        page for op in cache.backup_ops if op.state is not BackupState.DONE for page in op.pages
+    )
+    for page, info in cache.page_info.items():
+        expect_w = 1 if info.residency is Residency.WRITING else 0
+        expect_l = 1 if info.residency is Residency.LOADING else 0
+        if writing.get(page, 0) != expect_w:
+            _fail("I4", f"{page} is {info.residency.value} but {writing.get(page, 0)} writes cover it")
+        if loading.get(page, 0) != expect_l:
+            _fail("I4", f"{page} is {info.residency.value} but {loading.get(page, 0)} loads cover it")
+        if backing.get(page, 0) != info.host_pins:
+            _fail("I4", f"{page} has {info.host_pins} host pins, {backing.get(page, 0)} backups")
+    for page in [*writing, *loading, *backing]:
+        if page not in cache.page_info:
+            _fail("I4", f"an op covers {page}, which is no longer cached")
+    for op in cache.backup_ops:
+        if not op.pages:
+            _fail("I4", f"backup op {op.op_id} covers nothing")
+
+
+def check_i5_slots(cache: CacheModel) -> None:
+    """I5: every allocated slot is referenced exactly once (by a page or a prefetch op) and no page
+    references a free slot (prevents use-after-free and double free of L1/L2 pages)."""
+    from kvstrata.model.cache import DEVICE_CLAIMED, HOST_CLAIMED
+
+    device: Counter[int] = Counter()
+    host: Counter[int] = Counter()
+    for page, info in cache.page_info.items():
+        has_device = info.device_slot is not None
+        has_host = info.host_slot is not None
+        if has_device != (info.residency in DEVICE_CLAIMED):
+            _fail("I5", f"{page} is {info.residency.value} with device slot {info.device_slot}")
+        if has_host != (info.residency in HOST_CLAIMED):
+            _fail("I5", f"{page} is {info.residency.value} with host slot {info.host_slot}")
+        if info.device_slot is not None:
+            device[info.device_slot] += 1
+        if info.host_slot is not None:
+            host[info.host_slot] += 1
+    for op in cache.prefetch_ops.values():
+        for slot in op.held_slots:
+            host[slot] += 1
+    for name, counts, pool in (("L1", device, cache.device), ("L2", host, cache.host)):
+        shared = [slot for slot, n in counts.items() if n > 1]
+        if shared:
+            _fail("I5", f"{name} slots referenced twice: {shared}")
+        if set(counts) != pool.allocated():
+            _fail(
+                "I5",
+                f"{name} allocated {sorted(pool.allocated())} but referenced {sorted(counts)}",
+            )
+
+
+def check_i7_contents(cache: CacheModel) -> None:
+    """I7: every valid copy holds the bytes of its own page (prevents reading a slot that was never
+    filled, or one refilled for another page)."""
+    from kvstrata.model.cache import DEVICE_VALID, HOST_VALID
+
+    for page, info in cache.page_info.items():
+        if info.residency in DEVICE_VALID:
+            assert info.device_slot is not None
+            if cache.device.read(info.device_slot) != page:
+                _fail("I7", f"L1 slot {info.device_slot} of {page} holds another page")
+        if info.residency in HOST_VALID:
+            assert info.host_slot is not None
+            if cache.host.read(info.host_slot) != page:
+                _fail("I7", f"L2 slot {info.host_slot} of {page} holds another page")
+    for op in cache.prefetch_ops.values():
+        for index in range(op.released, op.arrived):
+            if cache.host.read(op.host_slots[index]) != op.pages[index]:
+                _fail("I7", f"prefetch {op.op_id} page {index} holds another page")
+
+
+def check_i8_hashes(cache: CacheModel) -> None:
+    """I8: every node's page hashes are what the chain function gives for its tokens and its parent
+    (deterministic, namespace-seeded keys; prevents keys that differ between processes or runs)."""
+    for node in cache.tree.non_root_nodes():
+        if node.pages != cache.tree.expected_pages(node):
+            _fail("I8", f"node {node.node_id} holds page hashes its tokens do not give")
+
+
+def check_accounting(cache: CacheModel) -> None:
+    """Accounting: the tree's shape, locks and sizes agree with what the cache counts (prevents
+    evicting locked nodes, leaking pages, or refusing work because of a drifted counter)."""
+    from kvstrata.model.cache import DEVICE_VALID
+
+    tree = cache.tree
+    size = tree.page_size
+    for node_id, node in tree.nodes.items():
+        if node.node_id != node_id:
+            _fail("accounting", f"node {node_id} filed under the wrong id")
+        if node.is_root:
+            if tree.roots.get(node.namespace) != node_id:
+                _fail("accounting", f"stray root {node_id}")
+            continue
+        if not node.pages or len(node.tokens) != len(node.pages) * size:
+            _fail("accounting", f"node {node_id} has {len(node.tokens)} tokens")
+        states = {cache.page_info[page].residency for page in node.pages}
+        if len(states) != 1:
+            _fail("accounting", f"node {node_id} mixes residencies {states}")
+        parent = tree.parent(node)
+        if parent is None or parent.children.get(node.tokens[:size]) != node_id:
+            _fail("accounting", f"node {node_id} is not its parent's child")
+        if parent.namespace != node.namespace:
+            _fail("accounting", f"node {node_id} crosses namespaces")
+    in_tree = [page for node in tree.non_root_nodes() for page in node.pages]
+    if len(in_tree) != len(set(in_tree)) or set(in_tree) != set(cache.page_info):
+        _fail("accounting", "pages in the tree and page records differ")
+    subtree_pins: dict[int, int] = {}
+    for node in sorted(tree.nodes.values(), key=lambda n: -len(tree.prefix_tokens(n))):
+        total = node.pins + sum(subtree_pins[child] for child in node.children.values())
+        subtree_pins[node.node_id] = total
+        if not node.is_root and node.lock_ref != total:
+            _fail("accounting", f"node {node.node_id} lock_ref {node.lock_ref} != {total}")
+    evictable = protected = 0
+    for node in tree.non_root_nodes():
+        if cache.residency_of(node) in DEVICE_VALID:
+            if node.lock_ref:
+                protected += len(node.pages)
+            else:
+                evictable += len(node.pages)
+    if (evictable, protected) != (cache.evictable_pages, cache.protected_pages):
+        _fail(
+            "accounting",
+            f"evictable/protected {cache.evictable_pages}/{cache.protected_pages}, "
+            f"tree says {evictable}/{protected}",
+        )
+    reserved = cache.prefetch_reserved()
+    if reserved > cache.config.host_pages // 2:
+        _fail("accounting", f"prefetch holds {reserved} host pages, over half of L2")
+    for op in cache.prefetch_ops.values():
+        if op.state is PrefetchState.DONE:
+            _fail("accounting", f"finished prefetch {op.op_id} still listed")
+        if not op.arrived <= op.limit <= len(op.pages) == len(op.host_slots):
+            _fail("accounting", f"prefetch {op.op_id} counters out of range")
+
+
+ALL_CHECKS: tuple[Callable[[CacheModel], None], ...] = (
+    check_i1_keys,
+    check_i2_visible_durable,
+    check_i3_host_anchored,
+    check_i4_coverage,
+    check_i5_slots,
+    check_i7_contents,
+    check_i8_hashes,
+    check_accounting,
+)
+
+
+def check_cache(cache: CacheModel) -> None:
+    """Run every invariant; raises :class:`InvariantViolation` at the first one that fails."""
+    for check in ALL_CHECKS:
+        check(cache)
