@@ -25,6 +25,7 @@ from collections.abc import Hashable, Sequence
 import attrs
 
 from kvstrata.model.errors import MisuseError
+from kvstrata.model.invariants import check_cache
 from kvstrata.model.keys import (
     DEFAULT_NAMESPACE,
     KeySpace,
@@ -35,6 +36,10 @@ from kvstrata.model.keys import (
 )
 from kvstrata.model.lifecycles import (
     BACKUP_OP,
+    DEVICE_CLAIMED,
+    DEVICE_VALID,
+    HOST_CLAIMED,
+    HOST_VALID,
     LOAD_OP,
     PAGE_RESIDENCY,
     PREFETCH_OP,
@@ -54,6 +59,10 @@ from kvstrata.model.store import StoreModel
 from kvstrata.model.tree import Node, RadixTree
 
 __all__ = [
+    "DEVICE_CLAIMED",
+    "DEVICE_VALID",
+    "HOST_CLAIMED",
+    "HOST_VALID",
     "BackupOp",
     "CacheConfig",
     "CacheModel",
@@ -63,11 +72,6 @@ __all__ = [
     "PageInfo",
     "WritePolicy",
 ]
-
-DEVICE_VALID = frozenset({Residency.DEVICE, Residency.WRITING, Residency.BOTH})
-DEVICE_CLAIMED = DEVICE_VALID | {Residency.LOADING}
-HOST_VALID = frozenset({Residency.BOTH, Residency.HOST, Residency.LOADING})
-HOST_CLAIMED = HOST_VALID | {Residency.WRITING}
 
 
 class WritePolicy(enum.Enum):
@@ -104,7 +108,7 @@ class CacheConfig:
     prefetch_policy: PrefetchPolicy = attrs.field(
         default=PrefetchPolicy.BEST_EFFORT, validator=attrs.validators.instance_of(PrefetchPolicy)
     )
-    prefetch_timeout: PrefetchTimeout = PrefetchTimeout()
+    prefetch_timeout: PrefetchTimeout = attrs.field(factory=PrefetchTimeout)
     keys: KeySpace | None = None
     check: bool = True
 
@@ -216,8 +220,6 @@ class CacheModel:
 
     def _finish(self) -> None:
         if self.config.check:
-            from kvstrata.model.invariants import check_cache
-
             check_cache(self)
 
     def residency_of(self, node: Node) -> Residency | None:
@@ -264,9 +266,9 @@ class CacheModel:
             self.evictable_pages += sign * len(node.pages)
 
     # ----------------------------------------------------------------- queries
-    def residency(self, tokens: Sequence[int], namespace: Namespace = DEFAULT_NAMESPACE) -> tuple[
-        Residency, ...
-    ]:
+    def residency(
+        self, tokens: Sequence[int], namespace: Namespace = DEFAULT_NAMESPACE
+    ) -> tuple[Residency, ...]:
         """Residency of each full page of ``tokens`` present in the tree (no split, no LRU touch)."""
         tokens = _check_tokens(tokens)
         walk = self.tree.walk(tokens, namespace, split=False)
@@ -331,7 +333,9 @@ class CacheModel:
         return slot
 
     # ----------------------------------------------------------------- insert
-    def insert(self, tokens: Sequence[int], namespace: Namespace = DEFAULT_NAMESPACE) -> InsertResult:
+    def insert(
+        self, tokens: Sequence[int], namespace: Namespace = DEFAULT_NAMESPACE
+    ) -> InsertResult:
         """Insert freshly computed KV for ``tokens`` (whole pages). Pages already cached on L1 are
         kept; host-only pages are revived on L1; new pages form a new leaf. If L1 has no room even
         after eviction, the tail that does not fit is left out (``truncated_pages``)."""
@@ -359,7 +363,8 @@ class CacheModel:
             room -= len(node.pages)
             inserted += len(node.pages)
         fits = (
-            min(new_pages, room) if all(self.residency_of(n) in DEVICE_CLAIMED for n in walk.path)
+            min(new_pages, room)
+            if all(self.residency_of(n) in DEVICE_CLAIMED for n in walk.path)
             else 0
         )
         deepest = last
@@ -483,7 +488,9 @@ class CacheModel:
         assert keys is not None
         begun = set(op.begun)
         visible_after = [
-            all(key in begun or self.store.contains(key) for key in self._page_keys(op.namespace, p))
+            all(
+                key in begun or self.store.contains(key) for key in self._page_keys(op.namespace, p)
+            )
             for p in op.pages
         ]
         event = BackupEvent.ACK if all(visible_after) else BackupEvent.RETRY
@@ -727,7 +734,9 @@ class CacheModel:
     def prefetch_reserved(self) -> int:
         return sum(len(op.held_slots) for op in self.prefetch_ops.values())
 
-    def prefetch(self, tokens: Sequence[int], namespace: Namespace = DEFAULT_NAMESPACE) -> int | None:
+    def prefetch(
+        self, tokens: Sequence[int], namespace: Namespace = DEFAULT_NAMESPACE
+    ) -> int | None:
         """Start reading from L3 what follows the local match of ``tokens``. Returns the op id, or
         ``None`` when there is nothing worth fetching or no room (rate limit: half of L2)."""
         tokens = _check_tokens(tokens)

@@ -9,11 +9,19 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
 from kvstrata.model.errors import InvariantViolation, KeyParseError
 from kvstrata.model.keys import parse_store_key, render_store_key
-from kvstrata.model.lifecycles import BackupState, PrefetchState, Residency
+from kvstrata.model.lifecycles import (
+    DEVICE_CLAIMED,
+    DEVICE_VALID,
+    HOST_CLAIMED,
+    HOST_VALID,
+    BackupState,
+    PrefetchState,
+    Residency,
+)
 
 if TYPE_CHECKING:
     from kvstrata.model.cache import CacheModel
@@ -32,7 +40,7 @@ __all__ = [
 ]
 
 
-def _fail(invariant: str, detail: str) -> None:
+def _fail(invariant: str, detail: str) -> NoReturn:
     raise InvariantViolation(invariant, detail)
 
 
@@ -69,8 +77,6 @@ def check_i3_host_anchored(cache: CacheModel) -> None:
     """I3: nodes with a host copy (or one on its way) form a root-anchored prefix, and so do nodes
     with a device copy (prevents load-back of a chain with a hole, and L2 hits that cannot be
     reached)."""
-    from kvstrata.model.cache import DEVICE_CLAIMED, HOST_CLAIMED
-
     tree = cache.tree
     for node in tree.non_root_nodes():
         parent = tree.parent(node)
@@ -97,9 +103,13 @@ def check_i4_coverage(cache: CacheModel) -> None:
         expect_w = 1 if info.residency is Residency.WRITING else 0
         expect_l = 1 if info.residency is Residency.LOADING else 0
         if writing.get(page, 0) != expect_w:
-            _fail("I4", f"{page} is {info.residency.value} but {writing.get(page, 0)} writes cover it")
+            _fail(
+                "I4", f"{page} is {info.residency.value} but {writing.get(page, 0)} writes cover it"
+            )
         if loading.get(page, 0) != expect_l:
-            _fail("I4", f"{page} is {info.residency.value} but {loading.get(page, 0)} loads cover it")
+            _fail(
+                "I4", f"{page} is {info.residency.value} but {loading.get(page, 0)} loads cover it"
+            )
         if backing.get(page, 0) != info.host_pins:
             _fail("I4", f"{page} has {info.host_pins} host pins, {backing.get(page, 0)} backups")
     for page in [*writing, *loading, *backing]:
@@ -113,8 +123,6 @@ def check_i4_coverage(cache: CacheModel) -> None:
 def check_i5_slots(cache: CacheModel) -> None:
     """I5: every allocated slot is referenced exactly once (by a page or a prefetch op) and no page
     references a free slot (prevents use-after-free and double free of L1/L2 pages)."""
-    from kvstrata.model.cache import DEVICE_CLAIMED, HOST_CLAIMED
-
     device: Counter[int] = Counter()
     host: Counter[int] = Counter()
     for page, info in cache.page_info.items():
@@ -145,8 +153,6 @@ def check_i5_slots(cache: CacheModel) -> None:
 def check_i7_contents(cache: CacheModel) -> None:
     """I7: every valid copy holds the bytes of its own page (prevents reading a slot that was never
     filled, or one refilled for another page)."""
-    from kvstrata.model.cache import DEVICE_VALID, HOST_VALID
-
     for page, info in cache.page_info.items():
         if info.residency in DEVICE_VALID:
             assert info.device_slot is not None
@@ -173,8 +179,6 @@ def check_i8_hashes(cache: CacheModel) -> None:
 def check_accounting(cache: CacheModel) -> None:
     """Accounting: the tree's shape, locks and sizes agree with what the cache counts (prevents
     evicting locked nodes, leaking pages, or refusing work because of a drifted counter)."""
-    from kvstrata.model.cache import DEVICE_VALID
-
     tree = cache.tree
     size = tree.page_size
     for node_id, node in tree.nodes.items():

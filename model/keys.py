@@ -20,7 +20,10 @@ Store keys
 
 Rendered form (schema version 1), one path segment per field, each percent-escaped::
 
-    kvs1/<tag|_>/<model>/<dtype>/<kind>/<p<page_size>|d<dim>>/<namespace>/tp<r>of<s>|tp-rep/pp<r>of<s>/<pool>/<component>/<hex digest>
+    kvs1/<tag|_>/<model>/<dtype>/<kind>/<p<page_size>|d<dim>>/<namespace>/
+        <tp<r>of<s>|tp-rep>/pp<r>of<s>/<pool>/<component>/<hex digest>
+
+(one line, no spaces; split here for reading).
 """
 
 from __future__ import annotations
@@ -184,6 +187,10 @@ class ModelIdentity:
     dim: int = 0
 
     def __attrs_post_init__(self) -> None:
+        for name in ("page_size", "dim"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise MisuseError(f"{name} must be an int, got {value!r}")
         if self.kind is KVKind.EMBEDDING:
             if self.dim <= 0 or self.page_size != 0:
                 raise MisuseError(f"an embedding identity needs dim > 0 and no page size: {self!r}")
@@ -193,7 +200,9 @@ class ModelIdentity:
     @property
     def components(self) -> tuple[str, ...]:
         """The objects one page of the KV pool is stored as."""
-        return {KVKind.MHA: ("k", "v"), KVKind.MLA: ("latent",), KVKind.EMBEDDING: ("emb",)}[self.kind]
+        return {KVKind.MHA: ("k", "v"), KVKind.MLA: ("latent",), KVKind.EMBEDDING: ("emb",)}[
+            self.kind
+        ]
 
 
 @attrs.frozen
@@ -207,6 +216,16 @@ class Shard:
     pp_size: int = 1
 
     def __attrs_post_init__(self) -> None:
+        for name in ("tp_size", "pp_size", "pp_rank", "tp_rank"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not (
+                isinstance(value, int) or (value is None and name == "tp_rank")
+            ):
+                raise MisuseError(f"{name} must be an int, got {value!r}")
+        if self.tp_rank is None and self.tp_size != 1:
+            raise MisuseError(
+                f"a replicated shard has no tp size (use Shard.replicated()): {self!r}"
+            )
         if self.tp_size <= 0 or self.pp_size <= 0:
             raise MisuseError(f"tp_size and pp_size must be > 0: {self!r}")
         if self.tp_rank is not None and not 0 <= self.tp_rank < self.tp_size:
@@ -247,7 +266,7 @@ class KeyParts:
     """The typed, not yet rendered, form of a store key."""
 
     model: ModelIdentity
-    namespace_id: str
+    namespace_id: str = attrs.field(validator=_check_name)
     shard: Shard
     pool: str = attrs.field(validator=_check_component_name)
     component: str = attrs.field(validator=_check_component_name)
@@ -353,9 +372,7 @@ class KeySpace:
     shard: Shard = Shard()
     tag: str | None = attrs.field(default=None, validator=_check_tag)
 
-    def key(
-        self, namespace: Namespace, pool: str, component: str, page_hash: PageHash
-    ) -> StoreKey:
+    def key(self, namespace: Namespace, pool: str, component: str, page_hash: PageHash) -> StoreKey:
         return render_store_key(
             KeyParts(
                 model=self.model,

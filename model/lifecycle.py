@@ -17,10 +17,12 @@ can never drift from the code.
 from __future__ import annotations
 
 import enum
+import types
 from collections.abc import Iterable, Mapping
 from typing import Any, Generic, TypeVar
 
 import attrs
+from transitions import Machine
 
 from kvstrata.model.errors import IllegalTransition
 
@@ -31,21 +33,26 @@ E = TypeVar("E", bound=enum.Enum)
 
 
 def _freeze_table(table: Mapping[tuple[Any, Any], Any]) -> Mapping[tuple[Any, Any], Any]:
-    return dict(table)
+    return types.MappingProxyType(dict(table))
 
 
-@attrs.frozen
+def _freeze_states(states: Iterable[Any]) -> frozenset[Any]:
+    return frozenset(states)
+
+
+@attrs.frozen(eq=False)
 class Lifecycle(Generic[S, E]):
     """An immutable transition table.
 
-    Invariants: every state reachable from ``initial`` appears in the table or in ``final``; a final
-    state has no outgoing transitions.
+    Compared by identity (each table is declared once). Invariants: the table cannot be changed
+    after construction; a final state has no outgoing transitions; every target is a state of the
+    same enum as ``initial``.
     """
 
     name: str
     initial: S
     table: Mapping[tuple[S, E], S] = attrs.field(converter=_freeze_table)
-    final: frozenset[S] = attrs.field(factory=frozenset, converter=frozenset)
+    final: frozenset[S] = attrs.field(factory=frozenset, converter=_freeze_states)
 
     def __attrs_post_init__(self) -> None:
         for (state, _event), target in self.table.items():
@@ -97,8 +104,6 @@ class Lifecycle(Generic[S, E]):
         ``model`` is the object that carries the ``state`` attribute (``transitions`` cannot decorate
         slotted attrs classes, so pass a plain object or nothing).
         """
-        from transitions import Machine
-
         machine_transitions = [
             {"trigger": event.name, "source": state.name, "dest": target.name}
             for (state, event), target in self.table.items()

@@ -19,6 +19,10 @@ __all__ = [
     "PAGE_RESIDENCY",
     "PREFETCH_OP",
     "WRITE_OP",
+    "DEVICE_CLAIMED",
+    "DEVICE_VALID",
+    "HOST_CLAIMED",
+    "HOST_VALID",
     "BackupEvent",
     "BackupState",
     "EntryEvent",
@@ -202,6 +206,12 @@ EMBEDDING_ENTRY: Lifecycle[EntryState, EntryEvent] = Lifecycle(
         (EntryState.READY, EntryEvent.EVICT): EntryState.FREE,
     },
 )
+
+#: Residency groups: where a page's bytes are valid, and where a slot is held for it.
+DEVICE_VALID = frozenset({Residency.DEVICE, Residency.WRITING, Residency.BOTH})
+DEVICE_CLAIMED = DEVICE_VALID | {Residency.LOADING}
+HOST_VALID = frozenset({Residency.BOTH, Residency.HOST, Residency.LOADING})
+HOST_CLAIMED = HOST_VALID | {Residency.WRITING}
 
 ALL_LIFECYCLES: tuple[Lifecycle, ...] = (  # type: ignore[type-arg]
     WRITE_OP,

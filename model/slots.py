@@ -102,7 +102,9 @@ class SlotPool:
             raise InvariantViolation("I5", f"{self.name}: read of free slot {slot}")
         content = self._content[slot]
         if content is UNWRITTEN:
-            raise InvariantViolation("I7", f"{self.name}: read of slot {slot} before it was written")
+            raise InvariantViolation(
+                "I7", f"{self.name}: read of slot {slot} before it was written"
+            )
         return content
 
     def peek(self, slot: int) -> Hashable | None:

@@ -49,19 +49,22 @@ class StoreModel:
 
     def end_put(self, key: StoreKey, content: Hashable) -> None:
         """Complete a write begun with :meth:`begin_put`: the object becomes visible."""
-        if key not in self._writing:
+        if _check_key(key) not in self._writing:
             raise InvariantViolation("I2", f"end_put of {key} without begin_put")
         del self._writing[key]
         self._visible[key] = content
 
     def abort_put(self, key: StoreKey) -> None:
-        if key not in self._writing:
+        if _check_key(key) not in self._writing:
             raise InvariantViolation("I2", f"abort_put of {key} without begin_put")
         del self._writing[key]
 
     def evict(self, key: StoreKey) -> bool:
         """The store drops a visible object (its own eviction, a crash of the owner, ...)."""
-        return self._visible.pop(_check_key(key), None) is not None
+        if _check_key(key) not in self._visible:
+            return False
+        del self._visible[key]
+        return True
 
     def exists_pages(self, pages: Iterable[Sequence[StoreKey]]) -> int:
         """How many pages, from the first, have every one of their component keys visible."""

@@ -85,7 +85,7 @@ class CacheModelMachine(RuleBasedStateMachine):
         prefetch_policy=st.sampled_from(PrefetchPolicy),
         quota=st.sampled_from([None, 2, 4]),
     )
-    def setup(
+    def setup(  # noqa: PLR0917 (Hypothesis passes rule arguments by keyword)
         self,
         data: st.DataObject,
         page_size: int,

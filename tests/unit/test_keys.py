@@ -452,16 +452,15 @@ def test_rendering_is_injective(first: KeyParts, second: KeyParts) -> None:
     assert (render_store_key(first) == render_store_key(second)) == (first == second)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG keys.py: Shard(tp_rank=None, tp_size>1) is accepted, renders as 'tp-rep' and "
-    "parses back as tp_size=1, so rendering is not injective and the round trip fails",
-)
-def test_replicated_shard_with_tp_size_round_trips() -> None:
+def test_replicated_shard_has_no_tp_size() -> None:
+    """A replicated (MLA) shard is the same for every tp size; giving it one is refused, so two
+    shards can never render to the same key."""
+    with pytest.raises(MisuseError):
+        Shard(tp_rank=None, tp_size=4)
     parts = KeyParts(
         model=MLA,
         namespace_id="default",
-        shard=Shard(tp_rank=None, tp_size=4),
+        shard=Shard.replicated(),
         pool="kv",
         component="latent",
         page_hash=H0,
@@ -469,20 +468,9 @@ def test_replicated_shard_with_tp_size_round_trips() -> None:
     assert parse_store_key(render_store_key(parts)) == parts
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG keys.py: KeyParts(namespace_id='') renders a key with an empty segment ('//') "
-    "that parse_store_key rejects (I1: every rendered key parses back)",
-)
-def test_empty_namespace_id_is_rejected_or_round_trips() -> None:
-    parts = KeyParts(
-        model=MHA, namespace_id="", shard=Shard(), pool="kv", component="k", page_hash=H0
-    )
-    try:
-        key = render_store_key(parts)
-    except MisuseError:
-        return
-    assert parse_store_key(key) == parts
+def test_empty_namespace_id_is_rejected() -> None:
+    with pytest.raises(MisuseError):
+        KeyParts(model=MHA, namespace_id="", shard=Shard(), pool="kv", component="k", page_hash=H0)
 
 
 # ----------------------------------------------------------------------------------------------

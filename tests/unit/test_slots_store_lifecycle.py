@@ -249,11 +249,6 @@ def test_evict() -> None:
     assert store.writing_keys() == {KEY}
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG store.py: evict() returns `pop(key, None) is not None`, so evicting a visible "
-    "object whose content identity is None reports False although the object was removed",
-)
 def test_evict_reports_removal_of_none_content() -> None:
     store = StoreModel()
     _put(store, KEY, None)
@@ -300,11 +295,6 @@ def test_non_store_keys_are_misuse(call: object) -> None:
     assert store.writing_keys() == frozenset()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG store.py (minor): end_put/abort_put skip _check_key, so a str key raises "
-    "InvariantViolation('I2') (a kvstrata bug class) instead of MisuseError like every other call",
-)
 @pytest.mark.parametrize("method", ["end_put", "abort_put"])
 def test_non_store_keys_are_misuse_in_end_and_abort(method: str) -> None:
     store = StoreModel()
@@ -474,12 +464,6 @@ def test_target_of_another_enum_is_rejected() -> None:
         Lifecycle(name="bad", initial=_S.A, table={(_S.A, _E.GO): _Other.X})
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG lifecycle.py: Lifecycle claims to be immutable but _freeze_table returns a "
-    "plain dict, so `WRITE_OP.table[...] = ...` silently rewrites a shared lifecycle (and "
-    "hash(Lifecycle) raises TypeError: unhashable type 'dict')",
-)
 def test_lifecycle_table_is_immutable() -> None:
     lifecycle: Lifecycle[_S, _E] = Lifecycle(
         name="t",

@@ -1,0 +1,140 @@
+"""Run the stateful suite against every known-bug patch in this folder; every one must be caught.
+
+Each ``*.patch`` re-introduces one bug class (its first paragraph says which). For each, this script
+copies the tree to a scratch folder, applies the patch there (a patch that does not apply is a failure,
+never a skip), points ``kvstrata`` at the scratch copy, runs ``tests/stateful`` with the ``mutant``
+Hypothesis profile (the gate's examples without the shrink phase) and stops at the first failure.
+
+Prints one line per mutant (``NAME caught`` / ``NAME SURVIVED`` / ``NAME ERROR``, with seconds) and last
+``mutants: caught N of M``. Exit status 0 only if every mutant was caught.
+
+Usage: python tests/mutants/run.py [NAME ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+MUTANTS = Path(__file__).resolve().parent
+COPIED = ("model", "impl", "tests", "pyproject.toml")
+
+
+def prepare(scratch: Path, patch: Path) -> str | None:
+    """Copy the tree into ``scratch`` and apply ``patch``; returns an error text or None."""
+    for name in COPIED:
+        source = REPO / name
+        if source.is_dir():
+            shutil.copytree(source, scratch / name, ignore=shutil.ignore_patterns("__pycache__"))
+        elif source.exists():
+            shutil.copy2(source, scratch / name)
+    applied = subprocess.run(
+        ["git", "apply", "--verbose", str(patch)],
+        cwd=scratch,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if applied.returncode != 0:
+        return f"patch does not apply: {applied.stderr.strip()}"
+    site = scratch / "_site" / "kvstrata"
+    site.mkdir(parents=True)
+    for package in ("model", "impl"):
+        if (scratch / package).is_dir():
+            (site / package).symlink_to(scratch / package, target_is_directory=True)
+    return None
+
+
+def environment(scratch: Path) -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(scratch / "_site")
+    env["HYPOTHESIS_PROFILE"] = "mutant"
+    env["PYTHONDONTWRITEBYTECODE"] = "1"
+    return env
+
+
+def imports_scratch(scratch: Path, env: dict[str, str]) -> bool:
+    """True if ``kvstrata.model`` resolves to the scratch copy (not the installed tree)."""
+    probe = subprocess.run(
+        [sys.executable, "-c", "import kvstrata.model as m; print(m.__file__)"],
+        cwd=scratch,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    return probe.returncode == 0 and probe.stdout.strip().startswith(str(scratch))
+
+
+def run_one(patch: Path) -> tuple[str, float, str]:
+    start = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix=f"kvstrata-mutant-{patch.stem}-") as tmp:
+        scratch = Path(tmp).resolve()
+        problem = prepare(scratch, patch)
+        if problem:
+            return "ERROR", time.monotonic() - start, problem
+        env = environment(scratch)
+        if not imports_scratch(scratch, env):
+            return "ERROR", time.monotonic() - start, "kvstrata does not import from the copy"
+        result = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pytest",
+                "tests/stateful",
+                "-x",
+                "-q",
+                "--no-header",
+                "-p",
+                "no:cacheprovider",
+            ],
+            cwd=scratch,
+            env=env,
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+    elapsed = time.monotonic() - start
+    tail = "\n".join(result.stdout.strip().splitlines()[-3:])
+    if result.returncode == 1:
+        return "caught", elapsed, tail
+    if result.returncode == 0:
+        return "SURVIVED", elapsed, tail
+    return "ERROR", elapsed, f"pytest exit {result.returncode}: {tail}\n{result.stderr[-2000:]}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("names", nargs="*", help="mutants to run (default: all)")
+    parser.add_argument("-v", "--verbose", action="store_true", help="show pytest's last lines")
+    args = parser.parse_args(argv)
+    patches = sorted(MUTANTS.glob("*.patch"))
+    if args.names:
+        patches = [p for p in patches if p.stem in args.names]
+        missing = set(args.names) - {p.stem for p in patches}
+        if missing:
+            print(f"unknown mutants: {', '.join(sorted(missing))}", file=sys.stderr)
+            return 2
+    if not patches:
+        print("mutants: no patches found", file=sys.stderr)
+        return 2
+    caught = 0
+    for patch in patches:
+        verdict, seconds, detail = run_one(patch)
+        print(f"{patch.stem} {verdict} ({seconds:.1f}s)", flush=True)
+        if verdict != "caught" or args.verbose:
+            print("    " + detail.replace("\n", "\n    "), flush=True)
+        caught += verdict == "caught"
+    print(f"mutants: caught {caught} of {len(patches)}")
+    return 0 if caught == len(patches) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
