@@ -24,7 +24,7 @@ from collections.abc import Hashable, Sequence
 
 import attrs
 
-from kvstrata.model.errors import MisuseError
+from kvstrata.model.errors import CapacityError, MisuseError
 from kvstrata.model.invariants import check_cache
 from kvstrata.model.keys import (
     DEFAULT_NAMESPACE,
@@ -165,9 +165,9 @@ class MatchResult:
 @attrs.frozen
 class InsertResult:
     node_id: int  # deepest node covering what was inserted (a root if nothing)
-    inserted_pages: int  # pages now valid on L1 because of this insert (new + revived)
-    new_pages: int
-    truncated_pages: int  # pages left out for lack of L1 room (a smaller cache, not an error)
+    new_pages: int  # pages the tree did not have (a new leaf)
+    revived_pages: int  # host-only pages now valid on L1 again
+    duplicate_pages: int  # fresh slots given back: the tree already held those pages on L1
 
 
 def _check_tokens(tokens: object) -> tuple[int, ...]:
@@ -195,6 +195,7 @@ class CacheModel:
     evictable_pages: int = attrs.field(init=False, default=0)
     protected_pages: int = attrs.field(init=False, default=0)
     clock: int = attrs.field(init=False, default=0)
+    scheduler_slots: set[int] = attrs.field(init=False, factory=set)
     _next_op: int = attrs.field(init=False, default=0)
 
     def __attrs_post_init__(self) -> None:
@@ -333,67 +334,111 @@ class CacheModel:
         return slot
 
     # ----------------------------------------------------------------- insert
-    def insert(
-        self, tokens: Sequence[int], namespace: Namespace = DEFAULT_NAMESPACE
-    ) -> InsertResult:
-        """Insert freshly computed KV for ``tokens`` (whole pages). Pages already cached on L1 are
-        kept; host-only pages are revived on L1; new pages form a new leaf. If L1 has no room even
-        after eviction, the tail that does not fit is left out (``truncated_pages``)."""
-        tokens = _check_tokens(tokens)
+    def alloc_device(self, pages: int) -> tuple[int, ...]:
+        """The scheduler takes ``pages`` fresh L1 pages for KV it is about to compute, evicting
+        unlocked L1 leaves as needed. Raises :class:`CapacityError` if L1 still has too few (what
+        was evicted stays evicted; nothing is allocated). The caller owns the slots until it hands
+        them to :meth:`insert` or gives them back with :meth:`free_device`."""
+        if not isinstance(pages, int) or isinstance(pages, bool) or pages < 0:
+            raise MisuseError(f"pages must be an int >= 0, got {pages!r}")
         self._tick()
+        if pages > self.device.free_count:
+            self._evict_device(pages - self.device.free_count)
+        if pages > self.device.free_count:
+            self._finish()
+            raise CapacityError(f"{pages} L1 pages asked, {self.device.free_count} free")
+        slots = self.device.alloc(pages)
+        self.scheduler_slots.update(slots)
+        self._finish()
+        return slots
+
+    def write_device(self, slot: int, content: Hashable) -> None:
+        """The model computed KV into a slot the scheduler owns (the content identity of a page
+        is its page hash)."""
+        if slot not in self.scheduler_slots:
+            raise MisuseError(f"L1 slot {slot} is not held by the scheduler")
+        self.device.write(slot, content)
+
+    def free_device(self, slots: Sequence[int]) -> None:
+        """The scheduler gives back slots it took with :meth:`alloc_device` (an aborted request)."""
+        slots = tuple(slots)
+        if len(set(slots)) != len(slots) or not set(slots) <= self.scheduler_slots:
+            raise MisuseError(f"L1 slots {slots} are not all held by the scheduler")
+        self._tick()
+        self.scheduler_slots.difference_update(slots)
+        self.device.free(slots)
+        self._finish()
+
+    def insert(
+        self,
+        tokens: Sequence[int],
+        namespace: Namespace = DEFAULT_NAMESPACE,
+        device_slots: Sequence[int] = (),
+    ) -> InsertResult:
+        """Cache the KV of ``tokens`` (whole pages; a trailing partial page is ignored).
+
+        ``device_slots`` has one L1 slot per full page, as a scheduler holds them after a request:
+        for the prefix ``match`` found on L1, the cached slots themselves; for every other page, a
+        slot from :meth:`alloc_device` holding that page's KV. The cache takes ownership of every
+        slot it is given: pages it already holds on L1 (or is loading) give their fresh slot back
+        to the pool (``duplicate_pages``), host-only pages are revived on L1 with it, and pages it
+        does not have form a new leaf. Invalid slots raise :class:`MisuseError`, nothing changed.
+        """
+        tokens = _check_tokens(tokens)
         total = len(tokens) // self.page_size
+        slots = tuple(device_slots)
+        if len(slots) != total or len(set(slots)) != total:
+            raise MisuseError(f"{total} distinct L1 slots needed for {total} pages, got {slots}")
+        walk = self.tree.walk(tokens, namespace, split=False)
+        cached = [
+            self.page_info[page].device_slot if self.residency_of(node) in DEVICE_VALID else None
+            for node in walk.path
+            for page in node.pages
+        ]
+        for index, slot in enumerate(slots):
+            if slot in self.scheduler_slots:
+                continue
+            if index >= len(cached) or cached[index] != slot:
+                raise MisuseError(f"L1 slot {slot} for page {index} is not the scheduler's")
+        self._tick()
         walk = self.tree.walk(tokens, namespace, split=True)
-        last = walk.last
-        self._lock(last, +1)  # keep the path out of the eviction below
-        revive = [n for n in walk.path if self.residency_of(n) is Residency.HOST]
-        new_pages = total - walk.matched_pages
-        needed = sum(len(n.pages) for n in revive) + new_pages
-        if needed > self.device.free_count:
-            self._evict_device(needed - self.device.free_count)
-        room = self.device.free_count
-        inserted = 0
+        self.scheduler_slots.difference_update(slots)
+        duplicates: list[int] = []
+        revived = 0
+        offset = 0
         for node in walk.path:
             node.last_access = self.clock
             node.hits += 1
-        for node in revive:  # top-down: stop at the first that does not fit (L1 stays anchored)
-            if len(node.pages) > room:
-                room = 0
-                break
-            self._revive(node)
-            room -= len(node.pages)
-            inserted += len(node.pages)
-        fits = (
-            min(new_pages, room)
-            if all(self.residency_of(n) in DEVICE_CLAIMED for n in walk.path)
-            else 0
-        )
-        deepest = last
-        if fits:
-            start = walk.matched_pages
-            leaf_tokens = tokens[start * self.page_size : (start + fits) * self.page_size]
-            parent_hash = last.last_page
-            pages = chain_page_hashes(leaf_tokens, self.page_size, namespace, parent_hash)
-            slots = self.device.alloc(fits)
-            leaf = self.tree.add_leaf(last, leaf_tokens, pages, self.clock)
-            for page, slot in zip(pages, slots, strict=True):
+            given = slots[offset : offset + len(node.pages)]
+            offset += len(node.pages)
+            state = self.residency_of(node)
+            if state is Residency.HOST:
+                self._revive(node, given)
+                revived += len(node.pages)
+            else:
+                own = [self.page_info[page].device_slot for page in node.pages]
+                duplicates.extend(s for s, o in zip(given, own, strict=True) if s != o)
+        self.device.free(duplicates)
+        new_pages = total - walk.matched_pages
+        deepest = walk.last
+        if new_pages:
+            start = walk.matched_pages * self.page_size
+            leaf_tokens = tokens[start : total * self.page_size]
+            pages = chain_page_hashes(leaf_tokens, self.page_size, namespace, deepest.last_page)
+            leaf = self.tree.add_leaf(deepest, leaf_tokens, pages, self.clock)
+            for page, slot in zip(pages, slots[walk.matched_pages :], strict=True):
                 self.page_info[page] = PageInfo(Residency.NEW, device_slot=slot)
                 self._advance_page(page, ResidencyEvent.INSERT)
-                self.device.write(slot, self._content(page))
             self._count_device(leaf, +1)
-            inserted += fits
             deepest = leaf
             if self.config.write_policy is WritePolicy.WRITE_THROUGH:
                 self._write_through_chain(leaf)
-        self._lock(last, -1)
         self._finish()
-        return InsertResult(deepest.node_id, inserted, fits, new_pages - fits)
+        return InsertResult(deepest.node_id, new_pages, revived, len(duplicates))
 
-    def _revive(self, node: Node) -> None:
-        slots = self.device.alloc(len(node.pages))
+    def _revive(self, node: Node, slots: Sequence[int]) -> None:
         for page, slot in zip(node.pages, slots, strict=True):
-            info = self.page_info[page]
-            info.device_slot = slot
-            self.device.write(slot, self._content(page))
+            self.page_info[page].device_slot = slot
             self._advance_page(page, ResidencyEvent.REVIVE)
         self._count_device(node, +1)
 

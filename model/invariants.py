@@ -139,6 +139,8 @@ def check_i5_slots(cache: CacheModel) -> None:
     for op in cache.prefetch_ops.values():
         for slot in op.held_slots:
             host[slot] += 1
+    for slot in cache.scheduler_slots:
+        device[slot] += 1
     for name, counts, pool in (("L1", device, cache.device), ("L2", host, cache.host)):
         shared = [slot for slot, n in counts.items() if n > 1]
         if shared:

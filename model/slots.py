@@ -23,9 +23,14 @@ __all__ = ["UNWRITTEN", "SlotPool"]
 
 
 class _Unwritten:
+    """A singleton, also through copy, deepcopy and pickle."""
+
     __slots__ = ()
 
     def __repr__(self) -> str:
+        return "UNWRITTEN"
+
+    def __reduce__(self) -> str:
         return "UNWRITTEN"
 
 

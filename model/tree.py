@@ -80,6 +80,12 @@ class RadixTree:
             self.roots[namespace] = node_id
         return self.nodes[node_id]
 
+    def _peek_root(self, namespace: Namespace) -> Node:
+        """The root of ``namespace`` if it exists, else a detached empty root (id 0) that is not
+        added to the tree: a read-only walk never changes the tree."""
+        node_id = self.roots.get(namespace)
+        return self.nodes[node_id] if node_id is not None else Node(0, None, namespace, (), ())
+
     def node(self, node_id: int) -> Node:
         try:
             return self.nodes[node_id]
@@ -97,7 +103,7 @@ class RadixTree:
         """Follow ``tokens`` (whole pages only) from the root. With ``split`` a match that ends inside a
         node splits it so that the walk ends exactly on a node boundary; without it the partly matched
         node is left out of the path (and its matched pages are not counted)."""
-        root = self.root(namespace)
+        root = self.root(namespace) if split else self._peek_root(namespace)
         total = len(tokens) // self.page_size
         node = root
         path: list[Node] = []

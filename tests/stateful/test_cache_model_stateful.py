@@ -16,7 +16,7 @@ from hypothesis import event, note, settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from kvstrata.model.cache import HOST_VALID, CacheConfig, CacheModel, WritePolicy
-from kvstrata.model.errors import IllegalTransition, MisuseError
+from kvstrata.model.errors import CapacityError, IllegalTransition, MisuseError
 from kvstrata.model.invariants import check_cache
 from kvstrata.model.keys import (
     DEFAULT_NAMESPACE,
@@ -33,7 +33,7 @@ from kvstrata.model.prefetch import PrefetchPolicy
 from kvstrata.model.store import StoreModel
 
 NAMESPACES = (DEFAULT_NAMESPACE, Namespace(extra_key="lora-1"))
-fresh_tokens = st.lists(st.integers(1, 3), max_size=8).map(tuple)
+fresh_tokens = st.lists(st.integers(1, 3), max_size=6).map(tuple)
 
 
 @st.composite
@@ -43,8 +43,8 @@ def related_tokens(draw: st.DrawFn, known: list[tuple[int, ...]]) -> tuple[int, 
     if known and draw(st.booleans()):
         base = draw(st.sampled_from(known))
         cut = draw(st.integers(0, len(base)))
-        tail = draw(st.lists(st.integers(1, 3), max_size=4))
-        return (*base[:cut], *tail)
+        tail = draw(st.lists(st.integers(1, 3), max_size=3))
+        return (*base[:cut], *tail)[:8]
     return draw(fresh_tokens)
 
 
@@ -80,7 +80,7 @@ class CacheModelMachine(RuleBasedStateMachine):
     @initialize(
         data=st.data(),
         page_size=st.integers(1, 2),
-        device_pages=st.integers(3, 8),
+        device_pages=st.integers(4, 8),
         mla=st.booleans(),
         prefetch_policy=st.sampled_from(PrefetchPolicy),
         quota=st.sampled_from([None, 2, 4]),
@@ -127,19 +127,52 @@ class CacheModelMachine(RuleBasedStateMachine):
         return chain_page_hashes(tokens, self.page_size, ns)
 
     # ------------------------------------------------------------ scheduler rules
+    def schedule(self, cache: CacheModel, tokens: tuple[int, ...], ns: Namespace) -> bool:
+        """What a scheduler does for one request: match, lock the L1 prefix, take fresh L1 pages
+        for the rest, compute their KV, insert, unlock. False if L1 had no room."""
+        nodes_before = len(cache.tree.nodes)
+        result = cache.match(tokens, ns)
+        if len(cache.tree.nodes) > nodes_before + (nodes_before == 0):
+            event("request split a node")
+        pages = self.expected_pages(tokens, ns)
+        locked = not cache.tree.nodes[result.device_node].is_root
+        if locked:
+            cache.lock(result.device_node)
+        try:
+            fresh = cache.alloc_device(len(pages) - result.device_pages)
+        except CapacityError:
+            event("request refused: L1 full of locked pages")
+            fresh = None
+        if fresh is not None:
+            for slot, page in zip(fresh, pages[result.device_pages :], strict=True):
+                cache.write_device(slot, page)
+            inserted = cache.insert(tokens, ns, result.device_slots + fresh)
+            if inserted.duplicate_pages:
+                event("insert gave duplicate pages back")
+            if inserted.revived_pages:
+                event("insert revived host-only pages")
+        if locked:
+            cache.unlock(result.device_node)
+        return fresh is not None
+
     @rule(data=st.data())
     def insert(self, data: st.DataObject) -> None:
         index, cache = self.pick(data)
         tokens, ns = self.draw_tokens(data)
-        before = len(cache.tree.nodes)
-        result = cache.insert(tokens, ns)
-        if len(cache.tree.nodes) > before + 1:
-            event("insert split a node")
-        if result.truncated_pages:
-            event("insert truncated for lack of L1 room")
-        self.inserted[index].add((ns, tokens))
-        if tokens not in self.known:
-            self.known.append(tokens)
+        if self.schedule(cache, tokens, ns):
+            self.inserted[index].add((ns, tokens))
+            if tokens not in self.known:
+                self.known.append(tokens)
+
+    @rule(data=st.data(), pages=st.integers(0, 3))
+    def aborted_request(self, data: st.DataObject, pages: int) -> None:
+        """A request takes L1 pages and goes away before inserting."""
+        _, cache = self.pick(data)
+        try:
+            slots = cache.alloc_device(pages)
+        except CapacityError:
+            return
+        cache.free_device(slots)
 
     @rule(data=st.data())
     def match(self, data: st.DataObject) -> None:
@@ -231,8 +264,13 @@ class CacheModelMachine(RuleBasedStateMachine):
         ns, tokens = data.draw(st.sampled_from(sorted(self.inserted[source], key=repr)))
         self._drain()
         tail = data.draw(st.lists(st.integers(1, 3), max_size=2))
-        if self.caches[1 - source].prefetch((*tokens, *tail), ns) is not None:
+        target = self.caches[1 - source]
+        op_id = target.prefetch((*tokens, *tail), ns)
+        if op_id is not None:
             event("prefetch of pages another instance backed up")
+            arrive = data.draw(st.integers(0, 3), label="pages arriving at once")
+            if arrive:
+                target.prefetch_arrive(op_id, arrive)
 
     def _pick_prefetch(
         self, data: st.DataObject, *states: PrefetchState
@@ -317,7 +355,9 @@ class CacheModelMachine(RuleBasedStateMachine):
     # ------------------------------------------------------------ misuse: typed error, no change
     @rule(
         data=st.data(),
-        bad=st.sampled_from(["unlock", "ack", "tokens", "evict", "prefetch_op", "node"]),
+        bad=st.sampled_from(
+            ["unlock", "ack", "tokens", "evict", "prefetch_op", "node", "slots", "foreign_slot"]
+        ),
     )
     def misuse(self, data: st.DataObject, bad: str) -> None:
         index, cache = self.pick(data)
@@ -338,6 +378,14 @@ class CacheModelMachine(RuleBasedStateMachine):
             call = cache.ack_write
         elif bad == "tokens":
             call = lambda: cache.insert([1, -1, 2])  # noqa: E731
+        elif bad == "slots":
+            call = lambda: cache.insert([1] * self.page_size * 2, DEFAULT_NAMESPACE, [0])  # noqa: E731
+        elif bad == "foreign_slot":
+            owned = sorted(cache.device.allocated() - cache.scheduler_slots)
+            if not owned:
+                return
+            tokens = tuple(range(100, 100 + self.page_size))  # a page the tree never holds
+            call = lambda: cache.insert(tokens, DEFAULT_NAMESPACE, owned[:1])  # noqa: E731
         elif bad == "evict":
             call = lambda: cache.evict_device(-1)  # noqa: E731
         elif bad == "prefetch_op":

@@ -1,0 +1,358 @@
+"""Two embedding-cache nodes over one shared store, driven by Hypothesis (SPEC §6, §7).
+
+The store may start warm (objects pushed by a node that is gone). Rules: insert_batch / prefetch on
+either node, ack or fail a pending op chosen by Hypothesis (a GET may race the store dropping one of
+its objects), local eviction, the store dropping an object, reads, and misuse that must raise a typed
+error and change nothing. After every step the model's own invariants are checked, and so are
+oracles that do not trust the model:
+
+* bytes: everything ``get`` returns, and every visible store object, is exactly the embedding its
+  media hash names (the sizes are fixed here, per media item);
+* pins: a node's LOADING / PUSHING entries are exactly the media of the ops the test still holds for
+  it, and the store is writing exactly the keys of the pending pushes;
+* accounting: a node's used units are the sizes of its entries, never above its capacity;
+* ``is_ready`` is true exactly when the request's GET is no longer pending here.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import TypeVar
+
+import attrs
+import hypothesis.strategies as st
+from hypothesis import event, note, settings
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from kvstrata.model.embedding import EmbeddingCacheModel, OpHandle, OpKind, Unit
+from kvstrata.model.errors import CapacityError, MisuseError
+from kvstrata.model.keys import (
+    DEFAULT_NAMESPACE,
+    KeySpace,
+    KVKind,
+    ModelIdentity,
+    PageHash,
+    Shard,
+    StoreKey,
+    content_hash,
+    parse_store_key,
+)
+from kvstrata.model.lifecycles import EntryState
+from kvstrata.model.slots import UNWRITTEN
+from kvstrata.model.store import StoreModel
+
+T = TypeVar("T")
+
+KEYSPACE = KeySpace(
+    ModelIdentity(name="clip", dtype="fp16", kind=KVKind.EMBEDDING, dim=8), shard=Shard.replicated()
+)
+MEDIA = tuple(content_hash(f"media-{i}".encode()) for i in range(5))
+PINNED = frozenset({EntryState.LOADING, EntryState.PUSHING})
+
+nodes = st.integers(0, 1)
+picks = st.lists(st.integers(0, len(MEDIA) - 1), min_size=1, max_size=3)
+
+
+def expected(media: PageHash, size: int) -> tuple[Unit, ...]:
+    return tuple(Unit(media=media, index=i) for i in range(size))
+
+
+def store_key(media: PageHash) -> StoreKey:
+    return KEYSPACE.key(DEFAULT_NAMESPACE, "emb", "emb", media)
+
+
+def frozen_copy(value: T) -> T:
+    return copy.deepcopy(value, {id(UNWRITTEN): UNWRITTEN})
+
+
+@attrs.define
+class Pending:
+    """An op the test has not completed yet, and the media it covered when it was started."""
+
+    node: int
+    handle: OpHandle
+    media: tuple[PageHash, ...]
+
+
+class EmbeddingMachine(RuleBasedStateMachine):
+    @initialize(
+        n_media=st.integers(3, len(MEDIA)),
+        sizes=st.lists(st.integers(1, 3), min_size=len(MEDIA), max_size=len(MEDIA)),
+        capacities=st.tuples(st.integers(4, 6), st.integers(4, 6)),
+        warm=st.lists(st.booleans(), min_size=len(MEDIA), max_size=len(MEDIA)),
+    )
+    def setup(
+        self, n_media: int, sizes: list[int], capacities: tuple[int, int], warm: list[bool]
+    ) -> None:
+        self.store = StoreModel()
+        self.media = MEDIA[:n_media]
+        self.size = dict(zip(self.media, sizes, strict=False))
+        for media, present in zip(self.media, warm, strict=False):
+            if present:  # pushed earlier by a node that is gone: the shared store starts warm
+                self.store.begin_put(store_key(media))
+                self.store.end_put(store_key(media), expected(media, self.size[media]))
+        self.nodes = tuple(
+            EmbeddingCacheModel(name, capacity, KEYSPACE, self.store)
+            for name, capacity in zip("ab", capacities, strict=True)
+        )
+        self.pending: list[Pending] = []
+        self.completed: list[tuple[int, OpHandle]] = []
+        self.requests: dict[str, tuple[int, OpHandle | None]] = {}
+
+    # ------------------------------------------------------------------------------ helpers
+
+    def batch(self, chosen: list[int]) -> list[PageHash]:
+        return [self.media[i % len(self.media)] for i in chosen]
+
+    def pinned(self, node: int) -> set[PageHash]:
+        return {e.media for e in self.nodes[node].entries() if e.state in PINNED}
+
+    def remote(self, node: int) -> list[PageHash]:
+        """Media visible in the store that ``node`` does not hold."""
+        cache = self.nodes[node]
+        return [
+            m for m in self.media if self.store.contains(store_key(m)) and cache.entry(m) is None
+        ]
+
+    def gets(self) -> list[Pending]:
+        return [op for op in self.pending if op.handle.kind is OpKind.GET]
+
+    def track(self, node: int, handle: OpHandle | None) -> None:
+        if handle is not None:
+            self.pending.append(Pending(node, handle, self.nodes[node].op_media(handle)))
+
+    # ------------------------------------------------------------------------------ rules
+
+    @rule(node=nodes, chosen=picks)
+    def insert_batch(self, node: int, chosen: list[int]) -> None:
+        cache = self.nodes[node]
+        hashes = self.batch(chosen)
+        before = {e.media: e for e in cache.entries()}
+        peer_pushing = {
+            e.media for e in self.nodes[1 - node].entries() if e.state is EntryState.PUSHING
+        }
+        report = cache.insert_batch(hashes, [self.size[m] for m in hashes])
+        note(f"node {node} insert {hashes}: {report}")
+        unique = set(hashes)
+        assert report.new + report.re_pushed + report.busy + report.skipped_no_space == len(unique)
+        assert report.stored + report.store_skipped == report.new + report.re_pushed
+        if set(before) - {e.media for e in cache.entries()}:
+            event("insert: batch evicted an LRU entry")
+        if report.re_pushed and report.stored > report.new:
+            event("insert: local hit pushed again (store had lost it)")
+        if report.store_skipped and unique & peer_pushing:
+            event("insert: store skipped a key the other node is writing")
+        if report.busy:
+            event("insert: local entry busy (loading or pushing)")
+        if report.skipped_no_space:
+            event("insert: no space (pinned entries)")
+        self.track(node, report.op)
+
+    @rule(node=nodes, chosen=picks)
+    def prefetch(self, node: int, chosen: list[int]) -> None:
+        cache = self.nodes[node]
+        hashes = self.batch(chosen)
+        request = f"r{len(self.requests)}"
+        report = cache.prefetch(request, hashes, [self.size[m] for m in hashes])
+        note(f"node {node} prefetch {request} {hashes}: {report}")
+        if report.loading:
+            event("prefetch: GET from the shared store")
+        if report.skipped_no_space:
+            event("prefetch: no space")
+        self.requests[request] = (node, report.op)
+        self.track(node, report.op)
+
+    @precondition(lambda self: any(self.remote(node) for node in range(2)))
+    @rule(data=st.data())
+    def prefetch_from_store(self, data: st.DataObject) -> None:
+        """Steer toward GETs: prefetch, on a node that lacks them, objects the store holds."""
+        node = data.draw(st.sampled_from([n for n in range(2) if self.remote(n)]), label="node")
+        chosen = data.draw(
+            st.lists(st.sampled_from(self.remote(node)), min_size=1, max_size=3), label="media"
+        )
+        self.prefetch(node, [self.media.index(m) for m in chosen])
+
+    def take(self, data: st.DataObject, kind: OpKind) -> Pending:
+        """Remove a pending op of ``kind`` chosen by Hypothesis (any node, any age)."""
+        ops = [op for op in self.pending if op.handle.kind is kind]
+        op = data.draw(st.sampled_from(ops), label="op")
+        self.pending.remove(op)
+        self.completed.append((op.node, op.handle))
+        note(f"node {op.node} completes {op.handle}")
+        return op
+
+    @precondition(lambda self: len(self.gets()) < len(self.pending))
+    @rule(data=st.data(), succeed=st.booleans())
+    def complete_push(self, data: st.DataObject, succeed: bool) -> None:
+        op = self.take(data, OpKind.PUSH)
+        cache = self.nodes[op.node]
+        if self.pinned(op.node) - set(op.media) or cache.used_units == cache.capacity:
+            event("push completes while the pool is under pressure")
+        done = cache.ack_push(op.handle) if succeed else cache.fail_push(op.handle)
+        assert done == len(op.media)
+        for media in op.media:
+            entry = cache.entry(media)
+            assert entry is not None and entry.state is EntryState.READY
+            assert self.store.contains(store_key(media)) is succeed
+        event(f"push {'acked' if succeed else 'failed'}")
+
+    @precondition(lambda self: bool(self.gets()))
+    @rule(data=st.data(), outcome=st.sampled_from(["ack", "ack after a store drop", "fail"]))
+    def complete_get(self, data: st.DataObject, outcome: str) -> None:
+        op = self.take(data, OpKind.GET)
+        cache = self.nodes[op.node]
+        if outcome == "ack after a store drop":  # the race: the store drops what a GET is loading
+            dropped = data.draw(st.sampled_from(op.media), label="dropped")
+            if self.store.evict(store_key(dropped)):
+                event("GET completes after the store dropped an object")
+        lost = {m for m in op.media if not self.store.contains(store_key(m))}
+        if outcome == "fail":
+            assert cache.fail_get(op.handle) == len(op.media)
+            lost = set(op.media)
+        else:
+            assert cache.ack_get(op.handle) == len(op.media) - len(lost)
+        for media in op.media:
+            entry = cache.entry(media)
+            if media in lost:  # a failed GET frees and forgets its entry
+                assert entry is None
+            else:
+                assert entry is not None and entry.state is EntryState.READY
+        event(f"get: {outcome}")
+
+    @rule(node=nodes, n_units=st.integers(0, 6))
+    def evict(self, node: int, n_units: int) -> None:
+        cache = self.nodes[node]
+        pinned = self.pinned(node)
+        pushing = {e.media for e in cache.entries() if e.state is EntryState.PUSHING}
+        freed = cache.evict(n_units)
+        if pushing and n_units:
+            event("evict pressure while a push is in flight")
+        if pinned and freed < n_units:
+            event("evict stopped short at pinned entries")
+        assert pinned <= {e.media for e in cache.entries()}
+
+    @rule(chosen=st.integers(0, len(MEDIA) - 1))
+    def store_evict(self, chosen: int) -> None:
+        media = self.media[chosen % len(self.media)]
+        if self.store.evict(store_key(media)):
+            local = [c.entry(media) for c in self.nodes]
+            if any(e is not None and e.state is EntryState.READY for e in local):
+                event("store dropped an object a node still holds")
+
+    @rule(node=nodes, chosen=picks)
+    def get(self, node: int, chosen: list[int]) -> None:
+        cache = self.nodes[node]
+        hashes = self.batch(chosen)
+        ready = {m for m in hashes if (e := cache.entry(m)) and e.state is EntryState.READY}
+        got = cache.get(hashes)
+        for media, content in zip(hashes, got, strict=True):
+            if media in ready:
+                assert content == expected(media, self.size[media])
+            else:
+                assert content is None
+        if ready:
+            event("get: hit")
+
+    @rule(
+        node=nodes,
+        misuse=st.sampled_from(
+            [
+                "length mismatch",
+                "size zero",
+                "size too large",
+                "conflicting sizes",
+                "wrong size for a local entry",
+                "completed op",
+                "wrong op kind",
+                "request id reused",
+                "evict negative",
+                "unknown request",
+            ]
+        ),
+    )
+    def misuse(self, node: int, misuse: str) -> None:
+        cache = self.nodes[node]
+        media = self.media[0]
+        size = self.size[media]
+        local = cache.entries()
+        ours = [op for op in self.pending if op.node == node]
+        done = [handle for n, handle in self.completed if n == node]
+        requests = [request for request, (n, _op) in self.requests.items() if n == node]
+        calls = {
+            "length mismatch": lambda: cache.insert_batch([media, media], [size]),
+            "size zero": lambda: cache.prefetch("bad", [media], [0]),
+            "size too large": lambda: cache.insert_batch([media], [cache.capacity + 1]),
+            "conflicting sizes": lambda: cache.insert_batch([media, media], [size, size + 1]),
+            "wrong size for a local entry": lambda: cache.insert_batch(
+                [local[0].media], [local[0].size + 1]
+            ),
+            "completed op": lambda: (
+                cache.ack_push if done[0].kind is OpKind.PUSH else cache.ack_get
+            )(done[0]),
+            "wrong op kind": lambda: (
+                cache.ack_get if ours[0].handle.kind is OpKind.PUSH else cache.fail_push
+            )(ours[0].handle),
+            "request id reused": lambda: cache.prefetch(requests[0], [media], [size]),
+            "evict negative": lambda: cache.evict(-1),
+            "unknown request": lambda: cache.is_ready("no such request"),
+        }
+        applicable = {
+            "wrong size for a local entry": bool(local),
+            "completed op": bool(done),
+            "wrong op kind": bool(ours),
+            "request id reused": bool(requests),
+        }
+        if not applicable.get(misuse, True):
+            return
+        error = CapacityError if misuse == "size too large" else MisuseError
+        before = frozen_copy((self.nodes, self.store))
+        try:
+            calls[misuse]()
+        except error:
+            pass
+        else:
+            raise AssertionError(f"{misuse}: no {error.__name__}")
+        assert (self.nodes, self.store) == before, f"{misuse} changed the model"
+        event(f"misuse: {misuse}")
+
+    # ------------------------------------------------------------------------------ oracles
+
+    @invariant()
+    def model_invariants(self) -> None:
+        for cache in self.nodes:
+            cache.check_invariants()
+
+    @invariant()
+    def store_holds_exactly_what_keys_name(self) -> None:
+        for key, content in self.store.visible_items():
+            media = parse_store_key(key).page_hash
+            assert content == expected(media, self.size[media]), f"{key} holds {content!r}"
+
+    @invariant()
+    def pins_match_pending_ops(self) -> None:
+        writing: set[StoreKey] = set()
+        for node, cache in enumerate(self.nodes):
+            held = {m for op in self.pending if op.node == node for m in op.media}
+            assert self.pinned(node) == held, f"node {node}: pinned {self.pinned(node)} != {held}"
+            for op in self.pending:
+                if op.node == node and op.handle.kind is OpKind.PUSH:
+                    writing |= {store_key(m) for m in op.media}
+            assert set(cache.pending_ops()) == {op.handle for op in self.pending if op.node == node}
+        assert self.store.writing_keys() == writing
+
+    @invariant()
+    def ready_exactly_when_the_get_is_done(self) -> None:
+        for request, (node, handle) in self.requests.items():
+            pending = any(op.node == node and op.handle == handle for op in self.pending)
+            assert self.nodes[node].is_ready(request) is not pending, request
+
+    @invariant()
+    def accounting(self) -> None:
+        for cache in self.nodes:
+            entries = cache.entries()
+            assert all(e.size == self.size[e.media] for e in entries)
+            assert cache.used_units == sum(e.size for e in entries) <= cache.capacity
+
+
+EmbeddingMachine.TestCase.settings = settings(settings(), stateful_step_count=50)
+TestEmbeddingCache = EmbeddingMachine.TestCase
