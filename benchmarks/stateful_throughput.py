@@ -63,7 +63,11 @@ def measure(machine: type[RuleBasedStateMachine], examples: int, steps: int) -> 
     start = time.perf_counter()
     run_state_machine_as_test(Counted, settings=config)
     seconds = time.perf_counter() - start
-    return {"steps": counter["steps"], "seconds": seconds, "steps_per_s": counter["steps"] / seconds}
+    return {
+        "steps": counter["steps"],
+        "seconds": seconds,
+        "steps_per_s": counter["steps"] / seconds,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -77,7 +81,9 @@ def main(argv: list[str] | None = None) -> int:
     for machine in machines():
         row = measure(machine, args.examples, args.steps)
         results[machine.__name__] = row
-        print(f"{machine.__name__:32} {row['steps']:8.0f} {row['seconds']:8.1f} {row['steps_per_s']:8.0f}")
+        print(
+            f"{machine.__name__:32} {row['steps']:8.0f} {row['seconds']:8.1f} {row['steps_per_s']:8.0f}"
+        )
     total_steps = sum(r["steps"] for r in results.values())
     total_seconds = sum(r["seconds"] for r in results.values())
     print(f"{'all':32} {total_steps:8.0f} {total_seconds:8.1f} {total_steps / total_seconds:8.0f}")
