@@ -220,13 +220,15 @@ class CacheModelMachine(RuleBasedStateMachine):
 
     # ------------------------------------------------------------ background completion
     @precondition(lambda self: any(c.write_ops or c.load_ops for c in self.caches))
-    @rule(data=st.data())
-    def ack_copy(self, data: st.DataObject) -> None:
+    @rule(data=st.data(), fail=st.sampled_from([False, False, False, True]))
+    def ack_copy(self, data: st.DataObject, fail: bool) -> None:
         cache = data.draw(st.sampled_from([c for c in self.caches if c.write_ops or c.load_ops]))
+        if fail:
+            event("an L1/L2 copy failed")
         if cache.write_ops and (not cache.load_ops or data.draw(st.booleans())):
-            cache.ack_write()
+            (cache.fail_write if fail else cache.ack_write)()
         else:
-            cache.ack_load()
+            (cache.fail_load if fail else cache.ack_load)()
 
     @precondition(lambda self: any(c.backup_ops for c in self.caches))
     @rule(data=st.data(), fail=st.booleans())

@@ -1,0 +1,68 @@
+"""Typed configuration of the implementation's components (SPEC §9).
+
+Each component has one attrs class, validated on construction; a bad value raises
+:class:`~kvstrata.impl.errors.ConfigError` naming the field, what was expected and what was given.
+Enum-valued fields also accept their string names ("write_through", ...).
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any, TypeVar
+
+import attrs
+
+from kvstrata.impl.errors import ConfigError
+from kvstrata.model.cache import WritePolicy
+
+__all__ = ["RadixCacheConfig", "enum_converter"]
+
+E = TypeVar("E", bound=enum.Enum)
+
+
+def enum_converter(kind: type[E], field: str) -> Any:
+    def convert(value: object) -> E:
+        if isinstance(value, kind):
+            return value
+        try:
+            return kind(value)
+        except ValueError:
+            names = ", ".join(repr(member.value) for member in kind)
+            raise ConfigError(f"{field}: expected one of {names}, got {value!r}") from None
+
+    return convert
+
+
+def _positive(_instance: object, attribute: attrs.Attribute[int], value: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ConfigError(f"{attribute.name}: expected an int > 0, got {value!r}")
+
+
+def _non_negative(_instance: object, attribute: attrs.Attribute[int], value: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ConfigError(f"{attribute.name}: expected an int >= 0, got {value!r}")
+
+
+def _optional_positive(
+    _instance: object, attribute: attrs.Attribute[int | None], value: int | None
+) -> None:
+    if value is not None:
+        _positive(_instance, attribute, value)  # type: ignore[arg-type]
+
+
+def _write_policy(value: object) -> WritePolicy:
+    converted: WritePolicy = enum_converter(WritePolicy, "write_policy")(value)
+    return converted
+
+
+@attrs.frozen
+class RadixCacheConfig:
+    """The radix cache's policies. Sizes of the pools are the pools' own configuration."""
+
+    page_size: int = attrs.field(validator=_positive)
+    write_policy: WritePolicy = attrs.field(
+        default=WritePolicy.WRITE_THROUGH, converter=_write_policy
+    )
+    write_through_threshold: int = attrs.field(default=2, validator=_positive)
+    load_back_threshold: int = attrs.field(default=0, validator=_non_negative)  # tokens
+    load_back_quota: int | None = attrs.field(default=None, validator=_optional_positive)  # pages

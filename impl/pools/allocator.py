@@ -1,0 +1,199 @@
+"""Page allocators with exact free accounting.
+
+Invariants of a :class:`PageAllocator` (``check()`` verifies them; the unit tests hold it to a set
+model):
+
+- every page in ``range(num_pages)`` is either free or allocated, never both:
+  ``free_count + used_count == num_pages``;
+- ``alloc(n)`` returns the ``n`` **lowest** free pages in ascending order (deterministic: the same
+  sequence of calls gives the same pages);
+- every allocated page is freed exactly once; an ``alloc`` that cannot be satisfied raises
+  :class:`CapacityError` and a ``free`` of a free, duplicated or out-of-range page raises
+  :class:`MisuseError`, and neither changes anything.
+
+Design. A free-mask (one bool per page) with a per-block free count (blocks of ``_BLOCK`` pages) on top.
+``alloc(n)`` finds the lowest blocks that hold ``n`` free pages with one cumulative sum over the block
+counts, gathers the free-mask of only the non-empty ones among them and takes the first ``n`` set bits;
+``free(pages)`` sets bits and adds a ``bincount`` to the block counts. Everything is a numpy call over
+``k`` pages plus ``num_pages / _BLOCK`` block counters: no Python work per page. Alternatives: a heap
+(``heapq``) pops one page per Python call (~0.3 µs each, 1000 pages per request at page size 1); a sorted
+free array is vectorised but merging freed pages back costs ``O(free pages)`` per ``free``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TypeAlias
+
+import numpy as np
+import numpy.typing as npt
+import torch
+
+from kvstrata.impl.errors import CapacityError, ConfigError, MisuseError
+
+__all__ = ["PageAllocator", "PageIndices", "as_page_array"]
+
+PageIndices: TypeAlias = "npt.NDArray[np.integer] | Sequence[int] | torch.Tensor"
+"""Page indices as a caller may pass them: a 1-D integer numpy array, a sequence of ints, or a 1-D
+integer torch tensor (on any device)."""
+
+_SHIFT = 10
+_BLOCK = 1 << _SHIFT
+
+
+def as_page_array(
+    pages: PageIndices, num_pages: int, *, what: str = "pages", unique: bool = False
+) -> npt.NDArray[np.int64]:
+    """``pages`` as a 1-D int64 numpy array, checked to lie in ``range(num_pages)`` (and, with
+    ``unique``, to hold no index twice). :class:`MisuseError` naming ``what`` otherwise.
+
+    The result may share memory with ``pages``; callers must not write to it.
+    """
+    if isinstance(pages, torch.Tensor):
+        if pages.dtype.is_floating_point or pages.dtype.is_complex or pages.dtype == torch.bool:
+            raise MisuseError(f"{what}: expected integer page indices, got a {pages.dtype} tensor")
+        array = pages.detach().to("cpu").numpy()
+    else:
+        array = np.asarray(pages)
+        if array.size == 0:
+            array = array.astype(np.int64)
+    if array.ndim != 1:
+        raise MisuseError(
+            f"{what}: expected a 1-D sequence of page indices, got shape {array.shape}"
+        )
+    if array.dtype.kind not in "iu":
+        raise MisuseError(f"{what}: expected integer page indices, got dtype {array.dtype}")
+    array = array.astype(np.int64, copy=False)
+    if array.size:
+        low, high = int(array.min()), int(array.max())
+        if low < 0 or high >= num_pages:
+            bad = low if low < 0 else high
+            raise MisuseError(f"{what}: page {bad} is out of range [0, {num_pages})")
+        if unique and array.size > 1:
+            ordered = np.sort(array)
+            repeated = ordered[1:][ordered[1:] == ordered[:-1]]
+            if repeated.size:
+                raise MisuseError(f"{what}: page {int(repeated[0])} is given more than once")
+    return array
+
+
+class PageAllocator:
+    """Hands out page indices ``0 .. num_pages - 1``, lowest free first (see the module docstring).
+
+    Not thread-safe: the scheduler thread owns it (the transfer worker never allocates or frees).
+    """
+
+    __slots__ = ("_block_free", "_blocks", "_free", "_free_count", "_name", "_num_pages")
+
+    def __init__(self, num_pages: int, name: str = "pages") -> None:
+        if isinstance(num_pages, bool) or not isinstance(num_pages, int) or num_pages < 1:
+            raise ConfigError(
+                f"PageAllocator.num_pages: expected a positive int, got {num_pages!r}"
+            )
+        if not isinstance(name, str) or not name:
+            raise ConfigError(f"PageAllocator.name: expected a non-empty str, got {name!r}")
+        self._name = name
+        self._num_pages = num_pages
+        self._blocks = -(-num_pages // _BLOCK)
+        # padded to whole blocks; padding pages are never free
+        self._free = np.zeros(self._blocks * _BLOCK, dtype=np.bool_)
+        self._block_free = np.zeros(self._blocks, dtype=np.int64)
+        self.reset()
+
+    # ----------------------------------------------------------------------------------------- queries
+    @property
+    def name(self) -> str:
+        """The pool this allocator serves, for error messages and metrics."""
+        return self._name
+
+    @property
+    def num_pages(self) -> int:
+        """Total pages, free and allocated."""
+        return self._num_pages
+
+    @property
+    def free_count(self) -> int:
+        """Pages that ``alloc`` can hand out now."""
+        return self._free_count
+
+    @property
+    def used_count(self) -> int:
+        """Pages allocated and not yet freed (``num_pages - free_count``)."""
+        return self._num_pages - self._free_count
+
+    def is_allocated(self, page: int) -> bool:
+        """Whether ``page`` is allocated; :class:`MisuseError` if it is not a page of this pool."""
+        if isinstance(page, bool) or not isinstance(page, int | np.integer):
+            raise MisuseError(f"{self._name}: expected a page index (int), got {page!r}")
+        if not 0 <= page < self._num_pages:
+            raise MisuseError(f"{self._name}: page {page} is out of range [0, {self._num_pages})")
+        return not bool(self._free[page])
+
+    def allocated(self) -> frozenset[int]:
+        """Every allocated page (O(num_pages); for tests and diagnostics)."""
+        return frozenset(np.flatnonzero(~self._free[: self._num_pages]).tolist())
+
+    # -------------------------------------------------------------------------------------- mutations
+    def alloc(self, n: int) -> npt.NDArray[np.int32]:
+        """The ``n`` lowest free pages, ascending, now allocated.
+
+        :class:`CapacityError` (nothing allocated) if fewer than ``n`` are free; :class:`MisuseError`
+        if ``n`` is not a non-negative int.
+        """
+        if isinstance(n, bool) or not isinstance(n, int | np.integer) or n < 0:
+            raise MisuseError(f"{self._name}: alloc expects a non-negative int, got {n!r}")
+        n = int(n)
+        if n > self._free_count:
+            raise CapacityError(
+                f"{self._name}: cannot allocate {n} pages, {self._free_count} of "
+                f"{self._num_pages} are free"
+            )
+        if n == 0:
+            return np.empty(0, dtype=np.int32)
+        # the lowest blocks that together hold n free pages; only the non-empty ones are scanned
+        last = int(np.searchsorted(np.cumsum(self._block_free), n))
+        blocks = np.flatnonzero(self._block_free[: last + 1])
+        rows, cols = np.nonzero(self._free.reshape(self._blocks, _BLOCK)[blocks])
+        pages = (blocks[rows[:n]] << _SHIFT) + cols[:n]
+        self._free[pages] = False
+        self._block_free -= np.bincount(pages >> _SHIFT, minlength=self._blocks)
+        self._free_count -= n
+        return pages.astype(np.int32)
+
+    def free(self, pages: PageIndices) -> None:
+        """Return ``pages`` to the free set.
+
+        :class:`MisuseError` (nothing freed) if a page is out of range, given twice, or not allocated.
+        """
+        array = as_page_array(pages, self._num_pages, what=f"{self._name}: free", unique=True)
+        if array.size == 0:
+            return
+        already = self._free[array]
+        if already.any():
+            page = int(array[np.argmax(already)])
+            raise MisuseError(f"{self._name}: page {page} is not allocated (double free?)")
+        self._free[array] = True
+        self._block_free += np.bincount(array >> _SHIFT, minlength=self._blocks)
+        self._free_count += int(array.size)
+
+    def reset(self) -> None:
+        """Free every page (for a cache ``reset()``)."""
+        self._free[:] = False
+        self._free[: self._num_pages] = True
+        self._block_free[:] = _BLOCK
+        self._block_free[-1] = self._num_pages - (self._blocks - 1) * _BLOCK
+        self._free_count = self._num_pages
+
+    def check(self) -> None:
+        """Raise ``AssertionError`` unless the internal counters agree with the free-mask."""
+        counts = self._free.reshape(self._blocks, _BLOCK).sum(axis=1)
+        assert np.array_equal(counts, self._block_free), "block counts disagree with the free-mask"
+        assert int(counts.sum()) == self._free_count, "free_count disagrees with the free-mask"
+        assert not self._free[self._num_pages :].any(), "a padding page is marked free"
+        assert 0 <= self._free_count <= self._num_pages
+
+    def __repr__(self) -> str:
+        return (
+            f"PageAllocator(name={self._name!r}, num_pages={self._num_pages}, "
+            f"free={self._free_count})"
+        )

@@ -1,0 +1,897 @@
+"""The hierarchical radix cache: a paged radix tree over an L1 device pool and an L2 host pool
+(SPEC §3), held to :class:`kvstrata.model.cache.CacheModel` by the differential stateful test.
+
+Theory of operation
+-------------------
+* The scheduler-facing protocol is the model's: ``match_prefix`` (longest cached prefix, splitting the
+  node it ends inside), ``alloc_device`` (fresh L1 pages for the KV a request is about to compute,
+  evicting as needed), ``insert`` (the cache takes ownership of every page it is given), ``lock`` /
+  ``unlock`` (path locks), ``evict`` / ``evict_host``, ``load_back`` and ``check_events``.
+* Everything is single-threaded on the scheduler's side. Copies run on the transfer controller's worker
+  and only become visible to the tree in :meth:`HierarchicalRadixCache.check_events`, in FIFO order.
+* Residency is kept per node (every page of a node shares it) and advanced only through the model's
+  ``PAGE_RESIDENCY`` table. A pending copy holds the page index arrays it was enqueued with and the list
+  of nodes covering them; a split adds the new prefix node to that list, so an ack always reaches every
+  page the copy covered (I4: the "lost split" bug cannot happen by construction).
+* ``clock`` is a step counter (one tick per public call), not wall time: LRU order is deterministic and
+  identical to the model's.
+* Bad input raises a typed error (:mod:`kvstrata.impl.errors`) before anything changes.
+
+Indices are page indices (one per ``page_size`` tokens), never token indices.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, Protocol
+
+import attrs
+import numpy as np
+import numpy.typing as npt
+
+from kvstrata.impl.config import RadixCacheConfig
+from kvstrata.impl.errors import CapacityError, ConfigError, MisuseError
+from kvstrata.impl.pools import KVPool, copy_pages
+from kvstrata.impl.transfer import Completion, Direction, Executor, TransferController
+from kvstrata.model.cache import WritePolicy
+from kvstrata.model.keys import Namespace, PageHash, chain_page_hashes
+from kvstrata.model.lifecycles import (
+    DEVICE_CLAIMED,
+    DEVICE_VALID,
+    HOST_CLAIMED,
+    HOST_VALID,
+    LOAD_OP,
+    PAGE_RESIDENCY,
+    WRITE_OP,
+    OpEvent,
+    OpState,
+    Residency,
+    ResidencyEvent,
+)
+
+__all__ = [
+    "Allocator",
+    "CacheEvent",
+    "HierarchicalRadixCache",
+    "InsertResult",
+    "MatchResult",
+    "Node",
+]
+
+Pages = npt.NDArray[np.int64]
+_EMPTY: Pages = np.zeros(0, dtype=np.int64)
+_MAX_TOKEN = 2**32 - 1
+
+
+class Allocator(Protocol):
+    """What the cache needs from a pool's page allocator."""
+
+    @property
+    def free_count(self) -> int: ...
+
+    def alloc(self, n: int, /) -> npt.NDArray[np.integer[Any]]: ...
+
+    def free(self, pages: npt.NDArray[np.int64], /) -> None: ...
+
+
+class Node:
+    """A run of whole pages. ``key`` holds the token ids as little-endian uint32 bytes, ``hashes``
+    the pages' SHA-256 chain digests (32 bytes each), ``device`` / ``host`` their page indices."""
+
+    __slots__ = (
+        "children",
+        "device",
+        "hashes",
+        "hits",
+        "host",
+        "id",
+        "key",
+        "last_access",
+        "load_op",
+        "lock_ref",
+        "namespace",
+        "parent",
+        "pins",
+        "state",
+        "write_op",
+    )
+
+    def __init__(
+        self,
+        node_id: int,
+        parent: Node | None,
+        namespace: Namespace,
+        *,
+        key: bytes,
+        hashes: bytes,
+        state: Residency | None,
+    ) -> None:
+        self.id = node_id
+        self.parent = parent
+        self.namespace = namespace
+        self.key = key
+        self.hashes = hashes
+        self.state = state
+        self.children: dict[bytes, Node] = {}
+        self.device: Pages | None = None
+        self.host: Pages | None = None
+        self.lock_ref = 0
+        self.pins = 0
+        self.last_access = 0
+        self.hits = 0
+        self.write_op: CopyOp | None = None
+        self.load_op: CopyOp | None = None
+
+    @property
+    def is_root(self) -> bool:
+        return self.parent is None
+
+    @property
+    def num_pages(self) -> int:
+        return len(self.hashes) // 32
+
+    def page_hash(self, index: int) -> PageHash:
+        return PageHash(self.hashes[index * 32 : (index + 1) * 32])
+
+    @property
+    def last_hash(self) -> PageHash | None:
+        return self.page_hash(self.num_pages - 1) if self.hashes else None
+
+    def __repr__(self) -> str:
+        state = None if self.state is None else self.state.value
+        return (
+            f"Node(id={self.id}, pages={self.num_pages}, state={state}, lock_ref={self.lock_ref})"
+        )
+
+
+@attrs.define(eq=False)
+class CopyOp:
+    """A pending L1 <-> L2 copy. ``nodes`` are the nodes covering its pages (grown by splits)."""
+
+    op_id: int
+    direction: Direction
+    node: Node  # the node it locks while in flight
+    nodes: list[Node]
+    state: OpState = OpState.PENDING
+
+
+@attrs.frozen
+class MatchResult:
+    device_indices: Pages  # L1 pages of the cached prefix, in order
+    device_node: Node  # deepest node of the L1 prefix (a root if none)
+    host_pages: int  # pages of the L2-only continuation
+    host_node: Node  # deepest node of that continuation (== device_node if none)
+
+    @property
+    def device_pages(self) -> int:
+        return len(self.device_indices)
+
+
+@attrs.frozen
+class InsertResult:
+    node: Node
+    new_pages: int
+    revived_pages: int
+    duplicate_pages: int
+
+
+@attrs.frozen
+class CacheEvent:
+    """One finished copy batch as ``check_events`` applied it."""
+
+    direction: Direction
+    op_ids: tuple[int, ...]
+    ok: bool
+
+
+def _as_tokens(tokens: object) -> npt.NDArray[np.uint32]:
+    """``tokens`` as a 1-D uint32 array; :class:`MisuseError` for anything else."""
+    if isinstance(tokens, str | bytes):
+        raise MisuseError(f"tokens must be a 1-D sequence of ints, got {type(tokens).__name__}")
+    try:
+        array = np.asarray(tokens)
+    except (TypeError, ValueError) as exc:
+        raise MisuseError(f"tokens must be a 1-D sequence of ints: {exc}") from exc
+    if array.ndim != 1:
+        raise MisuseError(f"tokens must be 1-D, got shape {array.shape}")
+    if array.size == 0:
+        return np.zeros(0, dtype=np.uint32)
+    if array.dtype.kind not in "iu":
+        raise MisuseError(f"token ids must be integers, got dtype {array.dtype}")
+    if int(array.min()) < 0 or int(array.max()) > _MAX_TOKEN:
+        raise MisuseError(f"token ids must be in [0, {_MAX_TOKEN}]")
+    return array.astype("<u4", copy=False)
+
+
+class HierarchicalRadixCache:
+    """L1/L2 radix cache. See the module docstring for the protocol and its invariants."""
+
+    def __init__(
+        self,
+        config: RadixCacheConfig,
+        device: Allocator,
+        host: Allocator | None = None,
+        transfer: TransferController | None = None,
+        copy_now: Callable[[Direction, Pages, Pages], int] | None = None,
+    ) -> None:
+        if (host is None) != (transfer is None):
+            raise MisuseError("an L2 pool needs a transfer controller and vice versa")
+        if config.write_policy is WritePolicy.WRITE_BACK and host is not None and copy_now is None:
+            raise MisuseError("write_back needs a blocking copy function (copy_now)")
+        self.config = config
+        self.page_size = config.page_size
+        self._device = device
+        self._host = host
+        self._transfer = transfer
+        self._copy_now = copy_now
+        self._page_bytes = 4 * config.page_size
+        self.clock = 0
+        self._next_id = 0
+        self._next_op = 0
+        self.roots: dict[Namespace, Node] = {}
+        self.write_ops: deque[CopyOp] = deque()
+        self.load_ops: deque[CopyOp] = deque()
+        self.scheduler_pages: set[int] = set()
+        self.evictable_pages = 0
+        self.protected_pages = 0
+
+    @classmethod
+    def build(
+        cls,
+        config: RadixCacheConfig,
+        device_pool: KVPool,
+        host_pool: KVPool | None = None,
+        executor: Executor | None = None,
+    ) -> HierarchicalRadixCache:
+        """A cache over real pools: copies run on ``executor`` (a worker thread by default)."""
+        if device_pool.shape.page_size != config.page_size:
+            raise ConfigError("the device pool's page size differs from the cache's page_size")
+        if host_pool is None:
+            return cls(config, device_pool.allocator)
+
+        def copy(direction: Direction, src: Pages, dst: Pages) -> int:
+            if direction is Direction.WRITE:
+                return copy_pages(device_pool, src, host_pool, dst)
+            return copy_pages(host_pool, src, device_pool, dst)
+
+        transfer = TransferController(copy, executor)
+        return cls(config, device_pool.allocator, host_pool.allocator, transfer, copy)
+
+    @property
+    def transfer(self) -> TransferController | None:
+        return self._transfer
+
+    def close(self) -> None:
+        """Finish queued copies and stop the transfer worker."""
+        if self._transfer is not None:
+            self._transfer.close()
+
+    # ------------------------------------------------------------------ basics
+    @property
+    def has_host(self) -> bool:
+        return self._host is not None
+
+    @property
+    def device_free(self) -> int:
+        return self._device.free_count
+
+    @property
+    def host_free(self) -> int:
+        return 0 if self._host is None else self._host.free_count
+
+    def _tick(self) -> None:
+        self.clock += 1
+
+    def _new_id(self) -> int:
+        self._next_id += 1
+        return self._next_id
+
+    def _new_op(self) -> int:
+        self._next_op += 1
+        return self._next_op
+
+    @staticmethod
+    def namespace_of(extra_key: str | Namespace | None) -> Namespace:
+        if isinstance(extra_key, Namespace):
+            return extra_key
+        if extra_key is not None and not isinstance(extra_key, str):
+            raise MisuseError(f"extra_key must be a str or None, got {type(extra_key).__name__}")
+        return Namespace(extra_key=extra_key)
+
+    def _root(self, namespace: Namespace, create: bool) -> Node:
+        root = self.roots.get(namespace)
+        if root is None:
+            if not create:
+                return Node(0, None, namespace, key=b"", hashes=b"", state=None)
+            root = Node(self._new_id(), None, namespace, key=b"", hashes=b"", state=None)
+            self.roots[namespace] = root
+        return root
+
+    def _advance(self, node: Node, event: ResidencyEvent) -> None:
+        assert node.state is not None
+        node.state = PAGE_RESIDENCY.next(node.state, event)
+
+    def _count_device(self, node: Node, sign: int) -> None:
+        if node.lock_ref:
+            self.protected_pages += sign * node.num_pages
+        else:
+            self.evictable_pages += sign * node.num_pages
+
+    def _lock(self, node: Node, delta: int) -> None:
+        node.pins += delta
+        current: Node | None = node
+        while current is not None and not current.is_root:
+            before = current.lock_ref
+            current.lock_ref += delta
+            if (before == 0) != (current.lock_ref == 0) and current.state in DEVICE_VALID:
+                moved = current.num_pages if current.lock_ref else -current.num_pages
+                self.protected_pages += moved
+                self.evictable_pages -= moved
+            current = current.parent
+
+    def _raw_lock(self, node: Node, delta: int) -> None:
+        """A lock that only keeps eviction away for the length of one call (no accounting)."""
+        node.pins += delta
+        current: Node | None = node
+        while current is not None and not current.is_root:
+            current.lock_ref += delta
+            current = current.parent
+
+    def _finish(self) -> None:
+        if self._transfer is not None:
+            self._transfer.flush()
+
+    # ------------------------------------------------------------------ the tree
+    def _walk(
+        self, tokens: npt.NDArray[np.uint32], namespace: Namespace, split: bool
+    ) -> tuple[Node, list[Node], int]:
+        root = self._root(namespace, create=split)
+        size = self.page_size
+        total = len(tokens) // size
+        query = tokens[: total * size].tobytes()
+        view = memoryview(query)
+        step = self._page_bytes
+        node = root
+        path: list[Node] = []
+        matched = 0
+        while matched < total:
+            child = node.children.get(query[matched * step : (matched + 1) * step])
+            if child is None:
+                break
+            pages = child.num_pages
+            avail = min(pages, total - matched)
+            if (
+                memoryview(child.key)[: avail * step]
+                == view[matched * step : (matched + avail) * step]
+            ):
+                common = avail
+            else:
+                mine = np.frombuffer(child.key, dtype="<u4", count=avail * size).reshape(
+                    avail, size
+                )
+                theirs = tokens[matched * size : (matched + avail) * size].reshape(avail, size)
+                common = int(np.argmin((mine == theirs).all(axis=1)))
+            if common < pages:
+                if not split:
+                    break
+                child = self._split(child, common)
+            path.append(child)
+            matched += common
+            node = child
+            if common < pages:
+                break
+        return root, path, matched
+
+    def _split(self, node: Node, pages: int) -> Node:
+        """``node`` keeps the suffix (and its id, children, pins, pending ops); a new node takes the
+        first ``pages`` pages and joins every pending op that covers ``node``."""
+        parent = node.parent
+        assert parent is not None and 0 < pages < node.num_pages
+        cut = pages * self._page_bytes
+        prefix = Node(
+            self._new_id(),
+            parent,
+            node.namespace,
+            key=node.key[:cut],
+            hashes=node.hashes[: pages * 32],
+            state=node.state,
+        )
+        prefix.lock_ref = node.lock_ref
+        prefix.last_access = node.last_access
+        prefix.hits = node.hits
+        if node.device is not None:
+            prefix.device, node.device = node.device[:pages], node.device[pages:]
+        if node.host is not None:
+            prefix.host, node.host = node.host[:pages], node.host[pages:]
+        for op in (node.write_op, node.load_op):
+            if op is not None:
+                op.nodes.insert(op.nodes.index(node), prefix)
+        prefix.write_op, prefix.load_op = node.write_op, node.load_op
+        parent.children[prefix.key[: self._page_bytes]] = prefix
+        node.key = node.key[cut:]
+        node.hashes = node.hashes[pages * 32 :]
+        node.parent = prefix
+        prefix.children[node.key[: self._page_bytes]] = node
+        return prefix
+
+    def _add_leaf(self, parent: Node, key: bytes, hashes: bytes, state: Residency) -> Node:
+        leaf = Node(self._new_id(), parent, parent.namespace, key=key, hashes=hashes, state=state)
+        leaf.last_access = self.clock
+        parent.children[key[: self._page_bytes]] = leaf
+        return leaf
+
+    def _remove_leaf(self, node: Node) -> None:
+        assert node.parent is not None and not node.children and not node.lock_ref
+        del node.parent.children[node.key[: self._page_bytes]]
+        node.parent = None
+        node.state = Residency.GONE
+
+    def nodes(self) -> Iterator[Node]:
+        """Every non-root node, parents before children."""
+        stack = list(self.roots.values())
+        while stack:
+            node = stack.pop()
+            if not node.is_root:
+                yield node
+            stack.extend(node.children.values())
+
+    @staticmethod
+    def ancestors(node: Node) -> Iterator[Node]:
+        current: Node | None = node
+        while current is not None and not current.is_root:
+            yield current
+            current = current.parent
+
+    # ------------------------------------------------------------------ queries
+    def residency(
+        self,
+        tokens: Sequence[int] | npt.NDArray[np.integer],
+        extra_key: str | Namespace | None = None,
+    ) -> tuple[Residency, ...]:
+        """Residency of each full page of ``tokens`` in the tree (no split, no LRU touch)."""
+        _, path, _ = self._walk(_as_tokens(tokens), self.namespace_of(extra_key), split=False)
+        out: list[Residency] = []
+        for node in path:
+            assert node.state is not None
+            out.extend([node.state] * node.num_pages)
+        return tuple(out)
+
+    def page_hashes(
+        self,
+        tokens: Sequence[int] | npt.NDArray[np.integer],
+        extra_key: str | Namespace | None = None,
+    ) -> tuple[PageHash, ...]:
+        """The page hashes the tree holds for the cached pages of ``tokens`` (for L3 keys)."""
+        _, path, _ = self._walk(_as_tokens(tokens), self.namespace_of(extra_key), split=False)
+        return tuple(node.page_hash(i) for node in path for i in range(node.num_pages))
+
+    # ------------------------------------------------------------------ match
+    def match_prefix(
+        self,
+        tokens: Sequence[int] | npt.NDArray[np.integer],
+        extra_key: str | Namespace | None = None,
+    ) -> MatchResult:
+        query = _as_tokens(tokens)
+        namespace = self.namespace_of(extra_key)
+        self._tick()
+        root, path, _ = self._walk(query, namespace, split=True)
+        device: list[Pages] = []
+        device_node = host_node = root
+        host_pages = 0
+        in_device = True
+        for node in path:
+            node.last_access = self.clock
+            node.hits += 1
+            if in_device and node.state in DEVICE_VALID:
+                assert node.device is not None
+                device.append(node.device)
+                device_node = host_node = node
+                continue
+            in_device = False
+            if node.state not in HOST_VALID:
+                break
+            host_pages += node.num_pages
+            host_node = node
+        if self.config.write_policy is WritePolicy.WRITE_THROUGH_SELECTIVE:
+            for node in path:
+                if (
+                    node.hits >= self.config.write_through_threshold
+                    and node.state is Residency.DEVICE
+                ):
+                    self._write_through_chain(node)
+        self._finish()
+        indices = np.concatenate(device) if device else _EMPTY
+        return MatchResult(indices, device_node, host_pages, host_node)
+
+    # ------------------------------------------------------------------ allocation and insert
+    def alloc_device(self, pages: int) -> Pages:
+        """Fresh L1 pages for a request's new KV (evicting unlocked L1 leaves as needed). Raises
+        :class:`CapacityError` if L1 is still short; the caller owns the pages until ``insert`` or
+        ``free_device``."""
+        if not isinstance(pages, int) or isinstance(pages, bool) or pages < 0:
+            raise MisuseError(f"pages must be an int >= 0, got {pages!r}")
+        self._tick()
+        if pages > self._device.free_count:
+            self._evict_device(pages - self._device.free_count)
+        if pages > self._device.free_count:
+            self._finish()
+            raise CapacityError(f"{pages} L1 pages asked, {self._device.free_count} free")
+        out = np.asarray(self._device.alloc(pages), dtype=np.int64)
+        self.scheduler_pages.update(out.tolist())
+        self._finish()
+        return out
+
+    def free_device(self, pages: Sequence[int] | Pages) -> None:
+        """Give back pages taken with :meth:`alloc_device` (a request that went away)."""
+        array = np.asarray(pages, dtype=np.int64).reshape(-1)
+        values = array.tolist()
+        if len(set(values)) != len(values) or not set(values) <= self.scheduler_pages:
+            raise MisuseError(f"L1 pages {values} are not all held by the scheduler")
+        self._tick()
+        self.scheduler_pages.difference_update(values)
+        self._device.free(array)
+        self._finish()
+
+    def insert(
+        self,
+        tokens: Sequence[int] | npt.NDArray[np.integer],
+        device_indices: Sequence[int] | Pages,
+        extra_key: str | Namespace | None = None,
+    ) -> InsertResult:
+        """Cache the KV of ``tokens`` (whole pages; a trailing partial page is ignored).
+
+        ``device_indices`` has one L1 page per full page: the cached pages ``match_prefix`` returned
+        for the L1 prefix, pages from :meth:`alloc_device` (holding the computed KV) for the rest.
+        The cache owns all of them afterwards: pages it already holds on L1 give their fresh page
+        back, host-only pages are revived with it, new pages form a new leaf."""
+        query = _as_tokens(tokens)
+        namespace = self.namespace_of(extra_key)
+        total = len(query) // self.page_size
+        given = np.asarray(device_indices).reshape(-1) if len(device_indices) else _EMPTY
+        if given.dtype.kind not in "iu":
+            raise MisuseError(f"device_indices must be integers, got dtype {given.dtype}")
+        given = given.astype(np.int64, copy=False)
+        values = given.tolist()
+        if len(values) != total or len(set(values)) != total:
+            raise MisuseError(
+                f"{total} distinct L1 pages needed for {total} pages, got {len(values)}"
+            )
+        _, path, _ = self._walk(query, namespace, split=False)
+        cached: list[int | None] = []
+        for node in path:
+            if node.state in DEVICE_VALID:
+                assert node.device is not None
+                cached.extend(node.device.tolist())
+            else:
+                cached.extend([None] * node.num_pages)
+        for index, page in enumerate(values):
+            if page not in self.scheduler_pages and (index >= len(cached) or cached[index] != page):
+                raise MisuseError(f"L1 page {page} for page {index} is not the scheduler's")
+        self._tick()
+        root, path, matched = self._walk(query, namespace, split=True)
+        self.scheduler_pages.difference_update(values)
+        duplicates: list[Pages] = []
+        revived = 0
+        offset = 0
+        for node in path:
+            node.last_access = self.clock
+            node.hits += 1
+            mine = given[offset : offset + node.num_pages]
+            offset += node.num_pages
+            if node.state is Residency.HOST:
+                node.device = mine.copy()
+                self._advance(node, ResidencyEvent.REVIVE)
+                self._count_device(node, +1)
+                revived += node.num_pages
+            else:
+                assert node.device is not None
+                duplicates.append(mine[mine != node.device])
+        spare = np.concatenate(duplicates) if duplicates else _EMPTY
+        if len(spare):
+            self._device.free(spare)
+        deepest = path[-1] if path else root
+        new_pages = total - matched
+        if new_pages:
+            key = query[matched * self.page_size : total * self.page_size].tobytes()
+            leaf_tokens = query[matched * self.page_size : total * self.page_size].tolist()
+            hashes = b"".join(
+                h.digest
+                for h in chain_page_hashes(
+                    leaf_tokens, self.page_size, namespace, deepest.last_hash
+                )
+            )
+            leaf = self._add_leaf(deepest, key, hashes, Residency.NEW)
+            self._advance(leaf, ResidencyEvent.INSERT)
+            leaf.device = given[matched:].copy()
+            self._count_device(leaf, +1)
+            deepest = leaf
+            if self.config.write_policy is WritePolicy.WRITE_THROUGH:
+                self._write_through_chain(leaf)
+        self._finish()
+        return InsertResult(deepest, new_pages, revived, len(spare))
+
+    # ------------------------------------------------------------------ write-through
+    def _write_through_chain(self, node: Node) -> None:
+        if self._host is None or self._transfer is None:
+            return
+        chain = [n for n in self.ancestors(node) if n.state is Residency.DEVICE]
+        for current in reversed(chain):
+            parent = current.parent
+            assert parent is not None
+            if not (parent.is_root or parent.state in HOST_CLAIMED):
+                return
+            host = self._alloc_host_for(current)
+            if host is None:
+                return
+            current.host = host
+            self._lock(current, +1)
+            self._advance(current, ResidencyEvent.WRITE_START)
+            op = CopyOp(self._new_op(), Direction.WRITE, current, [current])
+            current.write_op = op
+            self.write_ops.append(op)
+            assert current.device is not None
+            self._transfer.enqueue(Direction.WRITE, op.op_id, current.device, host)
+
+    def _alloc_host_for(self, node: Node) -> Pages | None:
+        assert self._host is not None
+        needed = node.num_pages
+        if needed > self._host.free_count:
+            self._raw_lock(node, +1)
+            self._evict_host(needed - self._host.free_count)
+            self._raw_lock(node, -1)
+        if needed > self._host.free_count:
+            return None
+        return np.asarray(self._host.alloc(needed), dtype=np.int64)
+
+    # ------------------------------------------------------------------ locks
+    def _check_node(self, node: Node) -> None:
+        if not isinstance(node, Node):
+            raise MisuseError(f"expected a Node, got {type(node).__name__}")
+        if node.is_root or node.state in (None, Residency.GONE):
+            raise MisuseError(f"{node!r} is not a node of this cache")
+
+    def _op_pins(self, node: Node) -> int:
+        return sum(1 for op in (*self.write_ops, *self.load_ops) if op.node is node)
+
+    def lock(self, node: Node) -> None:
+        """Lock ``node`` and its path: none of them is evicted until :meth:`unlock`."""
+        self._check_node(node)
+        self._tick()
+        self._lock(node, +1)
+
+    def unlock(self, node: Node) -> None:
+        self._check_node(node)
+        if node.pins - self._op_pins(node) <= 0:
+            raise MisuseError(f"{node!r} is not locked by the caller")
+        self._tick()
+        self._lock(node, -1)
+
+    # ------------------------------------------------------------------ eviction
+    def evict(self, pages: int) -> int:
+        """Free at least ``pages`` L1 pages if possible (LRU over unlocked L1 leaves)."""
+        if not isinstance(pages, int) or isinstance(pages, bool) or pages < 0:
+            raise MisuseError(f"pages must be an int >= 0, got {pages!r}")
+        self._tick()
+        freed = self._evict_device(pages)
+        self._finish()
+        return freed
+
+    def _is_device_leaf(self, node: Node) -> bool:
+        return (
+            not node.lock_ref
+            and node.state in DEVICE_VALID
+            and not any(child.state in DEVICE_CLAIMED for child in node.children.values())
+        )
+
+    def _evict_device(self, pages: int) -> int:
+        if pages <= 0:
+            return 0
+        heap = [(n.last_access, n.id, n) for n in self.nodes() if self._is_device_leaf(n)]
+        heapq.heapify(heap)
+        freed = 0
+        while freed < pages and heap:
+            _, _, node = heapq.heappop(heap)
+            assert node.device is not None
+            released = node.device
+            freed += node.num_pages
+            self._count_device(node, -1)
+            parent = node.parent
+            if node.state is Residency.BOTH:
+                self._advance(node, ResidencyEvent.DEMOTE)
+            elif not (self.config.write_policy is WritePolicy.WRITE_BACK and self._stage(node)):
+                self._advance(node, ResidencyEvent.DELETE)
+                self._remove_leaf(node)
+            node.device = None
+            self._device.free(released)
+            if parent is not None and not parent.is_root and self._is_device_leaf(parent):
+                heapq.heappush(heap, (parent.last_access, parent.id, parent))
+        return freed
+
+    def _stage(self, node: Node) -> bool:
+        """write_back: a blocking L1 -> L2 copy of an evicted L1-only node, if it keeps I3."""
+        parent = node.parent
+        if (
+            self._host is None
+            or parent is None
+            or not (parent.is_root or parent.state in HOST_CLAIMED)
+        ):
+            return False
+        host = self._alloc_host_for(node)
+        if host is None:
+            return False
+        assert self._copy_now is not None and node.device is not None
+        try:
+            self._copy_now(Direction.WRITE, node.device, host)
+        except Exception:  # a failed staging copy: the node is dropped instead (smaller cache)
+            self._host.free(host)
+            return False
+        node.host = host
+        self._advance(node, ResidencyEvent.STAGE)
+        return True
+
+    def evict_host(self, pages: int) -> int:
+        """Free at least ``pages`` L2 pages if possible (LRU over unlocked host-only leaves)."""
+        if not isinstance(pages, int) or isinstance(pages, bool) or pages < 0:
+            raise MisuseError(f"pages must be an int >= 0, got {pages!r}")
+        self._tick()
+        freed = self._evict_host(pages)
+        self._finish()
+        return freed
+
+    @staticmethod
+    def _is_host_leaf(node: Node) -> bool:
+        return not node.children and not node.lock_ref and node.state is Residency.HOST
+
+    def _evict_host(self, pages: int) -> int:
+        if pages <= 0 or self._host is None:
+            return 0
+        heap = [(n.last_access, n.id, n) for n in self.nodes() if self._is_host_leaf(n)]
+        heapq.heapify(heap)
+        freed = 0
+        while freed < pages and heap:
+            _, _, node = heapq.heappop(heap)
+            assert node.host is not None
+            released = node.host
+            parent = node.parent
+            self._advance(node, ResidencyEvent.DELETE)
+            self._remove_leaf(node)
+            node.host = None
+            self._host.free(released)
+            freed += len(released)
+            if parent is not None and not parent.is_root and self._is_host_leaf(parent):
+                heapq.heappush(heap, (parent.last_access, parent.id, parent))
+        return freed
+
+    # ------------------------------------------------------------------ load-back
+    def load_back(self, node: Node) -> int | None:
+        """Start loading the host-only chain ending at ``node`` back to L1, all or nothing. Returns
+        the op id, or ``None`` when skipped (below the threshold, over the quota, no L1 room)."""
+        self._check_node(node)
+        self._tick()
+        chain = []
+        for current in self.ancestors(node):
+            if current.state is not Residency.HOST:
+                break
+            chain.append(current)
+        chain.reverse()
+        pages = sum(n.num_pages for n in chain)
+        quota = self.config.load_back_quota
+        if (
+            not chain
+            or self._transfer is None
+            or pages * self.page_size < self.config.load_back_threshold
+            or (quota is not None and pages > quota)
+        ):
+            return None
+        self._lock(node, +1)
+        if pages > self._device.free_count:
+            self._evict_device(pages - self._device.free_count)
+        if pages > self._device.free_count:
+            self._lock(node, -1)
+            self._finish()
+            return None
+        op = CopyOp(self._new_op(), Direction.LOAD, node, list(chain))
+        sources: list[Pages] = []
+        targets: list[Pages] = []
+        for current in chain:
+            current.device = np.asarray(self._device.alloc(current.num_pages), dtype=np.int64)
+            assert current.host is not None
+            sources.append(current.host)
+            targets.append(current.device)
+            current.load_op = op
+            self._advance(current, ResidencyEvent.LOAD_START)
+        self.load_ops.append(op)
+        self._transfer.enqueue(
+            Direction.LOAD, op.op_id, np.concatenate(sources), np.concatenate(targets)
+        )
+        self._finish()
+        return op.op_id
+
+    # ------------------------------------------------------------------ acks
+    def check_events(self) -> list[CacheEvent]:
+        """Apply every copy batch that finished since the last call (FIFO); returns what was
+        applied. The only place where background work changes the tree."""
+        if self._transfer is None:
+            return []
+        events: list[CacheEvent] = []
+        for completion in self._transfer.completed():
+            events.append(self._apply(completion))
+        return events
+
+    def _apply(self, completion: Completion) -> CacheEvent:
+        queue = self.write_ops if completion.direction is Direction.WRITE else self.load_ops
+        pending = [op for op in completion.op_ids if queue and any(o.op_id == op for o in queue)]
+        if not pending:  # already failed together with an earlier batch
+            return CacheEvent(completion.direction, (), completion.ok)
+        if not completion.ok:
+            self._tick()
+            failed = tuple(op.op_id for op in queue)
+            while queue:
+                self._fail(queue.popleft())
+            return CacheEvent(completion.direction, failed, False)
+        for op_id in pending:
+            op = queue[0]
+            assert op.op_id == op_id, "copy batches complete out of FIFO order"
+            self._tick()
+            queue.popleft()
+            self._ack(op)
+        return CacheEvent(completion.direction, tuple(pending), True)
+
+    def _ack(self, op: CopyOp) -> None:
+        table = WRITE_OP if op.direction is Direction.WRITE else LOAD_OP
+        op.state = table.next(op.state, OpEvent.ACK)
+        for node in op.nodes:
+            if op.direction is Direction.WRITE:
+                self._advance(node, ResidencyEvent.WRITE_ACK)
+                node.write_op = None
+            else:
+                self._advance(node, ResidencyEvent.LOAD_ACK)
+                node.load_op = None
+                self._count_device(node, +1)
+        self._lock(op.node, -1)
+
+    def _fail(self, op: CopyOp) -> None:
+        table = WRITE_OP if op.direction is Direction.WRITE else LOAD_OP
+        op.state = table.next(op.state, OpEvent.FAIL)
+        for node in op.nodes:
+            if op.direction is Direction.WRITE:
+                assert node.host is not None and self._host is not None
+                self._host.free(node.host)
+                node.host = None
+                node.write_op = None
+                self._advance(node, ResidencyEvent.WRITE_FAIL)
+            else:
+                assert node.device is not None
+                self._device.free(node.device)
+                node.device = None
+                node.load_op = None
+                self._advance(node, ResidencyEvent.LOAD_FAIL)
+        self._lock(op.node, -1)
+
+    # ------------------------------------------------------------------ sizes and reset
+    def cached_pages(self) -> dict[str, int]:
+        """Pages per tier held by the tree."""
+        device = host = 0
+        for node in self.nodes():
+            device += node.num_pages if node.state in DEVICE_VALID else 0
+            host += node.num_pages if node.state in HOST_VALID else 0
+        return {"device": device, "host": host}
+
+    def reset(self) -> None:
+        """Drop every cached page (pending copies must have been drained first)."""
+        if self.write_ops or self.load_ops:
+            raise MisuseError(
+                "reset with copies in flight: call check_events until none is pending"
+            )
+        if any(node.lock_ref for node in self.nodes()):
+            raise MisuseError("reset while nodes are locked")
+        for node in list(self.nodes()):
+            if node.device is not None:
+                self._device.free(node.device)
+            if node.host is not None and self._host is not None:
+                self._host.free(node.host)
+            node.state = Residency.GONE
+        self.roots.clear()
+        self.evictable_pages = self.protected_pages = 0

@@ -1,0 +1,195 @@
+"""The transfer controller: L1 <-> L2 page copies off the scheduler thread (SPEC §3).
+
+Theory of operation
+-------------------
+The cache *enqueues* copy ops (a write-through L1 -> L2 or a load-back L2 -> L1: an op id and the exact
+page index arrays it covers, fixed at enqueue). :meth:`TransferController.flush` merges everything
+enqueued since the last flush into one batch per direction and hands each batch to the executor: the
+copies of one scheduler step run as one vectorised gather/scatter. Batches run in submission order, so
+op ids complete in FIFO order. The worker only appends finished op ids to a thread-safe queue; the tree
+learns about them only when the scheduler drains that queue (:meth:`TransferController.completed`,
+called from ``check_events``).
+
+The executor is injected: :class:`ThreadExecutor` (a single worker thread; on CUDA the copy functions use
+non-blocking copies and the worker synchronises its stream before reporting) or :class:`ManualExecutor`,
+with which a test decides when each batch runs.
+"""
+
+from __future__ import annotations
+
+import enum
+import queue
+import threading
+from collections import deque
+from collections.abc import Callable
+from typing import Protocol
+
+import attrs
+import numpy as np
+import torch
+
+from kvstrata.impl.errors import KvStrataError
+
+__all__ = [
+    "CopyFunction",
+    "Direction",
+    "Executor",
+    "ManualExecutor",
+    "ThreadExecutor",
+    "TransferController",
+    "TransferFailed",
+]
+
+
+class TransferFailed(KvStrataError):
+    """A copy batch raised on the worker; the batch's ops are reported as failed, never as done."""
+
+
+class Direction(enum.Enum):
+    WRITE = "write"  # L1 -> L2 (write-through)
+    LOAD = "load"  # L2 -> L1 (load-back)
+
+
+class Executor(Protocol):
+    def submit(self, job: Callable[[], None]) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class ThreadExecutor:
+    """One worker thread running jobs in submission order."""
+
+    def __init__(self, name: str = "kvstrata-transfer") -> None:
+        self._jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            job()
+
+    def submit(self, job: Callable[[], None]) -> None:
+        self._jobs.put(job)
+
+    def close(self) -> None:
+        """Finish every submitted job, then stop the worker."""
+        if self._thread.is_alive():
+            self._jobs.put(None)
+            self._thread.join()
+
+
+class ManualExecutor:
+    """Runs nothing until told: ``run_next()`` runs the oldest submitted job. For tests."""
+
+    def __init__(self) -> None:
+        self.jobs: deque[Callable[[], None]] = deque()
+
+    def submit(self, job: Callable[[], None]) -> None:
+        self.jobs.append(job)
+
+    def run_next(self) -> bool:
+        if not self.jobs:
+            return False
+        self.jobs.popleft()()
+        return True
+
+    def run_all(self) -> int:
+        count = 0
+        while self.run_next():
+            count += 1
+        return count
+
+    def close(self) -> None:
+        self.run_all()
+
+
+#: ``copy(direction, src_pages, dst_pages) -> bytes moved`` (the pools' vectorised page copy).
+CopyFunction = Callable[[Direction, np.ndarray, np.ndarray], int]
+
+
+@attrs.define
+class _Pending:
+    op_ids: list[int] = attrs.field(factory=list)
+    src: list[np.ndarray] = attrs.field(factory=list)
+    dst: list[np.ndarray] = attrs.field(factory=list)
+
+
+@attrs.frozen
+class Completion:
+    direction: Direction
+    op_ids: tuple[int, ...]
+    ok: bool
+    bytes_moved: int
+
+
+class TransferController:
+    """Queues, merges and runs page copies; reports completions in FIFO order per direction."""
+
+    def __init__(self, copy: CopyFunction, executor: Executor | None = None) -> None:
+        self._copy = copy
+        self._executor: Executor = executor if executor is not None else ThreadExecutor()
+        self._pending = {direction: _Pending() for direction in Direction}
+        self._done: queue.SimpleQueue[Completion] = queue.SimpleQueue()
+        self.batches_submitted = 0
+        self.bytes_moved = 0
+
+    @property
+    def executor(self) -> Executor:
+        return self._executor
+
+    def enqueue(
+        self, direction: Direction, op_id: int, src_pages: np.ndarray, dst_pages: np.ndarray
+    ) -> None:
+        if len(src_pages) != len(dst_pages):
+            raise ValueError("source and destination page counts differ")
+        pending = self._pending[direction]
+        pending.op_ids.append(op_id)
+        pending.src.append(np.asarray(src_pages, dtype=np.int64))
+        pending.dst.append(np.asarray(dst_pages, dtype=np.int64))
+
+    def flush(self) -> int:
+        """Submit one merged batch per direction with pending ops; returns batches submitted."""
+        submitted = 0
+        for direction in Direction:
+            pending = self._pending[direction]
+            if not pending.op_ids:
+                continue
+            self._pending[direction] = _Pending()
+            op_ids = tuple(pending.op_ids)
+            src = np.concatenate(pending.src)
+            dst = np.concatenate(pending.dst)
+            self._executor.submit(self._job(direction, op_ids, src, dst))
+            submitted += 1
+        self.batches_submitted += submitted
+        return submitted
+
+    def _job(
+        self, direction: Direction, op_ids: tuple[int, ...], src: np.ndarray, dst: np.ndarray
+    ) -> Callable[[], None]:
+        def run() -> None:
+            try:
+                moved = self._copy(direction, src, dst) if len(src) else 0
+                if torch.cuda.is_available():
+                    torch.cuda.current_stream().synchronize()
+            except Exception:  # reported to the scheduler thread, never raised on the worker
+                self._done.put(Completion(direction, op_ids, False, 0))
+            else:
+                self._done.put(Completion(direction, op_ids, True, moved))
+
+        return run
+
+    def completed(self) -> list[Completion]:
+        """Every batch finished since the last call, in completion (= FIFO) order."""
+        out: list[Completion] = []
+        while True:
+            try:
+                out.append(self._done.get_nowait())
+            except queue.Empty:
+                return out
+
+    def close(self) -> None:
+        self.flush()
+        self._executor.close()
