@@ -494,6 +494,33 @@ class CacheModel:
         self._finish()
         return len(op.pages)
 
+    def fail_write(self) -> int:
+        """A write-through copy failed. Every pending write-through fails with it (a later op may
+        cover a child of a page that now has no host copy: I3), in FIFO order: their pages stay on
+        L1 only and their host slots are given back (a smaller L2, never wrong bytes). Returns the
+        number of pages."""
+        if not self.write_ops:
+            raise MisuseError("no write-through is pending")
+        for op in self.write_ops:
+            WRITE_OP.next(op.state, OpEvent.FAIL)
+        self._tick()
+        pages = 0
+        while self.write_ops:
+            op = self.write_ops.popleft()
+            op.state = WRITE_OP.next(op.state, OpEvent.FAIL)
+            slots = []
+            for page in op.pages:
+                info = self.page_info[page]
+                assert info.host_slot is not None
+                slots.append(info.host_slot)
+                info.host_slot = None
+                self._advance_page(page, ResidencyEvent.WRITE_FAIL)
+            self.host.free(slots)
+            self._lock(self.tree.node(op.node_id), -1)
+            pages += len(op.pages)
+        self._finish()
+        return pages
+
     # ----------------------------------------------------------------- backup (L2 -> L3)
     def _enqueue_backup(self, namespace: Namespace, pages: tuple[PageHash, ...]) -> None:
         for page in pages:
@@ -774,6 +801,32 @@ class CacheModel:
         self._lock(node, -1)
         self._finish()
         return len(op.pages)
+
+    def fail_load(self) -> int:
+        """A load-back copy failed. Every pending load-back fails with it (I3 for chains loaded by
+        later ops), in FIFO order: their pages stay host-only and their device slots are given
+        back. Returns the number of pages."""
+        if not self.load_ops:
+            raise MisuseError("no load-back is pending")
+        for op in self.load_ops:
+            LOAD_OP.next(op.state, OpEvent.FAIL)
+        self._tick()
+        pages = 0
+        while self.load_ops:
+            op = self.load_ops.popleft()
+            op.state = LOAD_OP.next(op.state, OpEvent.FAIL)
+            slots = []
+            for page in op.pages:
+                info = self.page_info[page]
+                assert info.device_slot is not None
+                slots.append(info.device_slot)
+                info.device_slot = None
+                self._advance_page(page, ResidencyEvent.LOAD_FAIL)
+            self.device.free(slots)
+            self._lock(self.tree.node(op.node_id), -1)
+            pages += len(op.pages)
+        self._finish()
+        return pages
 
     # ----------------------------------------------------------------- prefetch (L3 -> L2)
     def prefetch_reserved(self) -> int:

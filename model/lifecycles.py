@@ -41,26 +41,34 @@ class OpState(enum.Enum):
 
     PENDING = "pending"  # copy started, source pinned, not acked yet
     DONE = "done"
+    FAILED = "failed"  # the copy raised: the destination pages are given back
 
 
 class OpEvent(enum.Enum):
     ACK = "ack"
+    FAIL = "fail"
 
 
 #: Write-through L1->L2: acked strictly in FIFO order of enqueue.
 WRITE_OP: Lifecycle[OpState, OpEvent] = Lifecycle(
     name="write-through op",
     initial=OpState.PENDING,
-    table={(OpState.PENDING, OpEvent.ACK): OpState.DONE},
-    final={OpState.DONE},
+    table={
+        (OpState.PENDING, OpEvent.ACK): OpState.DONE,
+        (OpState.PENDING, OpEvent.FAIL): OpState.FAILED,
+    },
+    final={OpState.DONE, OpState.FAILED},
 )
 
 #: Load-back L2->L1: the loaded nodes stay pinned until the ack.
 LOAD_OP: Lifecycle[OpState, OpEvent] = Lifecycle(
     name="load-back op",
     initial=OpState.PENDING,
-    table={(OpState.PENDING, OpEvent.ACK): OpState.DONE},
-    final={OpState.DONE},
+    table={
+        (OpState.PENDING, OpEvent.ACK): OpState.DONE,
+        (OpState.PENDING, OpEvent.FAIL): OpState.FAILED,
+    },
+    final={OpState.DONE, OpState.FAILED},
 )
 
 
@@ -139,11 +147,13 @@ class ResidencyEvent(enum.Enum):
     COMMIT_PREFETCH = "commit_prefetch"
     WRITE_START = "write_start"
     WRITE_ACK = "write_ack"
+    WRITE_FAIL = "write_fail"  # the L1 -> L2 copy failed: the host slot is given back
     DEMOTE = "demote"  # L1 eviction of a page with a host copy
     STAGE = "stage"  # write_back: L1 eviction copies to L2 first (blocking)
     REVIVE = "revive"  # insert of freshly computed KV for a host-only page
     LOAD_START = "load_start"
     LOAD_ACK = "load_ack"
+    LOAD_FAIL = "load_fail"  # the L2 -> L1 copy failed: the device slot is given back
     DELETE = "delete"
 
 
@@ -155,11 +165,13 @@ PAGE_RESIDENCY: Lifecycle[Residency, ResidencyEvent] = Lifecycle(
         (Residency.NEW, ResidencyEvent.COMMIT_PREFETCH): Residency.HOST,
         (Residency.DEVICE, ResidencyEvent.WRITE_START): Residency.WRITING,
         (Residency.WRITING, ResidencyEvent.WRITE_ACK): Residency.BOTH,
+        (Residency.WRITING, ResidencyEvent.WRITE_FAIL): Residency.DEVICE,
         (Residency.BOTH, ResidencyEvent.DEMOTE): Residency.HOST,
         (Residency.DEVICE, ResidencyEvent.STAGE): Residency.HOST,
         (Residency.HOST, ResidencyEvent.REVIVE): Residency.BOTH,
         (Residency.HOST, ResidencyEvent.LOAD_START): Residency.LOADING,
         (Residency.LOADING, ResidencyEvent.LOAD_ACK): Residency.BOTH,
+        (Residency.LOADING, ResidencyEvent.LOAD_FAIL): Residency.HOST,
         (Residency.DEVICE, ResidencyEvent.DELETE): Residency.GONE,
         (Residency.HOST, ResidencyEvent.DELETE): Residency.GONE,
     },
