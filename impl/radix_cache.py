@@ -22,6 +22,7 @@ Indices are page indices (one per ``page_size`` tokens), never token indices.
 
 from __future__ import annotations
 
+import hashlib
 import heapq
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
@@ -36,7 +37,7 @@ from kvstrata.impl.errors import CapacityError, ConfigError, MisuseError
 from kvstrata.impl.pools import KVPool, copy_pages
 from kvstrata.impl.transfer import Completion, Direction, Executor, TransferController
 from kvstrata.model.cache import WritePolicy
-from kvstrata.model.keys import Namespace, PageHash, chain_page_hashes
+from kvstrata.model.keys import Namespace, PageHash
 from kvstrata.model.lifecycles import (
     DEVICE_CLAIMED,
     DEVICE_VALID,
@@ -70,6 +71,9 @@ class Allocator(Protocol):
 
     @property
     def free_count(self) -> int: ...
+
+    @property
+    def num_pages(self) -> int: ...
 
     def alloc(self, n: int, /) -> npt.NDArray[np.integer[Any]]: ...
 
@@ -186,6 +190,19 @@ class CacheEvent:
     ok: bool
 
 
+def chain_digests(key: bytes, page_bytes: int, seed: bytes) -> bytes:
+    """The SHA-256 chain of ``key`` (little-endian uint32 tokens), one 32-byte digest per page,
+    continuing from ``seed``: byte for byte what :func:`kvstrata.model.keys.chain_page_hashes`
+    gives (SPEC §4), without packing tokens again."""
+    out = bytearray()
+    previous = seed
+    sha256 = hashlib.sha256
+    for start in range(0, len(key), page_bytes):
+        previous = sha256(previous + key[start : start + page_bytes]).digest()
+        out += previous
+    return bytes(out)
+
+
 def _as_tokens(tokens: object) -> npt.NDArray[np.uint32]:
     """``tokens`` as a 1-D uint32 array; :class:`MisuseError` for anything else."""
     if isinstance(tokens, str | bytes):
@@ -233,7 +250,7 @@ class HierarchicalRadixCache:
         self.roots: dict[Namespace, Node] = {}
         self.write_ops: deque[CopyOp] = deque()
         self.load_ops: deque[CopyOp] = deque()
-        self.scheduler_pages: set[int] = set()
+        self._held = np.zeros(device.num_pages, dtype=bool)  # pages the scheduler owns
         self.evictable_pages = 0
         self.protected_pages = 0
 
@@ -519,18 +536,37 @@ class HierarchicalRadixCache:
             self._finish()
             raise CapacityError(f"{pages} L1 pages asked, {self._device.free_count} free")
         out = np.asarray(self._device.alloc(pages), dtype=np.int64)
-        self.scheduler_pages.update(out.tolist())
+        self._held[out] = True
         self._finish()
         return out
 
+    def held_pages(self) -> Pages:
+        """L1 pages the scheduler took with :meth:`alloc_device` and has not handed back yet."""
+        return np.flatnonzero(self._held).astype(np.int64)
+
+    def _page_array(self, pages: object, what: str) -> Pages:
+        """``pages`` as distinct in-range L1 page indices; :class:`MisuseError` otherwise."""
+        array = np.asarray(pages)
+        if array.size == 0:
+            return _EMPTY
+        if array.ndim != 1 or array.dtype.kind not in "iu":
+            raise MisuseError(
+                f"{what} must be a 1-D array of ints, got {array.dtype} {array.shape}"
+            )
+        array = array.astype(np.int64, copy=False)
+        if int(array.min()) < 0 or int(array.max()) >= len(self._held):
+            raise MisuseError(f"{what} out of range [0, {len(self._held)})")
+        if len(np.unique(array)) != len(array):
+            raise MisuseError(f"{what} holds a page twice")
+        return array
+
     def free_device(self, pages: Sequence[int] | Pages) -> None:
         """Give back pages taken with :meth:`alloc_device` (a request that went away)."""
-        array = np.asarray(pages, dtype=np.int64).reshape(-1)
-        values = array.tolist()
-        if len(set(values)) != len(values) or not set(values) <= self.scheduler_pages:
-            raise MisuseError(f"L1 pages {values} are not all held by the scheduler")
+        array = self._page_array(pages, "pages")
+        if not self._held[array].all():
+            raise MisuseError(f"L1 pages {array.tolist()} are not all held by the scheduler")
         self._tick()
-        self.scheduler_pages.difference_update(values)
+        self._held[array] = False
         self._device.free(array)
         self._finish()
 
@@ -549,29 +585,26 @@ class HierarchicalRadixCache:
         query = _as_tokens(tokens)
         namespace = self.namespace_of(extra_key)
         total = len(query) // self.page_size
-        given = np.asarray(device_indices).reshape(-1) if len(device_indices) else _EMPTY
-        if given.dtype.kind not in "iu":
-            raise MisuseError(f"device_indices must be integers, got dtype {given.dtype}")
-        given = given.astype(np.int64, copy=False)
-        values = given.tolist()
-        if len(values) != total or len(set(values)) != total:
-            raise MisuseError(
-                f"{total} distinct L1 pages needed for {total} pages, got {len(values)}"
-            )
+        given = self._page_array(device_indices, "device_indices")
+        if len(given) != total:
+            raise MisuseError(f"{total} L1 pages needed for {total} pages, got {len(given)}")
         _, path, _ = self._walk(query, namespace, split=False)
-        cached: list[int | None] = []
+        cached = np.full(total, -1, dtype=np.int64)
+        offset = 0
         for node in path:
             if node.state in DEVICE_VALID:
                 assert node.device is not None
-                cached.extend(node.device.tolist())
-            else:
-                cached.extend([None] * node.num_pages)
-        for index, page in enumerate(values):
-            if page not in self.scheduler_pages and (index >= len(cached) or cached[index] != page):
-                raise MisuseError(f"L1 page {page} for page {index} is not the scheduler's")
+                cached[offset : offset + node.num_pages] = node.device
+            offset += node.num_pages
+        foreign = ~self._held[given] & (cached != given)
+        if foreign.any():
+            index = int(np.argmax(foreign))
+            raise MisuseError(
+                f"L1 page {int(given[index])} for page {index} is not the scheduler's"
+            )
         self._tick()
         root, path, matched = self._walk(query, namespace, split=True)
-        self.scheduler_pages.difference_update(values)
+        self._held[given] = False
         duplicates: list[Pages] = []
         revived = 0
         offset = 0
@@ -595,13 +628,8 @@ class HierarchicalRadixCache:
         new_pages = total - matched
         if new_pages:
             key = query[matched * self.page_size : total * self.page_size].tobytes()
-            leaf_tokens = query[matched * self.page_size : total * self.page_size].tolist()
-            hashes = b"".join(
-                h.digest
-                for h in chain_page_hashes(
-                    leaf_tokens, self.page_size, namespace, deepest.last_hash
-                )
-            )
+            seed = deepest.hashes[-32:] if deepest.hashes else namespace.seed()
+            hashes = chain_digests(key, self._page_bytes, seed)
             leaf = self._add_leaf(deepest, key, hashes, Residency.NEW)
             self._advance(leaf, ResidencyEvent.INSERT)
             leaf.device = given[matched:].copy()

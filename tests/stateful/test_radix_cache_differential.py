@@ -13,6 +13,8 @@ Copies run on a ManualExecutor: a rule decides when the oldest batch completes (
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
+from typing import TypeVar
 
 import hypothesis.strategies as st
 import numpy as np
@@ -28,6 +30,7 @@ from kvstrata.impl.transfer import Direction, ManualExecutor
 from kvstrata.model.cache import CacheConfig, CacheModel, WritePolicy
 from kvstrata.model.keys import DEFAULT_NAMESPACE, KVKind, Namespace, PageHash, chain_page_hashes
 
+T = TypeVar("T")
 NAMESPACES = (DEFAULT_NAMESPACE, Namespace(extra_key="lora-1"))
 fresh_tokens = st.lists(st.integers(1, 3), max_size=6).map(tuple)
 
@@ -49,6 +52,14 @@ def kv_for(shape: KVShape, page: PageHash) -> torch.Tensor:
     stream = hashlib.shake_256(page.digest).digest(count)
     raw = torch.frombuffer(bytearray(stream), dtype=torch.uint8)
     return raw.view(shape.dtype).reshape(dims)
+
+
+def try_alloc(alloc: Callable[[int], T], pages: int) -> T | None:
+    """``alloc(pages)``, or None when the pool is full of locked pages."""
+    try:
+        return alloc(pages)
+    except CapacityError:
+        return None
 
 
 class FlakyCopy:
@@ -177,15 +188,8 @@ class DifferentialMachine(RuleBasedStateMachine):
             self.model.lock(node_id)
             self.impl.lock(actual.device_node)  # type: ignore[attr-defined]
         need = len(pages) - expected.device_pages  # type: ignore[attr-defined]
-        model_fresh = impl_fresh = None
-        try:
-            model_fresh = self.model.alloc_device(need)
-        except CapacityError:
-            pass
-        try:
-            impl_fresh = self.impl.alloc_device(need)
-        except CapacityError:
-            pass
+        model_fresh = try_alloc(self.model.alloc_device, need)
+        impl_fresh = try_alloc(self.impl.alloc_device, need)
         assert (model_fresh is None) == (impl_fresh is None)
         if model_fresh is not None and impl_fresh is not None:
             assert impl_fresh.tolist() == list(model_fresh)
@@ -258,14 +262,8 @@ class DifferentialMachine(RuleBasedStateMachine):
 
     @rule(pages=st.integers(0, 3))
     def aborted_request(self, pages: int) -> None:
-        try:
-            model_slots = self.model.alloc_device(pages)
-        except CapacityError:
-            model_slots = None
-        try:
-            impl_slots = self.impl.alloc_device(pages)
-        except CapacityError:
-            impl_slots = None
+        model_slots = try_alloc(self.model.alloc_device, pages)
+        impl_slots = try_alloc(self.impl.alloc_device, pages)
         assert (model_slots is None) == (impl_slots is None)
         if model_slots is not None and impl_slots is not None:
             self.model.free_device(model_slots)
