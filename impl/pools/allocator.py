@@ -151,12 +151,19 @@ class PageAllocator:
         if n == 0:
             return np.empty(0, dtype=np.int32)
         # the lowest blocks that together hold n free pages; only the non-empty ones are scanned
-        last = int(np.searchsorted(np.cumsum(self._block_free), n))
-        blocks = np.flatnonzero(self._block_free[: last + 1])
-        rows, cols = np.nonzero(self._free.reshape(self._blocks, _BLOCK)[blocks])
-        pages = (blocks[rows[:n]] << _SHIFT) + cols[:n]
+        counts = self._block_free
+        last = int(np.searchsorted(np.cumsum(counts), n))
+        if last == 0 or not counts[:last].any():
+            # one block holds them all (the common case): scan just that block
+            base = last << _SHIFT
+            pages = np.flatnonzero(self._free[base : base + _BLOCK])[:n] + base
+            counts[last] -= n
+        else:
+            blocks = np.flatnonzero(counts[: last + 1])
+            found = np.flatnonzero(self._free.reshape(self._blocks, _BLOCK)[blocks])[:n]
+            pages = (blocks[found >> _SHIFT] << _SHIFT) + (found & (_BLOCK - 1))
+            counts -= np.bincount(pages >> _SHIFT, minlength=self._blocks)
         self._free[pages] = False
-        self._block_free -= np.bincount(pages >> _SHIFT, minlength=self._blocks)
         self._free_count -= n
         return pages.astype(np.int32)
 

@@ -1,25 +1,46 @@
 """What the device and the host pool share: a torch buffer of whole pages, its allocator, and
 validated page reads and writes in the canonical shape ``[planes, L, n, page_size, H, D]``.
 
-A subclass only builds its buffer and says how to see it in canonical dimension order
-(:meth:`KVPool.canonical`); reading and writing are one ``index_select`` / ``index_copy_`` along the
-page dimension of that (possibly strided) view, so no layout has a Python loop over pages or tokens.
+Every pool stores its buffer in a **native** order: a permutation of the canonical dimensions
+(:attr:`KVPool.to_native`; the identity for the device pool and ``layer_first``, page-major for the
+page-first host layouts). Two views of the same memory serve everything:
+
+- :meth:`KVPool.native` ``[outer, P, inner]``, contiguous: gathering pages is one ``index_select`` along
+  dimension 1 (torch's row-copy fast path) and scattering is one ``index_copy_``;
+- :meth:`KVPool.canonical` ``[planes, L, P, page, H, D]``, a (possibly strided) view in canonical order:
+  a run of pages of any layout is the slice ``[:, :, a:b]``, and :meth:`KVPool.to_canonical` turns a
+  gathered native block into canonical order without a copy.
+
+So no layout needs a Python loop over pages or tokens.
 """
 
 from __future__ import annotations
+
+import math
 
 import numpy as np
 import numpy.typing as npt
 import torch
 
-from kvstrata.impl.errors import MisuseError
+from kvstrata.impl.errors import ConfigError, MisuseError
 from kvstrata.impl.pools.allocator import PageAllocator, PageIndices, as_page_array
 from kvstrata.impl.pools.shape import KVShape
 
-__all__ = ["PAGE_DIM", "KVPool"]
+__all__ = ["PAGE_DIM", "KVPool", "check_pool_args"]
 
 PAGE_DIM = 2
 """The page dimension of the canonical shape ``[planes, L, pages, page_size, H, D]``."""
+
+IDENTITY = (0, 1, 2, 3, 4, 5)
+
+
+def check_pool_args(shape: KVShape, num_pages: int, name: str) -> None:
+    """:class:`MisuseError` unless ``shape`` is a :class:`KVShape`; :class:`ConfigError` unless
+    ``num_pages`` is a positive int."""
+    if not isinstance(shape, KVShape):
+        raise MisuseError(f"{name}: expected a KVShape, got {shape!r}")
+    if isinstance(num_pages, bool) or not isinstance(num_pages, int) or num_pages < 1:
+        raise ConfigError(f"{name}: num_pages: expected a positive int, got {num_pages!r}")
 
 
 class KVPool:
@@ -29,25 +50,58 @@ class KVPool:
     complete or raise :class:`MisuseError` before touching the buffer. A page's bytes are unspecified
     until written. The allocator only tracks which pages are in use: reading or writing a page does not
     check that it is allocated (the cache owns that decision).
+
+    Subclasses set ``buffer`` to a contiguous tensor of :meth:`native_shape` ``(num_pages)`` (or any
+    tensor that views as it) and ``to_native`` to the permutation of canonical dimensions it uses.
     """
 
     shape: KVShape
     num_pages: int
     allocator: PageAllocator
     buffer: torch.Tensor
+    to_native: tuple[int, ...] = IDENTITY
+    """The permutation of canonical dimensions the buffer is stored in:
+    ``native6 = canonical.permute(to_native)``."""
 
     def __init__(self, shape: KVShape, num_pages: int, name: str) -> None:
-        if not isinstance(shape, KVShape):
-            raise MisuseError(f"{name}: expected a KVShape, got {shape!r}")
+        check_pool_args(shape, num_pages, name)
         self.shape = shape
-        self.allocator = PageAllocator(num_pages, name)  # validates num_pages (ConfigError)
+        self.allocator = PageAllocator(num_pages, name)
         self.num_pages = num_pages
 
-    # ------------------------------------------------------------------------------ what subclasses give
+    # ---------------------------------------------------------------------------------- layout algebra
+    def native_shape(self, pages: int) -> tuple[int, ...]:
+        """The 6-D shape of ``pages`` pages in native order."""
+        canonical = self.shape.canonical(pages)
+        return tuple(canonical[d] for d in self.to_native)
+
+    def block_shape(self, pages: int) -> tuple[int, int, int]:
+        """The 3-D shape ``(outer, pages, inner)`` of ``pages`` pages in native order."""
+        native = self.native_shape(pages)
+        split = self.to_native.index(PAGE_DIM)
+        return (math.prod(native[:split]), pages, math.prod(native[split + 1 :]))
+
+    def native(self) -> torch.Tensor:
+        """The whole buffer as a contiguous ``[outer, num_pages, inner]`` view."""
+        return self.buffer.view(self.block_shape(self.num_pages))
+
+    def to_canonical(self, block: torch.Tensor) -> torch.Tensor:
+        """A view of a native block (``[outer, n, inner]`` or its 6-D form) in canonical order."""
+        pages = block.shape[1] if block.dim() == 3 else block.shape[self.to_native.index(PAGE_DIM)]
+        inverse = tuple(self.to_native.index(d) for d in range(6))
+        return block.view(self.native_shape(pages)).permute(inverse)
+
+    def to_block(self, canonical: torch.Tensor) -> torch.Tensor:
+        """A canonical tensor of ``n`` pages as a contiguous native ``[outer, n, inner]`` block
+        (a view when it already is one, a copy otherwise)."""
+        return canonical.permute(self.to_native).reshape(
+            self.block_shape(canonical.shape[PAGE_DIM])
+        )
+
     def canonical(self) -> torch.Tensor:
         """The whole buffer viewed as ``[planes, L, num_pages, page_size, H, D]`` (a view: writing
         through it writes the pool, without any validation)."""
-        raise NotImplementedError
+        return self.to_canonical(self.native())
 
     # ------------------------------------------------------------------------------------------ queries
     @property
@@ -80,7 +134,8 @@ class KVPool:
         """A new contiguous tensor ``[planes, L, len(pages), page_size, H, D]`` on this pool's device
         holding the given pages in the given order (repeats allowed)."""
         index = self.page_index(self.page_array(pages))
-        return self.canonical().index_select(PAGE_DIM, index)
+        block = self.native().index_select(1, index)
+        return self.to_canonical(block).contiguous()
 
     def write_pages(self, pages: PageIndices, kv: torch.Tensor) -> None:
         """Write ``kv`` (canonical shape for ``len(pages)`` pages, ``shape.dtype``, any device) into
@@ -89,7 +144,8 @@ class KVPool:
         self.check_kv(kv, int(array.size))
         if array.size == 0:
             return
-        self.canonical().index_copy_(PAGE_DIM, self.page_index(array), kv.to(self.device))
+        block = self.to_block(kv.to(self.device))
+        self.native().index_copy_(1, self.page_index(array), block)
 
     def check_kv(self, kv: torch.Tensor, pages: int) -> None:
         """:class:`MisuseError` unless ``kv`` is a canonical tensor of ``pages`` pages and the pool's

@@ -4,7 +4,7 @@ Buffer: ``[planes, L, num_pages, page_size, H, D]``, i.e. already the canonical 
 layer the pages of one layer are one contiguous run, so the attention kernel of layer ``l`` sees a flat
 ``[num_pages * page_size, H, D]`` token array (:meth:`DeviceKVPool.layer_view`; token slot
 ``page * page_size + offset``), and gathering ``n`` pages of every plane and layer is a single
-``index_select`` along dimension 2.
+``index_select`` along dimension 1 of the ``[planes * L, num_pages, page_size * H * D]`` view.
 """
 
 from __future__ import annotations

@@ -1,11 +1,13 @@
 """The L2 host pool (SPEC §2): KV pages in host memory, pinned when CUDA is present, in one of the
 :class:`HostLayout` orders.
 
-Whatever the layout, :meth:`HostKVPool.canonical` views the buffer in canonical dimension order
-``[planes, L, P, page_size, H, D]`` (a permuted view, no copy), so reads, writes and page copies are
-the same ``index_select`` / ``index_copy_`` / slice copies for every layout and round-trip to identical
-bytes. :meth:`HostKVPool.page_slab` gives the physical, contiguous bytes of one page for layouts that have
-them (the L3 backends register and move those).
+Whatever the layout, the pool is seen through the two views of :class:`KVPool`: ``native()``, contiguous
+``[outer, P, inner]`` blocks (``[planes * L, P, page * H * D]`` for ``layer_first``, ``[planes, P, L *
+page * H * D]`` for the page-first layouts) for gathers and scatters, and ``canonical()``, a permuted
+view in canonical order. Reads, writes and page copies therefore run the same ``index_select`` /
+``index_copy_`` / slice copies for every layout and round-trip to identical bytes.
+:meth:`HostKVPool.page_slab` gives the contiguous bytes of one page of one plane for the page-first
+layouts (what an L3 backend stores as one object).
 
 Pinning: ``pin_memory=None`` pins iff ``torch.cuda.is_available()``. ``pin_memory=True`` without CUDA is
 a :class:`ConfigError` rather than a silent fallback: pinned memory only matters for DMA to a GPU, and a
@@ -17,11 +19,18 @@ from __future__ import annotations
 import torch
 
 from kvstrata.impl.errors import ConfigError, MisuseError
-from kvstrata.impl.pools.base import KVPool
+from kvstrata.impl.pools.base import KVPool, check_pool_args
 from kvstrata.impl.pools.shape import HostLayout, KVShape
 from kvstrata.impl.pools.sizes import check_host_fits
 
 __all__ = ["HostKVPool"]
+
+_TO_NATIVE: dict[HostLayout, tuple[int, ...]] = {
+    # canonical [planes, L, P, page, H, D] -> native order
+    HostLayout.LAYER_FIRST: (0, 1, 2, 3, 4, 5),  # [planes, L, P, page, H, D] = [planes, L, N, H, D]
+    HostLayout.PAGE_FIRST: (0, 2, 3, 1, 4, 5),  # [planes, P, page, L, H, D] = [planes, N, L, H, D]
+    HostLayout.PAGE_FIRST_DIRECT: (0, 2, 1, 3, 4, 5),  # [planes, P, L, page, H, D]
+}
 
 
 class HostKVPool(KVPool):
@@ -45,8 +54,15 @@ class HostKVPool(KVPool):
         available: int | None = None,
         reserve: int | str | None = None,
     ) -> None:
-        super().__init__(shape, num_pages, "host")
-        self.layout = HostLayout.parse(layout)
+        # refuse before anything is allocated (the allocator too holds a byte per page)
+        check_pool_args(shape, num_pages, "host")
+        check_host_fits(
+            shape.nbytes(num_pages),
+            what=f"host pool of {num_pages} pages",
+            available=available,
+            reserve=reserve,
+        )
+        layout = HostLayout.parse(layout)
         cuda = torch.cuda.is_available()
         if pin_memory is None:
             pin_memory = cuda
@@ -57,12 +73,9 @@ class HostKVPool(KVPool):
                 "HostKVPool.pin_memory: True requested but torch.cuda.is_available() is False "
                 "(pinned memory only serves DMA to a GPU; pass None or False)"
             )
-        check_host_fits(
-            self.nbytes,
-            what=f"host pool of {num_pages} pages",
-            available=available,
-            reserve=reserve,
-        )
+        super().__init__(shape, num_pages, "host")
+        self.layout = layout
+        self.to_native = _TO_NATIVE[layout]
         try:
             self.buffer = torch.empty(
                 self._physical_shape(), dtype=shape.dtype, device="cpu", pin_memory=pin_memory
@@ -73,32 +86,14 @@ class HostKVPool(KVPool):
                 f"{'pinned ' if pin_memory else ''}host memory: {error}"
             ) from error
         self.pinned = bool(pin_memory)
-        self._canonical = self._canonical_view()
 
     def _physical_shape(self) -> tuple[int, ...]:
-        s = self.shape
-        tokens = self.num_pages * s.page_size
+        s, tokens = self.shape, self.num_pages * self.shape.page_size
         if self.layout is HostLayout.LAYER_FIRST:
             return (s.planes, s.layers, tokens, s.heads, s.head_dim)
         if self.layout is HostLayout.PAGE_FIRST:
             return (s.planes, tokens, s.layers, s.heads, s.head_dim)
         return (s.planes, self.num_pages, s.layers, s.page_size, s.heads, s.head_dim)
-
-    def _canonical_view(self) -> torch.Tensor:
-        s = self.shape
-        planes, layers, pages, size, heads, dim = s.canonical(self.num_pages)
-        if self.layout is HostLayout.LAYER_FIRST:
-            return self.buffer.view(planes, layers, pages, size, heads, dim)
-        if self.layout is HostLayout.PAGE_FIRST:
-            # [planes, P, page, L, H, D] -> [planes, L, P, page, H, D]
-            return self.buffer.view(planes, pages, size, layers, heads, dim).permute(
-                0, 3, 1, 2, 4, 5
-            )
-        # [planes, P, L, page, H, D] -> [planes, L, P, page, H, D]
-        return self.buffer.permute(0, 2, 1, 3, 4, 5)
-
-    def canonical(self) -> torch.Tensor:
-        return self._canonical
 
     @property
     def page_contiguous(self) -> bool:
@@ -113,5 +108,4 @@ class HostKVPool(KVPool):
             raise MisuseError("host: a layer_first page is not contiguous; use read_pages")
         if not 0 <= plane < self.shape.planes or not 0 <= page < self.num_pages:
             raise MisuseError(f"host: no plane {plane} / page {page} in this pool")
-        per_page = self.shape.bytes_per_page // self.shape.planes // self.shape.itemsize
-        return self.buffer[plane].view(-1)[page * per_page : (page + 1) * per_page]
+        return self.native()[plane, page]

@@ -15,7 +15,8 @@ A host pool that the machine cannot hold is refused here with :class:`ConfigErro
 ``torch.empty`` would succeed under Linux overcommit and be killed by the OOM killer once written, far
 from the configuration mistake. "Can hold" means: at most the available memory (the smaller of
 ``/proc/meminfo`` ``MemAvailable`` and the cgroup limit minus usage; ``os.sysconf`` where there is no
-``/proc``) minus a reserve (default: the larger of 1 GiB and 10 % of what is available).
+``/proc``) minus a reserve (default: the larger of 256 MiB and 10 % of what is available, so small
+pools still fit on small CI machines while a large pool leaves the process room to run).
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ __all__ = [
     "parse_size",
 ]
 
-DEFAULT_MIN_RESERVE = 1 << 30
+DEFAULT_MIN_RESERVE = 256 << 20
 """At least this much host memory stays free after a host pool is allocated."""
 DEFAULT_RESERVE_FRACTION = 0.10
 """... or this fraction of the available memory, whichever is larger."""
@@ -85,16 +86,40 @@ def _read_int(path: Path) -> int | None:
     return int(text) if text.isdigit() else None
 
 
-def _cgroup_headroom(root: Path = Path("/sys/fs/cgroup")) -> int | None:
-    """Bytes the process's cgroup may still allocate, or None if it has no limit we can read."""
-    for limit_file, usage_file in (
-        ("memory.max", "memory.current"),  # cgroup v2
-        ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes"),  # cgroup v1
-    ):
-        limit, usage = _read_int(root / limit_file), _read_int(root / usage_file)
-        if limit is not None and usage is not None and limit < 1 << 60:
-            return max(0, limit - usage)
-    return None
+def _cgroup_headroom(
+    root: Path = Path("/sys/fs/cgroup"), self_cgroup: Path = Path("/proc/self/cgroup")
+) -> int | None:
+    """Bytes this process's memory cgroup (and its ancestors) may still allocate: the smallest
+    ``limit - usage`` over cgroup v2 ``memory.max`` / v1 ``memory.limit_in_bytes``; None without a
+    limit we can read."""
+    try:
+        lines = self_cgroup.read_text(encoding="utf-8").splitlines()
+    except OSError:
+        lines = []
+    places: list[tuple[Path, Path, str, str]] = []  # (directory, top, limit file, usage file)
+    for line in lines:
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        hierarchy, controllers, path = parts
+        relative = path.strip().lstrip("/")
+        if hierarchy == "0" and not controllers:
+            places.append((root / relative, root, "memory.max", "memory.current"))
+        elif "memory" in controllers.split(","):
+            top = root / "memory"
+            places.append((top / relative, top, "memory.limit_in_bytes", "memory.usage_in_bytes"))
+    best: int | None = None
+    for directory, top, limit_file, usage_file in places:
+        current = directory
+        while True:
+            limit, usage = _read_int(current / limit_file), _read_int(current / usage_file)
+            if limit is not None and usage is not None and limit < 1 << 60:
+                headroom = max(0, limit - usage)
+                best = headroom if best is None else min(best, headroom)
+            if current in (top, current.parent):
+                break
+            current = current.parent
+    return best
 
 
 def available_host_memory() -> int | None:

@@ -57,7 +57,13 @@ def test_wheel_installs_and_imports(tmp_path: Path) -> None:
     (wheel,) = dist.glob("kvstrata-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
     assert "kvstrata/model/py.typed" in names and "kvstrata/impl/py.typed" in names
-    assert "kvstrata/model/cache.py" in names and "kvstrata/impl/errors.py" in names
+    sources = [
+        f"kvstrata/{path.relative_to(REPO).as_posix()}"
+        for folder in ("model", "impl")
+        for path in (REPO / folder).rglob("*.py")
+    ]
+    missing = sorted(set(sources) - set(names))
+    assert not missing, f"modules missing from the wheel (pyproject packages?): {missing}"
     assert not any(name.startswith(("model/", "impl/", "tests/")) for name in names)
 
     env_dir = tmp_path / "venv"
