@@ -62,6 +62,11 @@ __all__ = [
 ]
 
 Pages = npt.NDArray[np.int64]
+# tuples: membership tests identity first, no Python-level Enum.__hash__ call
+_DEVICE_VALID_T = tuple(DEVICE_VALID)
+_HOST_VALID_T = tuple(HOST_VALID)
+_DEVICE_CLAIMED_T = tuple(DEVICE_CLAIMED)
+_HOST_CLAIMED_T = tuple(HOST_CLAIMED)
 _EMPTY: Pages = np.zeros(0, dtype=np.int64)
 _MAX_TOKEN = 2**32 - 1
 
@@ -217,6 +222,8 @@ def _as_tokens(tokens: object) -> npt.NDArray[np.uint32]:
         return np.zeros(0, dtype=np.uint32)
     if array.dtype.kind not in "iu":
         raise MisuseError(f"token ids must be integers, got dtype {array.dtype}")
+    if array.dtype.itemsize <= 4 and array.dtype.kind == "u":
+        return array.astype("<u4", copy=False)  # in range by type: no scan
     if int(array.min()) < 0 or int(array.max()) > _MAX_TOKEN:
         raise MisuseError(f"token ids must be in [0, {_MAX_TOKEN}]")
     return array.astype("<u4", copy=False)
@@ -251,7 +258,9 @@ class HierarchicalRadixCache:
         self.write_ops: deque[CopyOp] = deque()
         self.load_ops: deque[CopyOp] = deque()
         self._held = np.zeros(device.num_pages, dtype=bool)  # pages the scheduler owns
+        self._pos = np.zeros(device.num_pages, dtype=np.int32)  # scratch for duplicate checks
         self.evictable_pages = 0
+        self._leaves: list[tuple[int, int, Node]] = []  # lazy LRU heap of L1 leaf candidates
         self.protected_pages = 0
 
     @classmethod
@@ -342,7 +351,9 @@ class HierarchicalRadixCache:
         while current is not None and not current.is_root:
             before = current.lock_ref
             current.lock_ref += delta
-            if (before == 0) != (current.lock_ref == 0) and current.state in DEVICE_VALID:
+            if current.lock_ref == 0:
+                heapq.heappush(self._leaves, (current.last_access, current.id, current))
+            if (before == 0) != (current.lock_ref == 0) and current.state in _DEVICE_VALID_T:
                 moved = current.num_pages if current.lock_ref else -current.num_pages
                 self.protected_pages += moved
                 self.evictable_pages -= moved
@@ -368,7 +379,6 @@ class HierarchicalRadixCache:
         size = self.page_size
         total = len(tokens) // size
         query = tokens[: total * size].tobytes()
-        view = memoryview(query)
         step = self._page_bytes
         node = root
         path: list[Node] = []
@@ -379,9 +389,9 @@ class HierarchicalRadixCache:
                 break
             pages = child.num_pages
             avail = min(pages, total - matched)
-            if (
-                memoryview(child.key)[: avail * step]
-                == view[matched * step : (matched + avail) * step]
+            if query.startswith(
+                child.key if avail == pages else memoryview(child.key)[: avail * step],
+                matched * step,
             ):
                 common = avail
             else:
@@ -400,6 +410,44 @@ class HierarchicalRadixCache:
             if common < pages:
                 break
         return root, path, matched
+
+    def _walk_keep(
+        self, tokens: npt.NDArray[np.uint32], query: bytes, namespace: Namespace
+    ) -> tuple[list[Node], int, Node | None, int]:
+        """A walk that changes nothing: the fully matched path, its pages, and the node the match
+        ends inside (with its matched pages) if any."""
+        root = self.roots.get(namespace)
+        path: list[Node] = []
+        if root is None:
+            return path, 0, None, 0
+        size = self.page_size
+        step = self._page_bytes
+        total = len(query) // step
+        node = root
+        matched = 0
+        while matched < total:
+            child = node.children.get(query[matched * step : (matched + 1) * step])
+            if child is None:
+                break
+            pages = child.num_pages
+            avail = min(pages, total - matched)
+            if query.startswith(
+                child.key if avail == pages else memoryview(child.key)[: avail * step],
+                matched * step,
+            ):
+                common = avail
+            else:
+                mine = np.frombuffer(child.key, dtype="<u4", count=avail * size).reshape(
+                    avail, size
+                )
+                theirs = tokens[matched * size : (matched + avail) * size].reshape(avail, size)
+                common = int(np.argmin((mine == theirs).all(axis=1)))
+            if common < pages:
+                return path, matched, child, common
+            path.append(child)
+            matched += common
+            node = child
+        return path, matched, None, 0
 
     def _split(self, node: Node, pages: int) -> Node:
         """``node`` keeps the suffix (and its id, children, pins, pending ops); a new node takes the
@@ -500,14 +548,15 @@ class HierarchicalRadixCache:
         in_device = True
         for node in path:
             node.last_access = self.clock
+            heapq.heappush(self._leaves, (node.last_access, node.id, node))
             node.hits += 1
-            if in_device and node.state in DEVICE_VALID:
+            if in_device and node.state in _DEVICE_VALID_T:
                 assert node.device is not None
                 device.append(node.device)
                 device_node = host_node = node
                 continue
             in_device = False
-            if node.state not in HOST_VALID:
+            if node.state not in _HOST_VALID_T:
                 break
             host_pages += node.num_pages
             host_node = node
@@ -556,7 +605,10 @@ class HierarchicalRadixCache:
         array = array.astype(np.int64, copy=False)
         if int(array.min()) < 0 or int(array.max()) >= len(self._held):
             raise MisuseError(f"{what} out of range [0, {len(self._held)})")
-        if len(np.unique(array)) != len(array):
+        # a page given twice: its later position overwrites the earlier one (no sort)
+        order = np.arange(len(array), dtype=np.int32)
+        self._pos[array] = order
+        if not np.array_equal(self._pos[array], order):
             raise MisuseError(f"{what} holds a page twice")
         return array
 
@@ -588,11 +640,12 @@ class HierarchicalRadixCache:
         given = self._page_array(device_indices, "device_indices")
         if len(given) != total:
             raise MisuseError(f"{total} L1 pages needed for {total} pages, got {len(given)}")
-        _, path, _ = self._walk(query, namespace, split=False)
+        query_bytes = query[: total * self.page_size].tobytes()
+        path, matched, partial, common = self._walk_keep(query, query_bytes, namespace)
         cached = np.full(total, -1, dtype=np.int64)
         offset = 0
         for node in path:
-            if node.state in DEVICE_VALID:
+            if node.state in _DEVICE_VALID_T:
                 assert node.device is not None
                 cached[offset : offset + node.num_pages] = node.device
             offset += node.num_pages
@@ -603,34 +656,42 @@ class HierarchicalRadixCache:
                 f"L1 page {int(given[index])} for page {index} is not the scheduler's"
             )
         self._tick()
-        root, path, matched = self._walk(query, namespace, split=True)
+        root = self._root(namespace, create=True)
+        if partial is not None and common:
+            path.append(self._split(partial, common))
+            matched += common
         self._held[given] = False
-        duplicates: list[Pages] = []
         revived = 0
         offset = 0
+        clock = self.clock
+        leaves = self._leaves
+        push = heapq.heappush
+        own = np.full(matched, -1, dtype=np.int64)  # L1 pages the tree holds (loading included)
         for node in path:
-            node.last_access = self.clock
+            node.last_access = clock
+            push(leaves, (clock, node.id, node))
             node.hits += 1
-            mine = given[offset : offset + node.num_pages]
-            offset += node.num_pages
+            pages = len(node.hashes) >> 5
             if node.state is Residency.HOST:
-                node.device = mine.copy()
+                node.device = given[offset : offset + pages].copy()
                 self._advance(node, ResidencyEvent.REVIVE)
                 self._count_device(node, +1)
-                revived += node.num_pages
+                revived += pages
             else:
                 assert node.device is not None
-                duplicates.append(mine[mine != node.device])
-        spare = np.concatenate(duplicates) if duplicates else _EMPTY
+                own[offset : offset + pages] = node.device
+            offset += pages
+        spare = given[:matched][(own >= 0) & (own != given[:matched])]
         if len(spare):
             self._device.free(spare)
         deepest = path[-1] if path else root
         new_pages = total - matched
         if new_pages:
-            key = query[matched * self.page_size : total * self.page_size].tobytes()
+            key = query_bytes[matched * self._page_bytes :]
             seed = deepest.hashes[-32:] if deepest.hashes else namespace.seed()
             hashes = chain_digests(key, self._page_bytes, seed)
             leaf = self._add_leaf(deepest, key, hashes, Residency.NEW)
+            heapq.heappush(self._leaves, (leaf.last_access, leaf.id, leaf))
             self._advance(leaf, ResidencyEvent.INSERT)
             leaf.device = given[matched:].copy()
             self._count_device(leaf, +1)
@@ -648,7 +709,7 @@ class HierarchicalRadixCache:
         for current in reversed(chain):
             parent = current.parent
             assert parent is not None
-            if not (parent.is_root or parent.state in HOST_CLAIMED):
+            if not (parent.is_root or parent.state in _HOST_CLAIMED_T):
                 return
             host = self._alloc_host_for(current)
             if host is None:
@@ -709,18 +770,26 @@ class HierarchicalRadixCache:
     def _is_device_leaf(self, node: Node) -> bool:
         return (
             not node.lock_ref
-            and node.state in DEVICE_VALID
-            and not any(child.state in DEVICE_CLAIMED for child in node.children.values())
+            and node.state in _DEVICE_VALID_T
+            and not any(child.state in _DEVICE_CLAIMED_T for child in node.children.values())
         )
 
     def _evict_device(self, pages: int) -> int:
         if pages <= 0:
             return 0
-        heap = [(n.last_access, n.id, n) for n in self.nodes() if self._is_device_leaf(n)]
-        heapq.heapify(heap)
+        heap = self._leaves
+        if len(heap) > 1024 and len(heap) > 4 * self._node_estimate():
+            heap[:] = [(n.last_access, n.id, n) for n in self.nodes() if self._is_device_leaf(n)]
+            heapq.heapify(heap)
         freed = 0
         while freed < pages and heap:
-            _, _, node = heapq.heappop(heap)
+            access, _, node = heapq.heappop(heap)
+            if (
+                access != node.last_access
+                or node.state is Residency.GONE
+                or not self._is_device_leaf(node)
+            ):
+                continue  # stale: touched since, evicted, or not an unlocked L1 leaf now
             assert node.device is not None
             released = node.device
             freed += node.num_pages
@@ -737,13 +806,24 @@ class HierarchicalRadixCache:
                 heapq.heappush(heap, (parent.last_access, parent.id, parent))
         return freed
 
+    def _refresh_leaves(self, nodes: list[Node]) -> None:
+        """A copy finished: its nodes (and the parent of the first) may have become L1 leaf
+        candidates; give the lazy heap a current entry for each (stale ones are skipped on pop)."""
+        push = heapq.heappush
+        for node in (*nodes, nodes[0].parent):
+            if node is not None and not node.is_root:
+                push(self._leaves, (node.last_access, node.id, node))
+
+    def _node_estimate(self) -> int:
+        return self.evictable_pages + self.protected_pages  # >= nodes holding L1 pages
+
     def _stage(self, node: Node) -> bool:
         """write_back: a blocking L1 -> L2 copy of an evicted L1-only node, if it keeps I3."""
         parent = node.parent
         if (
             self._host is None
             or parent is None
-            or not (parent.is_root or parent.state in HOST_CLAIMED)
+            or not (parent.is_root or parent.state in _HOST_CLAIMED_T)
         ):
             return False
         host = self._alloc_host_for(node)
@@ -879,6 +959,7 @@ class HierarchicalRadixCache:
                 node.load_op = None
                 self._count_device(node, +1)
         self._lock(op.node, -1)
+        self._refresh_leaves(op.nodes)
 
     def _fail(self, op: CopyOp) -> None:
         table = WRITE_OP if op.direction is Direction.WRITE else LOAD_OP
@@ -897,14 +978,15 @@ class HierarchicalRadixCache:
                 node.load_op = None
                 self._advance(node, ResidencyEvent.LOAD_FAIL)
         self._lock(op.node, -1)
+        self._refresh_leaves(op.nodes)
 
     # ------------------------------------------------------------------ sizes and reset
     def cached_pages(self) -> dict[str, int]:
         """Pages per tier held by the tree."""
         device = host = 0
         for node in self.nodes():
-            device += node.num_pages if node.state in DEVICE_VALID else 0
-            host += node.num_pages if node.state in HOST_VALID else 0
+            device += node.num_pages if node.state in _DEVICE_VALID_T else 0
+            host += node.num_pages if node.state in _HOST_VALID_T else 0
         return {"device": device, "host": host}
 
     def reset(self) -> None:
