@@ -388,18 +388,7 @@ class HierarchicalRadixCache:
             if child is None:
                 break
             pages = child.num_pages
-            avail = min(pages, total - matched)
-            if query.startswith(
-                child.key if avail == pages else memoryview(child.key)[: avail * step],
-                matched * step,
-            ):
-                common = avail
-            else:
-                mine = np.frombuffer(child.key, dtype="<u4", count=avail * size).reshape(
-                    avail, size
-                )
-                theirs = tokens[matched * size : (matched + avail) * size].reshape(avail, size)
-                common = int(np.argmin((mine == theirs).all(axis=1)))
+            common = self._common_pages(child, tokens, query, matched, total)
             if common < pages:
                 if not split:
                     break
@@ -411,6 +400,20 @@ class HierarchicalRadixCache:
                 break
         return root, path, matched
 
+    def _common_pages(
+        self, child: Node, tokens: npt.NDArray[np.uint32], query: bytes, matched: int, total: int
+    ) -> int:
+        """How many leading pages of ``child`` equal the query's pages from page ``matched`` on
+        (the first page is known to match: it is the child's key)."""
+        size, step = self.page_size, self._page_bytes
+        avail = min(child.num_pages, total - matched)
+        whole = child.key if avail == child.num_pages else memoryview(child.key)[: avail * step]
+        if query.startswith(whole, matched * step):
+            return avail
+        mine = np.frombuffer(child.key, dtype="<u4", count=avail * size).reshape(avail, size)
+        theirs = tokens[matched * size : (matched + avail) * size].reshape(avail, size)
+        return int(np.argmin((mine == theirs).all(axis=1)))
+
     def _walk_keep(
         self, tokens: npt.NDArray[np.uint32], query: bytes, namespace: Namespace
     ) -> tuple[list[Node], int, Node | None, int]:
@@ -420,7 +423,6 @@ class HierarchicalRadixCache:
         path: list[Node] = []
         if root is None:
             return path, 0, None, 0
-        size = self.page_size
         step = self._page_bytes
         total = len(query) // step
         node = root
@@ -430,18 +432,7 @@ class HierarchicalRadixCache:
             if child is None:
                 break
             pages = child.num_pages
-            avail = min(pages, total - matched)
-            if query.startswith(
-                child.key if avail == pages else memoryview(child.key)[: avail * step],
-                matched * step,
-            ):
-                common = avail
-            else:
-                mine = np.frombuffer(child.key, dtype="<u4", count=avail * size).reshape(
-                    avail, size
-                )
-                theirs = tokens[matched * size : (matched + avail) * size].reshape(avail, size)
-                common = int(np.argmin((mine == theirs).all(axis=1)))
+            common = self._common_pages(child, tokens, query, matched, total)
             if common < pages:
                 return path, matched, child, common
             path.append(child)
