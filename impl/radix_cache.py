@@ -375,29 +375,16 @@ class HierarchicalRadixCache:
     def _walk(
         self, tokens: npt.NDArray[np.uint32], namespace: Namespace, split: bool
     ) -> tuple[Node, list[Node], int]:
+        """Follow ``tokens`` from the root. With ``split`` the node the match ends inside is split so
+        that the path ends on a node boundary (creating the namespace root if needed); without it
+        nothing changes and that node is left out."""
+        total = len(tokens) // self.page_size
+        query = tokens[: total * self.page_size].tobytes()
         root = self._root(namespace, create=split)
-        size = self.page_size
-        total = len(tokens) // size
-        query = tokens[: total * size].tobytes()
-        step = self._page_bytes
-        node = root
-        path: list[Node] = []
-        matched = 0
-        while matched < total:
-            child = node.children.get(query[matched * step : (matched + 1) * step])
-            if child is None:
-                break
-            pages = child.num_pages
-            common = self._common_pages(child, tokens, query, matched, total)
-            if common < pages:
-                if not split:
-                    break
-                child = self._split(child, common)
-            path.append(child)
+        path, matched, partial, common = self._walk_keep(tokens, query, namespace)
+        if split and partial is not None:
+            path.append(self._split(partial, common))
             matched += common
-            node = child
-            if common < pages:
-                break
         return root, path, matched
 
     def _common_pages(
@@ -648,7 +635,7 @@ class HierarchicalRadixCache:
             )
         self._tick()
         root = self._root(namespace, create=True)
-        if partial is not None and common:
+        if partial is not None:
             path.append(self._split(partial, common))
             matched += common
         self._held[given] = False
