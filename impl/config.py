@@ -14,8 +14,9 @@ import attrs
 
 from kvstrata.impl.errors import ConfigError
 from kvstrata.model.cache import WritePolicy
+from kvstrata.model.prefetch import PrefetchPolicy
 
-__all__ = ["RadixCacheConfig", "enum_converter"]
+__all__ = ["RadixCacheConfig", "StorageConfig", "enum_converter"]
 
 E = TypeVar("E", bound=enum.Enum)
 
@@ -66,3 +67,56 @@ class RadixCacheConfig:
     write_through_threshold: int = attrs.field(default=2, validator=_positive)
     load_back_threshold: int = attrs.field(default=0, validator=_non_negative)  # tokens
     load_back_quota: int | None = attrs.field(default=None, validator=_optional_positive)  # pages
+
+
+def _prefetch_policy(value: object) -> PrefetchPolicy:
+    converted: PrefetchPolicy = enum_converter(PrefetchPolicy, "prefetch_policy")(value)
+    return converted
+
+
+def _non_negative_float(_instance: object, attribute: attrs.Attribute[float], value: float) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0:
+        raise ConfigError(f"{attribute.name}: expected a number >= 0, got {value!r}")
+
+
+def _fraction(_instance: object, attribute: attrs.Attribute[float], value: float) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value <= 1:
+        raise ConfigError(f"{attribute.name}: expected a number in (0, 1], got {value!r}")
+
+
+@attrs.frozen
+class StorageConfig:
+    """How the cache uses its L3 backend (SPEC §3 prefetch, §9 failures).
+
+    Prefetch: a request's local match must leave at least ``prefetch_threshold`` tokens of whole
+    pages before the store is asked; reservations of all prefetches together stay within
+    ``prefetch_reserve_fraction`` of the host pool (the model's "half of L2"); how long the
+    scheduler waits is ``prefetch_policy`` (``timeout``: ``base + per_1k * tokens / 1000`` seconds,
+    capped). Backup: a failed or store-full batch is retried ``backup_retries`` times with
+    exponential back-off from ``backup_backoff_s`` (capped at ``backup_backoff_cap_s``), then
+    abandoned and counted (``backups_abandoned``), never dropped silently; ``backup_batch_pages``
+    bounds the pages of one store call.
+    """
+
+    prefetch_threshold: int = attrs.field(default=256, validator=_non_negative)
+    prefetch_policy: PrefetchPolicy = attrs.field(
+        default=PrefetchPolicy.BEST_EFFORT, converter=_prefetch_policy
+    )
+    prefetch_timeout_base_s: float = attrs.field(default=0.05, validator=_non_negative_float)
+    prefetch_timeout_per_1k_s: float = attrs.field(default=0.01, validator=_non_negative_float)
+    prefetch_timeout_cap_s: float = attrs.field(default=1.0, validator=_non_negative_float)
+    prefetch_reserve_fraction: float = attrs.field(default=0.5, validator=_fraction)
+    backup_retries: int = attrs.field(default=6, validator=_non_negative)
+    backup_backoff_s: float = attrs.field(default=0.05, validator=_non_negative_float)
+    backup_backoff_cap_s: float = attrs.field(default=2.0, validator=_non_negative_float)
+    backup_batch_pages: int = attrs.field(default=256, validator=_positive)
+
+    def prefetch_timeout(self, tokens: int) -> float:
+        """Seconds the ``timeout`` policy waits for a prefetch of ``tokens`` tokens."""
+        limit = self.prefetch_timeout_base_s + self.prefetch_timeout_per_1k_s * tokens / 1000
+        return min(limit, self.prefetch_timeout_cap_s)
+
+    def backoff(self, attempt: int) -> float:
+        """Seconds to wait before retry ``attempt`` (1-based) of a failed backup batch."""
+        delay = float(self.backup_backoff_s) * 2.0 ** max(attempt - 1, 0)
+        return min(delay, float(self.backup_backoff_cap_s))

@@ -27,6 +27,9 @@ __all__ = [
     "KvStrataError",
     "MisuseError",
     "StoreError",
+    "StoreFull",
+    "StoreNotReady",
+    "StoreTimeout",
     "StoreUnavailable",
 ]
 
@@ -42,3 +45,17 @@ class StoreError(KvStrataError):
 
 class StoreUnavailable(StoreError):
     """The store cannot be reached (master down, not set up, closed)."""
+
+
+class StoreFull(StoreError):
+    """The store had no room for an object (Mooncake ``NO_AVAILABLE_HANDLE``): a counted miss,
+    retried later or dropped by policy."""
+
+
+class StoreNotReady(StoreError):
+    """An object exists but cannot be read yet (another writer is mid-put, or it is being
+    overwritten): a transient miss."""
+
+
+class StoreTimeout(StoreUnavailable):
+    """A store call did not complete in time (Mooncake ``RPC_TIMEOUT``)."""

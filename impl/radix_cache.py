@@ -32,9 +32,13 @@ import attrs
 import numpy as np
 import numpy.typing as npt
 
-from kvstrata.impl.config import RadixCacheConfig
+from kvstrata.impl.config import RadixCacheConfig, StorageConfig
 from kvstrata.impl.errors import CapacityError, ConfigError, MisuseError
+from kvstrata.impl.l3 import L3Tier
+from kvstrata.impl.metrics import CacheStats
 from kvstrata.impl.pools import KVPool, copy_pages
+from kvstrata.impl.pools.host import HostKVPool
+from kvstrata.impl.storage.base import StorageBackend
 from kvstrata.impl.transfer import Completion, Direction, Executor, TransferController
 from kvstrata.model.cache import WritePolicy
 from kvstrata.model.keys import Namespace, PageHash
@@ -90,6 +94,7 @@ class Node:
     the pages' SHA-256 chain digests (32 bytes each), ``device`` / ``host`` their page indices."""
 
     __slots__ = (
+        "backup_pins",
         "children",
         "device",
         "hashes",
@@ -132,6 +137,7 @@ class Node:
         self.hits = 0
         self.write_op: CopyOp | None = None
         self.load_op: CopyOp | None = None
+        self.backup_pins = 0  # L3 backup ops reading this node's host pages
 
     @property
     def is_root(self) -> bool:
@@ -262,6 +268,9 @@ class HierarchicalRadixCache:
         self.evictable_pages = 0
         self._leaves: list[tuple[int, int, Node]] = []  # lazy LRU heap of L1 leaf candidates
         self.protected_pages = 0
+        self._l3: L3Tier | None = None
+        self.stats = CacheStats()
+        self.page_nbytes = 0  # bytes of one KV page (set by build; for the byte counters)
 
     @classmethod
     def build(
@@ -270,12 +279,32 @@ class HierarchicalRadixCache:
         device_pool: KVPool,
         host_pool: KVPool | None = None,
         executor: Executor | None = None,
+        *,
+        storage: StorageBackend | None = None,
+        storage_config: StorageConfig | None = None,
+        storage_executor: Executor | None = None,
     ) -> HierarchicalRadixCache:
-        """A cache over real pools: copies run on ``executor`` (a worker thread by default)."""
+        """A cache over real pools: copies run on ``executor`` (a worker thread by default). With a
+        ``storage`` backend (which needs a page-first host pool) L2 is backed up to L3 and
+        prefetched from it; store I/O runs on ``storage_executor`` (another worker thread by
+        default)."""
         if device_pool.shape.page_size != config.page_size:
             raise ConfigError("the device pool's page size differs from the cache's page_size")
         if host_pool is None:
-            return cls(config, device_pool.allocator)
+            if storage is not None:
+                raise ConfigError("an L3 storage backend needs a host pool (L2) to stage pages")
+            alone = cls(config, device_pool.allocator)
+            alone.page_nbytes = device_pool.shape.bytes_per_page
+            return alone
+        if storage is not None:
+            if not isinstance(host_pool, HostKVPool):
+                raise ConfigError("an L3 storage backend needs a HostKVPool as the host pool")
+            if storage.keyspace.model.page_size != config.page_size:
+                raise ConfigError(
+                    f"the storage key space's page size ({storage.keyspace.model.page_size}) "
+                    f"differs from the cache's page_size ({config.page_size})"
+                )
+            storage.attach(host_pool)
 
         def copy(direction: Direction, src: Pages, dst: Pages) -> int:
             if direction is Direction.WRITE:
@@ -283,16 +312,33 @@ class HierarchicalRadixCache:
             return copy_pages(host_pool, src, device_pool, dst)
 
         transfer = TransferController(copy, executor)
-        return cls(config, device_pool.allocator, host_pool.allocator, transfer, copy)
+        cache = cls(config, device_pool.allocator, host_pool.allocator, transfer, copy)
+        cache.page_nbytes = device_pool.shape.bytes_per_page
+        if storage is not None:
+            cache._l3 = L3Tier(
+                cache,
+                storage,
+                storage_config or StorageConfig(),
+                storage_executor,
+                page_nbytes=host_pool.shape.bytes_per_page,
+            )
+        return cache
 
     @property
     def transfer(self) -> TransferController | None:
         return self._transfer
 
+    @property
+    def l3(self) -> L3Tier | None:
+        """The L3 side (backup and prefetch state, counters), if a storage backend is attached."""
+        return self._l3
+
     def close(self) -> None:
-        """Finish queued copies and stop the transfer worker."""
+        """Finish queued copies and store I/O, stop the workers and close the backend."""
         if self._transfer is not None:
             self._transfer.close()
+        if self._l3 is not None:
+            self._l3.close()
 
     # ------------------------------------------------------------------ basics
     @property
@@ -452,6 +498,9 @@ class HierarchicalRadixCache:
             if op is not None:
                 op.nodes.insert(op.nodes.index(node), prefix)
         prefix.write_op, prefix.load_op = node.write_op, node.load_op
+        prefix.backup_pins = node.backup_pins
+        if node.backup_pins and self._l3 is not None:
+            self._l3.on_split(node, prefix)
         parent.children[prefix.key[: self._page_bytes]] = prefix
         node.key = node.key[cut:]
         node.hashes = node.hashes[pages * 32 :]
@@ -547,6 +596,10 @@ class HierarchicalRadixCache:
                     self._write_through_chain(node)
         self._finish()
         indices = np.concatenate(device) if device else _EMPTY
+        stats = self.stats
+        stats.match_tokens += len(query)
+        stats.l1_hit_tokens += len(indices) * self.page_size
+        stats.l2_hit_tokens += host_pages * self.page_size
         return MatchResult(indices, device_node, host_pages, host_node)
 
     # ------------------------------------------------------------------ allocation and insert
@@ -815,6 +868,8 @@ class HierarchicalRadixCache:
             return False
         node.host = host
         self._advance(node, ResidencyEvent.STAGE)
+        if self._l3 is not None:
+            self._l3.enqueue_backup(node.namespace, [node])
         return True
 
     def evict_host(self, pages: int) -> int:
@@ -828,7 +883,12 @@ class HierarchicalRadixCache:
 
     @staticmethod
     def _is_host_leaf(node: Node) -> bool:
-        return not node.children and not node.lock_ref and node.state is Residency.HOST
+        return (
+            not node.children
+            and not node.lock_ref
+            and not node.backup_pins
+            and node.state is Residency.HOST
+        )
 
     def _evict_host(self, pages: int) -> int:
         if pages <= 0 or self._host is None:
@@ -904,6 +964,10 @@ class HierarchicalRadixCache:
         events: list[CacheEvent] = []
         for completion in self._transfer.completed():
             events.append(self._apply(completion))
+        if self._l3 is not None:
+            self._tick()
+            self._l3.poll()
+            self._finish()
         return events
 
     def _apply(self, completion: Completion) -> CacheEvent:
@@ -928,6 +992,13 @@ class HierarchicalRadixCache:
     def _ack(self, op: CopyOp) -> None:
         table = WRITE_OP if op.direction is Direction.WRITE else LOAD_OP
         op.state = table.next(op.state, OpEvent.ACK)
+        pages = sum(node.num_pages for node in op.nodes)
+        if op.direction is Direction.WRITE:
+            self.stats.write_pages += pages
+            self.stats.write_bytes += pages * self.page_nbytes
+        else:
+            self.stats.load_pages += pages
+            self.stats.load_bytes += pages * self.page_nbytes
         for node in op.nodes:
             if op.direction is Direction.WRITE:
                 self._advance(node, ResidencyEvent.WRITE_ACK)
@@ -938,6 +1009,8 @@ class HierarchicalRadixCache:
                 self._count_device(node, +1)
         self._lock(op.node, -1)
         self._refresh_leaves(op.nodes)
+        if op.direction is Direction.WRITE and self._l3 is not None:
+            self._l3.enqueue_backup(op.node.namespace, op.nodes)
 
     def _fail(self, op: CopyOp) -> None:
         table = WRITE_OP if op.direction is Direction.WRITE else LOAD_OP
@@ -958,6 +1031,77 @@ class HierarchicalRadixCache:
         self._lock(op.node, -1)
         self._refresh_leaves(op.nodes)
 
+    # ------------------------------------------------------------------ prefetch (L3 -> L2)
+    def prefetch(
+        self,
+        tokens: Sequence[int] | npt.NDArray[np.integer],
+        extra_key: str | Namespace | None = None,
+    ) -> int | None:
+        """Start reading from L3 what follows the local match of ``tokens`` (SPEC §3). Returns an
+        op id for :meth:`prefetch_ready` / :meth:`prefetch_commit` / :meth:`prefetch_abort`, or
+        ``None`` when there is no L3, the match does not end at a host-backed node (or a root), or
+        fewer than ``prefetch_threshold`` tokens of whole pages follow it. The store query itself
+        runs in the background; its result is applied by :meth:`check_events`."""
+        query = _as_tokens(tokens)
+        namespace = self.namespace_of(extra_key)
+        if self._l3 is None:
+            return None
+        self._tick()
+        root, path, matched = self._walk(query, namespace, split=True)
+        anchor = path[-1] if path else root
+        total = len(query) // self.page_size
+        remaining = total - matched
+        threshold = self._l3.config.prefetch_threshold
+        if (
+            not (anchor.is_root or anchor.state in _HOST_CLAIMED_T)
+            or remaining == 0
+            or remaining * self.page_size < threshold
+        ):
+            self._finish()
+            return None
+        whole = query[: total * self.page_size].copy()
+        rest = whole[matched * self.page_size :].tobytes()
+        seed = anchor.hashes[-32:] if anchor.hashes else namespace.seed()
+        page_bytes = self._page_bytes
+        op = self._l3.start_prefetch(
+            whole, namespace, anchor, matched, lambda: chain_digests(rest, page_bytes, seed)
+        )
+        self._finish()
+        return op.op_id
+
+    def _l3_tier(self) -> L3Tier:
+        if self._l3 is None:
+            raise MisuseError("this cache has no L3 storage backend")
+        return self._l3
+
+    def prefetch_ready(self, op_id: int) -> bool:
+        """Whether the scheduler should stop waiting for prefetch ``op_id`` now (its policy:
+        ``best_effort`` always, ``wait_complete`` once every reserved page arrived or failed,
+        ``timeout`` then or after the configured time)."""
+        return self._l3_tier().ready(op_id)
+
+    def prefetch_commit(self, op_id: int) -> int:
+        """Insert the pages of ``op_id`` that arrived as host-only nodes; returns how many pages
+        the tree gained. Pages still in flight are released when their read is drained."""
+        tier = self._l3_tier()
+        tier.op(op_id)
+        self._tick()
+        added = tier.commit(op_id)
+        self._finish()
+        return added
+
+    def prefetch_abort(self, op_id: int) -> None:
+        """Release everything prefetch ``op_id`` reserved (the request went away)."""
+        tier = self._l3_tier()
+        tier.op(op_id)
+        self._tick()
+        tier.abort(op_id)
+        self._finish()
+
+    def prefetch_reserved(self) -> int:
+        """Host pages currently reserved by prefetches (arrived or in flight, not committed)."""
+        return 0 if self._l3 is None else self._l3.reserved()
+
     # ------------------------------------------------------------------ sizes and reset
     def cached_pages(self) -> dict[str, int]:
         """Pages per tier held by the tree."""
@@ -969,9 +1113,10 @@ class HierarchicalRadixCache:
 
     def reset(self) -> None:
         """Drop every cached page (pending copies must have been drained first)."""
-        if self.write_ops or self.load_ops:
+        if self.write_ops or self.load_ops or (self._l3 is not None and not self._l3.idle()):
             raise MisuseError(
-                "reset with copies in flight: call check_events until none is pending"
+                "reset with copies, backups or prefetches in flight: "
+                "call check_events until none is pending"
             )
         if any(node.lock_ref for node in self.nodes()):
             raise MisuseError("reset while nodes are locked")

@@ -1,0 +1,472 @@
+"""The cache's L3 side: backup L2 -> L3 and prefetch L3 -> L2 (SPEC §3, §4, §9; model: ``CacheModel``'s
+backup and prefetch sections).
+
+:class:`L3Tier` is owned by one :class:`~kvstrata.impl.radix_cache.HierarchicalRadixCache` and runs on
+its scheduler thread; the store I/O runs on a :class:`~kvstrata.impl.storage.worker.StorageWorker`.
+
+Backup. When a write-through (or a write_back staging copy) has put pages on L2, the cache calls
+:meth:`L3Tier.enqueue_backup` with the nodes covering them. The op captures, *at that moment*, the
+pages' hashes and host indices (a later split cannot change what it covers: I4) and pins every node
+(``Node.backup_pins``: a pinned node's host pages are never evicted or reused: I5), then submits a
+job at once. A result's pages that are in the store (stored, existed, or a non-writer's skip) are
+done; the rest (store full, failures, not yet visible) form a retry op with back-off, and after
+``StorageConfig.backup_retries`` retries they are abandoned and counted. Nodes are unpinned as soon
+as none of their pages is pending any more.
+
+Prefetch. :meth:`L3Tier.start_prefetch` mirrors ``CacheModel.prefetch`` except that the store query
+is asynchronous: the op first *queries* (the worker hashes the continuation and asks ``exists``;
+only the anchor is locked), and when the query's result is drained it reserves host pages for
+exactly the hit count (evicting L2 leaves if needed; all of it or nothing, within the reservation
+limit) and starts the *fetch*; when the fetch result is drained the leading pages that arrived
+complete count as arrived (a partial page ends the op there: I2). The scheduler asks
+:meth:`L3Tier.ready` (policy), then :meth:`L3Tier.commit` (arrived pages become host-only nodes under
+the prefix, exactly as the model's ``_commit_pages``) or :meth:`L3Tier.abort`. An op committed or
+aborted while a job is in flight keeps its reserved slots until that job's result is drained
+(CANCELLING -> DONE), so the worker never writes into a slot the pool has handed out again.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import attrs
+import numpy as np
+import numpy.typing as npt
+
+from kvstrata.impl.config import StorageConfig
+from kvstrata.impl.errors import MisuseError
+from kvstrata.impl.storage.base import GetStatus, PutStatus, StorageBackend
+from kvstrata.impl.storage.worker import (
+    BackupResult,
+    FetchResult,
+    QueryResult,
+    StorageResult,
+    StorageWorker,
+)
+from kvstrata.impl.transfer import Executor
+from kvstrata.model.keys import Namespace
+from kvstrata.model.lifecycles import (
+    BACKUP_OP,
+    HOST_CLAIMED,
+    PREFETCH_OP,
+    BackupEvent,
+    BackupState,
+    PrefetchEvent,
+    PrefetchState,
+    Residency,
+    ResidencyEvent,
+)
+from kvstrata.model.prefetch import PrefetchPolicy
+
+if TYPE_CHECKING:
+    from kvstrata.impl.radix_cache import HierarchicalRadixCache, Node
+
+__all__ = ["BackupOp", "L3Counters", "L3Tier", "PrefetchOp"]
+
+Pages = npt.NDArray[np.int64]
+_HOST_CLAIMED_T = tuple(HOST_CLAIMED)
+_DIGEST = 32
+
+
+@attrs.define(eq=False)
+class BackupOp:
+    """Pages of L2 being written to L3. ``digests``/``host`` are fixed at enqueue; ``nodes`` are the
+    nodes still pinned for it, each with the number of its pages this op covers (grown by splits)."""
+
+    op_id: int
+    namespace: Namespace
+    digests: bytes
+    host: Pages
+    nodes: list[Node]
+    spans: list[int]
+    state: BackupState = BackupState.QUEUED
+    attempts: int = 0
+    retry_at: float = 0.0
+
+    @property
+    def num_pages(self) -> int:
+        return len(self.host)
+
+
+@attrs.define(eq=False)
+class PrefetchOp:
+    """One L3 -> L2 read for one request. ``state is None`` while the store is being queried."""
+
+    op_id: int
+    namespace: Namespace
+    anchor: Node
+    tokens: npt.NDArray[np.uint32]  # prefix + continuation, whole pages
+    prefix_pages: int
+    started: float
+    state: PrefetchState | None = None
+    anchor_locked: bool = True
+    in_flight: bool = True  # a job whose result will write or name this op's slots
+    cancelled: bool = False  # committed/aborted while querying: the result is dropped
+    digests: bytes = b""
+    host: Pages = attrs.field(factory=lambda: np.zeros(0, dtype=np.int64))
+    arrived: int = 0
+    released: int = 0  # host[released:] are still reserved by the op
+
+    @property
+    def reserved(self) -> int:
+        return len(self.host) - self.released
+
+
+@attrs.define
+class L3Counters:
+    """Plain counters (read by the metrics collector at scrape time; no locking on the hot path)."""
+
+    backup_ops: int = 0
+    backup_pages: dict[str, int] = attrs.field(factory=lambda: {s.value: 0 for s in PutStatus})
+    backup_bytes: int = 0
+    backup_retries: int = 0
+    backup_abandoned_pages: int = 0
+    prefetch_ops: int = 0
+    prefetch_queried_pages: int = 0
+    prefetch_hit_pages: int = 0
+    prefetch_pages: dict[str, int] = attrs.field(factory=lambda: {s.value: 0 for s in GetStatus})
+    prefetch_bytes: int = 0
+    prefetch_committed_pages: int = 0
+    prefetch_skipped: int = 0  # queries with a hit that could not reserve (limit, no room)
+
+
+class L3Tier:
+    """Backup and prefetch state of one cache (scheduler thread only)."""
+
+    def __init__(
+        self,
+        cache: HierarchicalRadixCache,
+        backend: StorageBackend,
+        config: StorageConfig,
+        executor: Executor | None = None,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        page_nbytes: int = 0,
+    ) -> None:
+        self._cache = cache
+        self.config = config
+        self.worker = StorageWorker(backend, executor)
+        self._now = clock
+        self._page_nbytes = page_nbytes
+        self.backups: dict[int, BackupOp] = {}
+        self.prefetches: dict[int, PrefetchOp] = {}
+        self._retry: list[BackupOp] = []
+        self.counters = L3Counters()
+        self.last_applied: list[StorageResult] = []  # what the latest poll applied (for tests)
+
+    # ------------------------------------------------------------------ backup
+    def enqueue_backup(self, namespace: Namespace, nodes: list[Node]) -> None:
+        """Back up the pages of ``nodes`` (in order; each has a host copy and its hashes), in
+        batches of at most ``backup_batch_pages``."""
+        limit = self.config.backup_batch_pages
+        batch: list[Node] = []
+        size = 0
+        for node in nodes:
+            if batch and size + node.num_pages > limit:
+                self._submit_backup(namespace, batch)
+                batch, size = [], 0
+            batch.append(node)
+            size += node.num_pages
+        if batch:
+            self._submit_backup(namespace, batch)
+
+    def _submit_backup(self, namespace: Namespace, nodes: list[Node]) -> None:
+        digests = b"".join(node.hashes for node in nodes)
+        host = np.concatenate([node.host for node in nodes if node.host is not None])
+        assert len(host) * _DIGEST == len(digests), "a backed-up node lacks a host copy"
+        for node in nodes:
+            node.backup_pins += 1
+        op = BackupOp(
+            self._cache._new_op(),
+            namespace,
+            digests,
+            host.copy(),
+            list(nodes),
+            [node.num_pages for node in nodes],
+        )
+        self.backups[op.op_id] = op
+        self.counters.backup_ops += 1
+        self._start_backup(op)
+
+    def _start_backup(self, op: BackupOp) -> None:
+        op.state = BACKUP_OP.next(op.state, BackupEvent.START)
+        op.attempts += 1
+        self.worker.backup(op.op_id, op.namespace, op.digests, op.host)
+
+    def on_split(self, node: Node, prefix: Node) -> None:
+        """``node`` was split and ``prefix`` took its first pages: every backup op pinning ``node``
+        now pins both, with the same page coverage."""
+        pages = prefix.num_pages
+        for op in self.backups.values():
+            for i, member in enumerate(op.nodes):
+                if member is node:
+                    op.nodes.insert(i, prefix)
+                    op.spans.insert(i, pages)
+                    op.spans[i + 1] -= pages
+                    break
+
+    def _apply_backup(self, result: BackupResult) -> None:
+        op = self.backups.get(result.op_id)
+        if op is None:
+            return
+        failed = [not status.ok for status in result.statuses]
+        counters = self.counters
+        for status in result.statuses:
+            counters.backup_pages[status.value] += 1
+        counters.backup_bytes += self._page_nbytes * sum(
+            status is PutStatus.STORED for status in result.statuses
+        )
+        event = BackupEvent.RETRY if any(failed) else BackupEvent.ACK
+        op.state = BACKUP_OP.next(op.state, event)
+        # unpin the nodes none of whose pages failed; keep the rest for the retry
+        keep_nodes: list[Node] = []
+        keep_spans: list[int] = []
+        offset = 0
+        for node, span in zip(op.nodes, op.spans, strict=True):
+            if any(failed[offset : offset + span]):
+                keep_nodes.append(node)
+                keep_spans.append(span)
+            else:
+                node.backup_pins -= 1
+            offset += span
+        del self.backups[op.op_id]
+        if not any(failed):
+            return
+        if op.attempts > self.config.backup_retries:
+            counters.backup_abandoned_pages += sum(failed)
+            for node in keep_nodes:
+                node.backup_pins -= 1
+            return
+        mask = np.asarray(failed, dtype=bool)
+        digests = b"".join(
+            op.digests[i * _DIGEST : (i + 1) * _DIGEST] for i in np.flatnonzero(mask)
+        )
+        retry = BackupOp(
+            op.op_id,
+            op.namespace,
+            digests,
+            op.host[mask],
+            keep_nodes,
+            keep_spans,
+            attempts=op.attempts,
+            retry_at=self._now() + self.config.backoff(op.attempts),
+        )
+        self.backups[retry.op_id] = retry
+        self._retry.append(retry)
+        counters.backup_retries += 1
+
+    def _resubmit_due(self) -> None:
+        if not self._retry:
+            return
+        now = self._now()
+        due = [op for op in self._retry if op.retry_at <= now]
+        self._retry = [op for op in self._retry if op.retry_at > now]
+        for op in due:
+            self._start_backup(op)
+
+    # ------------------------------------------------------------------ prefetch
+    def reserved(self) -> int:
+        return sum(op.reserved for op in self.prefetches.values())
+
+    def start_prefetch(
+        self,
+        tokens: npt.NDArray[np.uint32],
+        namespace: Namespace,
+        anchor: Node,
+        prefix_pages: int,
+        hasher: Callable[[], bytes],
+    ) -> PrefetchOp:
+        """Query the store for the continuation after ``prefix_pages`` (``anchor`` ends the prefix
+        and is host-claimed or a root; the cache checked the threshold)."""
+        cache = self._cache
+        op = PrefetchOp(
+            cache._new_op(), namespace, anchor, tokens, prefix_pages, started=self._now()
+        )
+        if anchor.is_root:
+            op.anchor_locked = False
+        else:
+            cache._lock(anchor, +1)
+        self.prefetches[op.op_id] = op
+        self.counters.prefetch_ops += 1
+        remaining = len(tokens) // cache.page_size - prefix_pages
+        self.counters.prefetch_queried_pages += remaining
+        self.worker.query(op.op_id, namespace, hasher, remaining)
+        return op
+
+    def _release_anchor(self, op: PrefetchOp) -> None:
+        if op.anchor_locked:
+            op.anchor_locked = False
+            self._cache._lock(op.anchor, -1)
+
+    def _apply_query(self, result: QueryResult) -> None:
+        op = self.prefetches.get(result.op_id)
+        if op is None:
+            return
+        op.in_flight = False
+        if op.cancelled:
+            del self.prefetches[op.op_id]
+            return
+        cache = self._cache
+        host = cache._host
+        assert host is not None
+        hit = result.hit
+        self.counters.prefetch_hit_pages += hit
+        limit = int(host.num_pages * self.config.prefetch_reserve_fraction)
+        if hit and self.reserved() + hit <= limit:
+            if hit > host.free_count:
+                cache._evict_host(hit - host.free_count)
+            if hit <= host.free_count:
+                op.digests = result.digests[: hit * _DIGEST]
+                op.host = np.asarray(host.alloc(hit), dtype=np.int64)
+                op.state = PrefetchState.LOADING
+                op.in_flight = True
+                self.worker.fetch(op.op_id, op.namespace, op.digests, op.host)
+                return
+        if hit:
+            self.counters.prefetch_skipped += 1
+        # nothing to read: the op is complete with no pages; the anchor is free again
+        self._release_anchor(op)
+        op.state = PrefetchState.COMPLETE
+
+    def _apply_fetch(self, result: FetchResult) -> None:
+        op = self.prefetches.get(result.op_id)
+        if op is None:
+            return
+        op.in_flight = False
+        arrived = 0
+        for status in result.statuses:
+            self.counters.prefetch_pages[status.value] += 1
+            if status is not GetStatus.LOADED:
+                break
+            arrived += 1
+        self.counters.prefetch_bytes += arrived * self._page_nbytes
+        if op.state is PrefetchState.CANCELLING:  # committed or aborted meanwhile: drain
+            op.state = PREFETCH_OP.next(op.state, PrefetchEvent.DRAIN)
+            self._settle(op)
+            return
+        op.arrived = arrived
+        assert op.state is not None
+        op.state = PREFETCH_OP.next(op.state, PrefetchEvent.COMPLETE)
+
+    def op(self, op_id: object) -> PrefetchOp:
+        found = self.prefetches.get(op_id) if isinstance(op_id, int) else None
+        if found is None or found.cancelled:
+            raise MisuseError(f"no prefetch op {op_id!r}")
+        return found
+
+    def ready(self, op_id: int) -> bool:
+        """Whether the scheduler stops waiting for ``op_id`` now (its prefetch policy)."""
+        op = self.op(op_id)
+        if op.state is not None and op.state is not PrefetchState.LOADING:
+            return True
+        policy = self.config.prefetch_policy
+        if policy is PrefetchPolicy.BEST_EFFORT:
+            return True
+        if policy is PrefetchPolicy.WAIT_COMPLETE:
+            return False
+        pages = len(op.tokens) // self._cache.page_size - op.prefix_pages
+        timeout = self.config.prefetch_timeout(pages * self._cache.page_size)
+        return self._now() - op.started >= timeout
+
+    def commit(self, op_id: int) -> int:
+        """Insert the pages that arrived as host-only nodes; returns how many the tree gained."""
+        op = self.op(op_id)
+        if op.state is None:  # still querying: nothing reserved, the result will be dropped
+            op.cancelled = True
+            self._release_anchor(op)
+            return 0
+        state = PREFETCH_OP.next(op.state, PrefetchEvent.COMMIT)
+        self._release_anchor(op)
+        added = self._commit_pages(op)
+        self.counters.prefetch_committed_pages += added
+        op.released = op.arrived
+        op.state = state
+        self._settle(op)
+        return added
+
+    def abort(self, op_id: int) -> None:
+        """The request went away: release everything the op reserved (in-flight slots on drain)."""
+        op = self.op(op_id)
+        if op.state is None:
+            op.cancelled = True
+            self._release_anchor(op)
+            return
+        state = PREFETCH_OP.next(op.state, PrefetchEvent.ABORT)
+        self._release_anchor(op)
+        host = self._cache._host
+        assert host is not None
+        if op.arrived:
+            host.free(op.host[: op.arrived])
+        op.released = op.arrived
+        op.state = state
+        self._settle(op)
+
+    def _settle(self, op: PrefetchOp) -> None:
+        if op.state is PrefetchState.DONE:
+            host = self._cache._host
+            assert host is not None
+            if op.released < len(op.host):
+                host.free(op.host[op.released :])
+            op.released = len(op.host)
+            del self.prefetches[op.op_id]
+
+    def _commit_pages(self, op: PrefetchOp) -> int:
+        """The model's ``_commit_pages``: pages the tree already has give their slot back; the
+        rest become one host-only leaf if its parent is host-claimed (I3), else are given back."""
+        cache = self._cache
+        host = cache._host
+        assert host is not None
+        arrived = op.arrived
+        size = cache.page_size
+        tokens = op.tokens[: (op.prefix_pages + arrived) * size]
+        _, path, matched = cache._walk(tokens, op.namespace, split=True)
+        last = path[-1] if path else cache._root(op.namespace, create=True)
+        have = max(0, min(arrived, matched - op.prefix_pages))
+        spare = [op.host[:have]]
+        added = 0
+        if have < arrived and (last.is_root or last.state in _HOST_CLAIMED_T):
+            start = op.prefix_pages + have
+            leaf = cache._add_leaf(
+                last,
+                tokens[start * size :].tobytes(),
+                op.digests[have * _DIGEST : arrived * _DIGEST],
+                Residency.NEW,
+            )
+            leaf.host = op.host[have:arrived].copy()
+            cache._advance(leaf, ResidencyEvent.COMMIT_PREFETCH)
+            added = arrived - have
+        else:
+            spare.append(op.host[have:arrived])
+        freed = np.concatenate(spare)
+        if len(freed):
+            host.free(freed)
+        return added
+
+    # ------------------------------------------------------------------ results
+    def poll(self) -> list[StorageResult]:
+        """Apply every storage result that finished (scheduler thread), then resubmit due retries."""
+        results = self.worker.results()
+        self.last_applied = results
+        for result in results:
+            if isinstance(result, BackupResult):
+                self._apply_backup(result)
+            elif isinstance(result, QueryResult):
+                self._apply_query(result)
+            else:
+                self._apply_fetch(result)
+        self._resubmit_due()
+        return results
+
+    def pending(self) -> dict[str, int]:
+        return {"backup": len(self.backups), "prefetch": len(self.prefetches)}
+
+    def idle(self) -> bool:
+        return not self.backups and not self.prefetches
+
+    def close(self) -> None:
+        self.worker.close()
+
+    def describe(self) -> dict[str, Any]:
+        return attrs.asdict(self.counters)

@@ -1,0 +1,344 @@
+"""The L3 backend on a real Mooncake store: :class:`MooncakeBackend` (SPEC §4, §10; issue 4).
+
+One plane of one page is one store object, in canonical order whatever the host layout
+(:mod:`.slabs`): with a ``page_first_direct`` host pool that is the page slab itself, moved zero-copy
+(the host buffer is registered once at :meth:`~MooncakeBackend.attach`); with ``page_first`` it passes
+through a registered staging buffer of ``staging_bytes``.
+
+Per batch, in Mooncake calls:
+
+- ``exists``: one ``batch_is_exist`` over every component key of the pages;
+- ``put``: ``batch_is_exist`` (what is there already), ``batch_put_from`` of the missing component
+  objects only, then ``batch_is_exist`` of the pages just written, because rc 0 does not mean readable:
+  a put that overlaps another writer's unfinished put of the same key returns 0 at once
+  (MOONCAKE.md §3.4). A page that cannot be confirmed is ``FAILED`` (retryable), never ``STORED``;
+- ``get``: one ``batch_get_into`` (per staging chunk); a page is ``LOADED`` only if every component
+  returned exactly its object size.
+
+Replicated KV (MLA, ``Shard.replicated()``) is written by one rank: a backend built with
+``writer=False`` answers ``SKIPPED`` for every page of a put without calling the store. Sharded KV is
+written by every rank under its own shard in the key, so every rank's backend is a writer there (the
+caller's choice, as for every backend: a non-writer's shard would simply never be written).
+
+A page repeated within one put batch is written once, from its first occurrence; the later ones are
+``EXISTED`` (or share the first one's failure).
+
+Store failures never raise: they are statuses, counted per page in :attr:`MooncakeBackend.counters`
+(the :class:`~kvstrata.impl.storage.counters.BackendCounters` every backend keeps; ``io_errors`` is one
+per failed object or call) and by kind in :attr:`MooncakeBackend.errors`, and logged once per burst.
+Misuse raises :class:`MisuseError` before any store call (:func:`~kvstrata.impl.storage.base.check_batch`,
+non-sequence arguments, any call after :meth:`~MooncakeBackend.close`).
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Sequence
+from typing import Final
+
+from kvstrata.impl.errors import ConfigError, MisuseError, StoreUnavailable
+from kvstrata.impl.pools.host import HostKVPool
+from kvstrata.impl.storage.base import (
+    GetStatus,
+    PutStatus,
+    check_attachable,
+    check_batch,
+    page_objects,
+)
+from kvstrata.impl.storage.counters import BackendCounters
+from kvstrata.impl.storage.mooncake.client import ClientState, MooncakeClient
+from kvstrata.impl.storage.mooncake.codes import ErrorKind, classify, describe
+from kvstrata.impl.storage.mooncake.config import MooncakeConfig, to_bytes
+from kvstrata.impl.storage.mooncake.counters import ErrorCounters
+from kvstrata.impl.storage.mooncake.slabs import RPC_FAIL, SlabIO, slab_io
+from kvstrata.model.keys import KeySpace, KVKind, Namespace, PageHash, StoreKey
+
+__all__ = ["MooncakeBackend"]
+
+EXISTS: Final = 1
+DEFAULT_STAGING = 64 << 20
+
+
+class MooncakeBackend:
+    """A :class:`~kvstrata.impl.storage.base.StorageBackend` on a Mooncake cluster.
+
+    ``store`` is either a set-up :class:`MooncakeClient` (shared, not closed by :meth:`close`) or a
+    :class:`MooncakeConfig` (the backend connects now, owns the client and closes it). ``pool`` names
+    the key's pool (``"kv"``). ``staging_bytes`` bounds the staging buffer of a ``page_first`` host
+    pool (at least one page is staged; a larger batch moves in chunks).
+    """
+
+    name = "mooncake"
+
+    def __init__(
+        self,
+        store: MooncakeClient | MooncakeConfig,
+        keyspace: KeySpace,
+        *,
+        writer: bool = True,
+        pool: str = "kv",
+        staging_bytes: int | str = DEFAULT_STAGING,
+    ) -> None:
+        if not isinstance(keyspace, KeySpace):
+            raise MisuseError(f"MooncakeBackend: expected a KeySpace, got {keyspace!r}")
+        if keyspace.model.kind is KVKind.EMBEDDING:
+            raise ConfigError("MooncakeBackend.keyspace: expected an MHA or MLA model identity")
+        if not isinstance(writer, bool):
+            raise ConfigError(f"MooncakeBackend.writer: expected a bool, got {writer!r}")
+        if isinstance(store, MooncakeConfig):
+            self.client = MooncakeClient(store).setup()
+            self._owns_client = True
+        elif isinstance(store, MooncakeClient):
+            if store.state is not ClientState.READY:
+                raise StoreUnavailable(f"MooncakeBackend: the client is {store.state.value}")
+            self.client = store
+            self._owns_client = False
+        else:
+            raise MisuseError(
+                f"MooncakeBackend: expected a MooncakeClient or MooncakeConfig, got {store!r}"
+            )
+        self.staging_bytes = to_bytes(staging_bytes, "MooncakeBackend.staging_bytes")
+        self.keyspace = keyspace
+        self.writer = writer
+        self.pool = pool
+        self.counters = BackendCounters()
+        self.errors = ErrorCounters()
+        self._planes = tuple(obj.plane for obj in page_objects(keyspace))
+        self._host: HostKVPool | None = None
+        self._slabs: SlabIO | None = None
+        self._release: weakref.finalize[[], MooncakeBackend] | None = None
+        self._closed = False
+
+    # ------------------------------------------------------------------------------ lifecycle
+    def attach(self, host: HostKVPool) -> None:
+        """Register ``host``'s buffer with the client (once; attaching the same pool again is a
+        no-op, another pool a :class:`MisuseError`)."""
+        self._check_open("attach")
+        host = check_attachable(host, "MooncakeBackend.attach")
+        model = self.keyspace.model
+        if host.shape.kind is not model.kind or host.shape.page_size != model.page_size:
+            raise ConfigError(
+                f"MooncakeBackend.attach: the host pool holds {host.shape.kind.value} pages of "
+                f"{host.shape.page_size} tokens, the key space names {model.kind.value} pages of "
+                f"{model.page_size}"
+            )
+        if self._host is host:
+            return
+        if self._host is not None:
+            raise MisuseError("MooncakeBackend.attach: already attached to another host pool")
+        slabs = slab_io(host, self.client, self.staging_bytes)
+        self._host, self._slabs = host, slabs
+        # a backend dropped without close() must not leave its (soon freed) memory registered
+        self._release = weakref.finalize(self, slabs.release)
+        self._release.atexit = False
+
+    def close(self) -> None:
+        """Release the host buffer's registration and close an owned client (objects stay in the
+        store: they live in the storage node's segment). Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._release is not None:
+            self._release()  # the registrations go at the client's next call (or its close)
+        if self._owns_client:
+            self.client.close()
+
+    def __repr__(self) -> str:
+        role = "writer" if self.writer else "reader"
+        return f"MooncakeBackend({self.client!r}, {self.keyspace!r}, {role})"
+
+    # ------------------------------------------------------------------------------- helpers
+    def _check_open(self, operation: str) -> None:
+        if self._closed:
+            raise MisuseError(f"MooncakeBackend.{operation}: the backend is closed")
+
+    def _checked(
+        self,
+        operation: str,
+        namespace: Namespace,
+        pages: Sequence[PageHash],
+        host_indices: Sequence[int] | None,
+    ) -> SlabIO:
+        """Every misuse check, before any store call; the attached pool's object mover."""
+        self._check_open(operation)
+        who = f"MooncakeBackend.{operation}"
+        for what, value in (("pages", pages), ("host_indices", host_indices)):
+            if value is not None and (not isinstance(value, Sequence) or isinstance(value, str)):
+                raise MisuseError(f"{who}: {what} must be a sequence, got {type(value).__name__}")
+        check_batch(self._host, namespace, pages, host_indices, who)
+        assert self._slabs is not None  # check_batch refuses an unattached backend
+        return self._slabs
+
+    def _keys(self, namespace: Namespace, pages: Sequence[PageHash]) -> list[StoreKey]:
+        """Every component key of every page, page-major (``len(pages) * planes`` keys)."""
+        return [
+            key for page in pages for key in self.keyspace.page_keys(namespace, page, self.pool)
+        ]
+
+    def _count_errors(self, operation: str, codes: Sequence[int]) -> bool:
+        """Count the negative ``codes`` by kind (and as ``io_errors``); whether there was any."""
+        kinds: dict[ErrorKind, tuple[int, int]] = {}
+        for code in codes:
+            if code < 0:
+                kind = classify(code)
+                count, _ = kinds.get(kind, (0, code))
+                kinds[kind] = (count + 1, code)
+        for kind, (count, code) in kinds.items():
+            self._error(operation, kind, count, describe(code))
+        return bool(kinds)
+
+    def _error(self, operation: str, kind: ErrorKind, count: int, detail: str) -> None:
+        self.errors.error(operation, kind, count, detail)
+        self.counters.add(io_errors=count)
+
+    def _is_exist(self, keys: Sequence[StoreKey]) -> list[int]:
+        """``batch_is_exist``; a client that is no longer usable answers -900 for every key."""
+        try:
+            return self.client.batch_is_exist(keys)
+        except StoreUnavailable:
+            return [RPC_FAIL] * len(keys)
+
+    # ------------------------------------------------------------------------------- exists
+    def exists(self, namespace: Namespace, pages: Sequence[PageHash]) -> int:
+        """How many pages, from the first, have every component in the store; counting stops at
+        the first page that is incomplete or that the store could not confirm."""
+        self._checked("exists", namespace, pages, None)
+        if not pages:
+            return 0
+        codes = self._is_exist(self._keys(namespace, pages))
+        if not self._count_errors("exists", codes):
+            self.errors.success("exists")
+        width = len(self._planes)
+        found = 0
+        for start in range(0, len(codes), width):
+            if any(code != EXISTS for code in codes[start : start + width]):
+                break
+            found += 1
+        return found
+
+    # ---------------------------------------------------------------------------------- put
+    def put(
+        self, namespace: Namespace, pages: Sequence[PageHash], host_indices: Sequence[int]
+    ) -> list[PutStatus]:
+        """Store each page from its host slot: exists, put the missing components, confirm."""
+        slabs = self._checked("put", namespace, pages, host_indices)
+        if not self.writer:
+            statuses = [PutStatus.SKIPPED] * len(pages)
+            self.counters.record_puts(statuses)
+            return statuses
+        first: dict[PageHash, int] = {}
+        for position, page in enumerate(pages):
+            first.setdefault(page, position)
+        unique = list(first.values())
+        settled, written = self._put_unique(
+            slabs,
+            self._keys(namespace, [pages[i] for i in unique]),
+            [host_indices[i] for i in unique],
+        )
+        by_page = dict(zip(unique, settled, strict=True))
+        statuses = []
+        for position, page in enumerate(pages):
+            status = by_page[first[page]]
+            if position != first[page] and status in (PutStatus.STORED, PutStatus.EXISTED):
+                status = PutStatus.EXISTED
+            statuses.append(status)
+        self.counters.record_puts(statuses, written * slabs.size)
+        return statuses
+
+    def _put_unique(
+        self, slabs: SlabIO, keys: Sequence[StoreKey], host_indices: Sequence[int]
+    ) -> tuple[list[PutStatus], int]:
+        """Exists-then-put-missing-then-confirm for distinct pages; the statuses and the number of
+        objects written."""
+        count = len(host_indices)
+        if not count:
+            return [], 0
+        width = len(self._planes)
+        status: list[PutStatus | None] = [None] * count
+        present = self._is_exist(keys)
+        failed = self._count_errors("put", present)
+        todo: list[int] = []  # flat object indices (page * width + component) to write
+        for page in range(count):
+            codes = present[page * width : (page + 1) * width]
+            if any(code < 0 for code in codes):
+                status[page] = PutStatus.FAILED
+            elif all(code == EXISTS for code in codes):
+                status[page] = PutStatus.EXISTED
+            else:
+                todo.extend(page * width + c for c, code in enumerate(codes) if code != EXISTS)
+        written = 0
+        if todo:
+            objects = [(host_indices[i // width], self._planes[i % width]) for i in todo]
+            codes = slabs.put([keys[i] for i in todo], objects)
+            failed |= self._count_errors("put", codes)
+            refused: dict[int, set[ErrorKind]] = {}
+            for flat, code in zip(todo, codes, strict=True):
+                if code < 0:
+                    refused.setdefault(flat // width, set()).add(classify(code))
+                else:
+                    written += 1
+            for page, kinds in refused.items():
+                status[page] = PutStatus.FULL if kinds == {ErrorKind.FULL} else PutStatus.FAILED
+        to_confirm = [page for page in range(count) if status[page] is None]
+        if to_confirm:
+            failed |= self._confirm(keys, to_confirm, status)
+        if not failed:
+            self.errors.success("put")
+        return [PutStatus.FAILED if s is None else s for s in status], written
+
+    def _confirm(
+        self, keys: Sequence[StoreKey], pages: Sequence[int], status: list[PutStatus | None]
+    ) -> bool:
+        """Settle ``pages`` (each component just written or already present): STORED if every
+        component is now visible, FAILED (counted NOT_VISIBLE) if not. Whether anything failed."""
+        width = len(self._planes)
+        codes = self._is_exist([keys[p * width + c] for p in pages for c in range(width)])
+        failed = self._count_errors("put", codes)
+        unseen = 0
+        for n, page in enumerate(pages):
+            answers = codes[n * width : (n + 1) * width]
+            visible = all(code == EXISTS for code in answers)
+            status[page] = PutStatus.STORED if visible else PutStatus.FAILED
+            unseen += not visible and all(code >= 0 for code in answers)
+        if unseen:
+            self._error("put", ErrorKind.NOT_VISIBLE, unseen, "written but not readable yet")
+        return failed or bool(unseen)
+
+    # ---------------------------------------------------------------------------------- get
+    def get(
+        self, namespace: Namespace, pages: Sequence[PageHash], host_indices: Sequence[int]
+    ) -> list[GetStatus]:
+        """Read each page into its host slot; LOADED only when every component arrived whole."""
+        slabs = self._checked("get", namespace, pages, host_indices)
+        if not pages:
+            return []
+        keys = self._keys(namespace, pages)
+        objects = [(index, plane) for index in host_indices for plane in self._planes]
+        codes = slabs.get(keys, objects, len(self._planes))
+        width = len(self._planes)
+        statuses: list[GetStatus] = []
+        errors: list[int] = []
+        short = 0
+        for page in range(len(pages)):
+            missing = failed = False
+            for code in codes[page * width : (page + 1) * width]:
+                if code == slabs.size:
+                    continue
+                if code >= 0:
+                    failed = True
+                    short += 1
+                elif classify(code) is ErrorKind.MISSING:
+                    missing = True  # a plain miss, not an error
+                else:
+                    failed = True
+                    errors.append(code)
+            statuses.append(
+                GetStatus.MISSING if missing else GetStatus.FAILED if failed else GetStatus.LOADED
+            )
+        if short:
+            self._error("get", ErrorKind.SHORT_READ, short, f"objects not of {slabs.size} bytes")
+        if not self._count_errors("get", errors) and not short:
+            self.errors.success("get")
+        loaded = statuses.count(GetStatus.LOADED)
+        self.counters.record_gets(statuses, loaded * width * slabs.size)  # bytes of whole pages
+        return statuses

@@ -1,0 +1,308 @@
+"""L3 differential: the real cache with an L3 backend (backup, exists, prefetch, commit, abort) against
+the reference model with its store, side by side (SPEC §3, §4, §7; issue 4).
+
+The L1/L2 machine of ``tests/support/differential.py`` is extended with an in-memory L3 backend shared
+with a *peer* (another instance writing the same key space) and rules for the store's own eviction,
+the peer's backups, prefetch start / arrival / readiness / commit / abort, and injected failures of
+backup batches. Store I/O runs on a second ManualExecutor: a rule decides when the oldest job runs.
+Each storage result the implementation applies is mirrored into the model at that moment, so both
+see the same store contents. Compared after every step, on top of the L1/L2 view: the store's
+visible keys (exactly the same rendered keys: one schema, no double tag), pending backups,
+prefetch reservations, and ``exists`` for every sequence seen. Bytes: every page a prefetch
+delivers is read back from the host pool and compared with the KV derived from its page hash.
+
+The prefetch query (hashing + ``exists``) is asynchronous in the implementation and synchronous in
+the model; the prefetch rule therefore runs storage jobs until its query result is applied and only
+then calls the model's ``prefetch`` (both split the tree at the same point first).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import hypothesis.strategies as st
+import torch
+from hypothesis import event, settings
+from hypothesis.stateful import invariant, precondition, rule
+from support.differential import DifferentialMachine, kv_for
+
+from kvstrata.impl.config import StorageConfig
+from kvstrata.impl.pools import HostKVPool, HostLayout
+from kvstrata.impl.storage.base import PutStatus
+from kvstrata.impl.storage.memory import MemoryBackend, MemoryStore
+from kvstrata.impl.storage.worker import BackupResult, FetchResult, QueryResult
+from kvstrata.impl.transfer import ManualExecutor
+from kvstrata.model.cache import WritePolicy
+from kvstrata.model.keys import KeySpace, KVKind, ModelIdentity, Namespace, chain_page_hashes
+from kvstrata.model.lifecycles import HOST_VALID, PrefetchState
+from kvstrata.model.prefetch import PrefetchPolicy
+from kvstrata.model.store import StoreModel
+
+TAG = "ci-l3"
+
+
+class L3Differential(DifferentialMachine):
+    policy = WritePolicy.WRITE_THROUGH
+    page_first_only = True
+    host_sizes = st.integers(4, 10)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.evicted: set[str] = set()
+        self.finished: set[int] = set()  # committed/aborted, read still in flight
+
+    # ------------------------------------------------------------ setup hooks
+    def model_extras(
+        self, data: st.DataObject, kind: KVKind, page_size: int, host_pages: int
+    ) -> dict[str, Any]:
+        self.keyspace = KeySpace(
+            ModelIdentity(name="tiny-llm", dtype="float16", kind=kind, page_size=page_size),
+            tag=TAG,
+        )
+        self.prefetch_policy = data.draw(
+            st.sampled_from([PrefetchPolicy.BEST_EFFORT, PrefetchPolicy.WAIT_COMPLETE]),
+            label="prefetch_policy",
+        )
+        self.threshold = page_size * data.draw(st.integers(1, 2), label="prefetch_pages")
+        return {
+            "keys": self.keyspace,
+            "prefetch_threshold": self.threshold,
+            "prefetch_policy": self.prefetch_policy,
+        }
+
+    def model_store(self) -> dict[str, Any]:
+        self.store_model = StoreModel()
+        return {"store": self.store_model}
+
+    def storage(self) -> dict[str, Any]:
+        self.shared = MemoryStore()
+        self.backend = MemoryBackend(self.keyspace, store=self.shared)
+        self.storage_executor = ManualExecutor()
+        self.prefetch_ops: dict[int, int | None] = {}  # impl op id -> model op id (None: no hit)
+        return {
+            "storage": self.backend,
+            "storage_executor": self.storage_executor,
+            "storage_config": StorageConfig(
+                prefetch_threshold=self.threshold,
+                prefetch_policy=self.prefetch_policy,
+                backup_retries=10**6,  # the model retries forever
+                backup_backoff_s=0.0,
+            ),
+        }
+
+    # ------------------------------------------------------------ storage jobs, mirrored
+    def run_storage_job(self, fail: bool = False) -> list[object]:
+        """Run the oldest storage job (a backup fails as a whole when ``fail``), apply its result
+        to the implementation and mirror it into the model. Returns the applied results."""
+        if fail:
+            self.backend.fail_next(1, op="put")
+        self.storage_executor.run_next()
+        self.backend.clear_faults()
+        self.impl.check_events()
+        l3 = self.impl.l3
+        assert l3 is not None
+        applied = list(l3.last_applied)
+        for result in applied:
+            if isinstance(result, BackupResult):
+                self.model.start_backup()
+                if all(status.ok for status in result.statuses):
+                    self.model.ack_backup()
+                else:
+                    assert all(s is PutStatus.FAILED for s in result.statuses)
+                    event("backup batch failed and was retried")
+                    self.model.fail_backup()
+            elif isinstance(result, FetchResult):
+                self.mirror_fetch(result)
+        return applied
+
+    def mirror_fetch(self, result: FetchResult) -> None:
+        model_op = self.prefetch_ops.get(result.op_id)
+        if model_op is None:
+            return
+        state = self.model.prefetch_ops[model_op].state
+        if state is PrefetchState.CANCELLING:
+            self.model.prefetch_drain(model_op)
+            del self.prefetch_ops[result.op_id]
+            self.finished.discard(result.op_id)
+            event("prefetch drained after commit/abort")
+            return
+        arrived = self.model.prefetch_arrive(model_op, pages=len(result.statuses))
+        l3 = self.impl.l3
+        assert l3 is not None
+        op = l3.prefetches[result.op_id]
+        assert op.arrived == arrived, (op.arrived, arrived)
+        if arrived:
+            pages = self.model.prefetch_ops[model_op].pages[:arrived]
+            assert self.host_pool is not None
+            got = self.host_pool.read_pages(op.host[:arrived])
+            want = torch.cat([kv_for(self.shape, page) for page in pages], dim=2)
+            assert torch.equal(got.view(torch.int16), want.view(torch.int16)), "L3 bytes differ"
+            event("prefetched bytes compared")
+        if arrived < len(result.statuses):
+            event("prefetch cut short by a page missing in the store")
+
+    @precondition(lambda self: self.ready and self.storage_executor.jobs)
+    @rule(fail=st.sampled_from([False, False, True]))
+    def storage_job(self, fail: bool) -> None:
+        for result in self.run_storage_job(fail):
+            assert not isinstance(result, QueryResult), "a query outlived its prefetch rule"
+
+    # ------------------------------------------------------------ the store's own life
+    @precondition(lambda self: self.ready and self.store_model.visible_items())
+    @rule(data=st.data())
+    def store_evicts(self, data: st.DataObject) -> None:
+        keys = sorted(key.text for key, _ in self.store_model.visible_items())
+        text = data.draw(st.sampled_from(keys), label="evicted key")
+        key = next(k for k, _ in self.store_model.visible_items() if k.text == text)
+        assert self.model.store_evict(key)
+        assert self.shared.drop([key]) == 1
+        self.evicted.add(text)  # may leave an L2 page out of L3 after a drain
+        event("the store evicted an object")
+
+    @rule(data=st.data())
+    def peer_backs_up(self, data: st.DataObject) -> None:
+        """Another instance with the same key space backs up a sequence (SPEC §10)."""
+        tokens, ns = self.draw_tokens(data)
+        pages = chain_page_hashes(tokens, self.page_size, ns)
+        if not pages:
+            return
+        for page in pages:
+            for component, key in zip(
+                self.keyspace.model.components, self.keyspace.page_keys(ns, page), strict=True
+            ):
+                if self.store_model.begin_put(key):
+                    self.store_model.end_put(key, (page, component))
+        scratch = HostKVPool(self.shape, len(pages), HostLayout.PAGE_FIRST)
+        peer = MemoryBackend(self.keyspace, store=self.shared)
+        peer.attach(scratch)
+        slots = list(range(len(pages)))
+        scratch.write_pages(slots, torch.cat([kv_for(self.shape, p) for p in pages], dim=2))
+        statuses = peer.put(ns, list(pages), slots)
+        assert all(status.ok for status in statuses)
+        event("a peer backed up a sequence")
+
+    # ------------------------------------------------------------ prefetch
+    @rule(data=st.data())
+    def prefetch(self, data: st.DataObject) -> None:
+        tokens, ns = self.draw_tokens(data)
+        op_id = self.impl.prefetch(tokens, ns)
+        if op_id is None:
+            assert self.model.prefetch(tokens, ns) is None
+            return
+        l3 = self.impl.l3
+        assert l3 is not None
+        while l3.prefetches[op_id].state is None:  # querying: run jobs up to its result
+            assert self.storage_executor.jobs, "the query job is missing"
+            self.run_storage_job()
+        model_op = self.model.prefetch(tokens, ns)
+        reserved = len(l3.prefetches[op_id].host)
+        assert (model_op is None) == (reserved == 0), (model_op, reserved)
+        if model_op is not None:
+            assert len(self.model.prefetch_ops[model_op].pages) == reserved
+            event("prefetch reserved host pages for an L3 hit")
+        self.prefetch_ops[op_id] = model_op
+
+    def active(self) -> list[int]:
+        return sorted(set(self.prefetch_ops) - self.finished) if self.ready else []
+
+    @precondition(lambda self: self.active())
+    @rule(data=st.data(), commit=st.booleans())
+    def finish_prefetch(self, data: st.DataObject, commit: bool) -> None:
+        op_id = data.draw(st.sampled_from(self.active()), label="prefetch op")
+        model_op = self.prefetch_ops[op_id]
+        if model_op is not None:
+            assert self.impl.prefetch_ready(op_id) == self.model.prefetch_ready(model_op)
+        in_flight = self.impl.l3 is not None and self.impl.l3.prefetches[op_id].in_flight
+        if commit:
+            added = self.impl.prefetch_commit(op_id)
+            want = 0 if model_op is None else self.model.prefetch_commit(model_op)
+            assert added == want, (added, want)
+            if added:
+                event("prefetched pages committed as host-only nodes")
+        else:
+            self.impl.prefetch_abort(op_id)
+            if model_op is not None:
+                self.model.prefetch_abort(model_op)
+        if model_op is None or not in_flight:
+            del self.prefetch_ops[op_id]
+        else:  # kept until its read is drained (mirror_fetch)
+            self.finished.add(op_id)
+            event("prefetch finished while its read was in flight")
+
+    # ------------------------------------------------------------ I4 end to end
+    @rule()
+    def drain(self) -> None:
+        """Finish every copy and every storage job; then L3 holds every page the tree holds on L2
+        (I4, seen from outside the tree through the backend)."""
+        while self.executor.jobs or self.storage_executor.jobs:
+            if self.executor.jobs:
+                self.complete_copy_batch(fail=False)
+            else:
+                self.run_storage_job()
+        for node in self.impl.nodes():
+            if node.state in HOST_VALID:
+                pages = [node.page_hash(i) for i in range(node.num_pages)]
+                namespace: Namespace = node.namespace
+                assert self.backend.exists(namespace, pages) == len(pages) or any(
+                    key in self.evicted for key in self.node_keys(node)
+                ), f"{node!r} is on L2 but not in L3 after every backup finished"
+        event("drained: L2 is backed up")
+
+    def node_keys(self, node: Any) -> list[str]:
+        return [
+            key.text
+            for i in range(node.num_pages)
+            for key in self.keyspace.page_keys(node.namespace, node.page_hash(i))
+        ]
+
+    # ------------------------------------------------------------ comparison
+    def observe(self) -> tuple[object, object]:
+        model_view, impl_view = super().observe()
+        l3 = self.impl.l3
+        assert l3 is not None
+        model_keys = sorted(key.text for key, _ in self.store_model.visible_items())
+        impl_keys = sorted(key.text for key in self.shared.visible_keys())
+        seen = sorted(self.seen, key=repr)
+        model_l3 = (
+            model_keys,
+            len(self.model.backup_ops),
+            self.model.prefetch_reserved(),
+            tuple(self.model.l3_exists(t, ns) for ns, t in seen),
+        )
+        impl_l3 = (
+            impl_keys,
+            len(l3.backups),
+            self.impl.prefetch_reserved(),
+            tuple(
+                self.backend.exists(ns, list(chain_page_hashes(t, self.page_size, ns)))
+                for ns, t in seen
+            ),
+        )
+        return (model_view, model_l3), (impl_view, impl_l3)
+
+    @invariant()
+    def store_keys_parse(self) -> None:
+        if self.ready:
+            for key in self.shared.visible_keys():
+                assert key.text.startswith(f"kvs1/{TAG}/"), key
+                assert key.text.count(TAG) == 1, f"tagged twice: {key}"
+
+    def teardown(self) -> None:
+        if self.ready:
+            self.storage_executor.jobs.clear()
+        super().teardown()
+
+
+class L3WriteThrough(L3Differential):
+    policy = WritePolicy.WRITE_THROUGH
+
+
+class L3Selective(L3Differential):
+    policy = WritePolicy.WRITE_THROUGH_SELECTIVE
+
+
+STEPS = settings(stateful_step_count=50)
+TestL3WriteThrough = L3WriteThrough.TestCase
+TestL3WriteThrough.settings = STEPS
+TestL3Selective = L3Selective.TestCase
+TestL3Selective.settings = STEPS

@@ -1,0 +1,322 @@
+"""The cache's L3 side against the in-memory backend: backup retries and their accounting, store
+failures that degrade to misses, prefetch policies, configuration errors and metrics (issue 4).
+
+The differential machine (tests/stateful/test_l3_differential.py) proves agreement with the model;
+these tests pin down the implementation-only behaviour: back-off and abandonment, time-based
+policies, a backend that raises, and the metric names an operator scrapes."""
+
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+import pytest
+import torch
+from prometheus_client import generate_latest
+
+from kvstrata.impl.config import RadixCacheConfig, StorageConfig
+from kvstrata.impl.errors import ConfigError, MisuseError
+from kvstrata.impl.metrics import registry_for
+from kvstrata.impl.pools import DeviceKVPool, HostKVPool, HostLayout, KVShape
+from kvstrata.impl.radix_cache import HierarchicalRadixCache
+from kvstrata.impl.storage.base import PutStatus
+from kvstrata.impl.storage.memory import MemoryBackend, MemoryStore
+from kvstrata.impl.transfer import ManualExecutor
+from kvstrata.model.keys import KeySpace, KVKind, ModelIdentity, PageHash, chain_page_hashes
+
+PAGE = 4
+SHAPE = KVShape(KVKind.MHA, layers=2, heads=2, head_dim=4, dtype=torch.float16, page_size=PAGE)
+KEYS = KeySpace(
+    ModelIdentity(name="unit", dtype="float16", kind=KVKind.MHA, page_size=PAGE), tag="unit"
+)
+
+
+def kv(page: PageHash) -> torch.Tensor:
+    dims = SHAPE.canonical(1)
+    raw = hashlib.shake_256(page.digest).digest(int(np.prod(dims)) * SHAPE.itemsize)
+    return torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(SHAPE.dtype).reshape(dims)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class Rig:
+    """One cache with manual copy and storage executors over a (possibly shared) memory store."""
+
+    def __init__(
+        self,
+        store: MemoryStore | None = None,
+        config: StorageConfig | None = None,
+        host_pages: int = 16,
+    ) -> None:
+        self.device = DeviceKVPool(SHAPE, 16, "cpu")
+        self.host = HostKVPool(SHAPE, host_pages, HostLayout.PAGE_FIRST)
+        self.backend = MemoryBackend(KEYS, store=store if store is not None else MemoryStore())
+        self.copies = ManualExecutor()
+        self.io = ManualExecutor()
+        self.cache = HierarchicalRadixCache.build(
+            RadixCacheConfig(page_size=PAGE),
+            self.device,
+            self.host,
+            executor=self.copies,
+            storage=self.backend,
+            storage_config=config or StorageConfig(prefetch_threshold=PAGE, backup_backoff_s=0),
+            storage_executor=self.io,
+        )
+        self.clock = Clock()
+        assert self.cache.l3 is not None
+        self.cache.l3._now = self.clock
+
+    def insert(self, tokens: list[int]) -> None:
+        pages = chain_page_hashes(tokens, PAGE)
+        match = self.cache.match_prefix(tokens)
+        fresh = self.cache.alloc_device(len(pages) - match.device_pages)
+        if len(fresh):
+            kvs = torch.cat([kv(p) for p in pages[match.device_pages :]], dim=2)
+            self.device.write_pages(fresh, kvs)
+        self.cache.insert(tokens, match.device_indices.tolist() + fresh.tolist())
+
+    def settle(self) -> None:
+        """Run every copy and storage job (and the retries they cause) until nothing is pending."""
+        for _ in range(100):
+            ran = self.copies.run_all() + self.io.run_all()
+            self.cache.check_events()
+            if not ran and not self.copies.jobs and not self.io.jobs:
+                return
+        raise AssertionError("jobs keep coming")
+
+    @property
+    def counters(self):  # type: ignore[no-untyped-def]
+        assert self.cache.l3 is not None
+        return self.cache.l3.counters
+
+
+TOKENS = list(range(1, 4 * PAGE + 1))
+
+
+def test_backup_then_prefetch_by_another_instance_bit_for_bit() -> None:
+    shared = MemoryStore()
+    writer, reader = Rig(shared), Rig(shared)
+    writer.insert(TOKENS)
+    writer.settle()
+    assert writer.counters.backup_pages["stored"] == 4
+    op = reader.cache.prefetch(TOKENS)
+    assert op is not None
+    reader.settle()
+    assert reader.cache.prefetch_ready(op)
+    assert reader.cache.prefetch_commit(op) == 4
+    match = reader.cache.match_prefix(TOKENS)
+    assert (match.device_pages, match.host_pages) == (0, 4)
+    assert reader.cache.load_back(match.host_node) is not None
+    reader.settle()
+    again = reader.cache.match_prefix(TOKENS)
+    want = torch.cat([kv(p) for p in chain_page_hashes(TOKENS, PAGE)], dim=2)
+    got = reader.device.read_pages(again.device_indices)
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+    assert reader.counters.prefetch_committed_pages == 4
+
+
+def test_failed_backup_is_retried_then_abandoned_and_counted() -> None:
+    rig = Rig(config=StorageConfig(backup_retries=2, backup_backoff_s=0))
+    rig.backend.down = True
+    rig.insert(TOKENS)
+    rig.settle()
+    counters = rig.counters
+    assert counters.backup_retries == 2
+    assert counters.backup_abandoned_pages == 4
+    assert counters.backup_pages["failed"] == 12  # 3 attempts of 4 pages
+    assert rig.cache.l3 is not None and rig.cache.l3.idle()
+    assert all(node.backup_pins == 0 for node in rig.cache.nodes())
+    assert rig.cache.evict(4) == 4  # demoted to L2
+    assert rig.cache.evict_host(4) == 4  # unpinned: L2 can be reclaimed
+
+
+def test_store_full_is_a_counted_miss_and_succeeds_on_retry() -> None:
+    rig = Rig()
+    rig.backend.fail_next(1, status=PutStatus.FULL, op="put")
+    rig.insert(TOKENS)
+    rig.settle()
+    assert rig.counters.backup_pages["full"] == 4
+    assert rig.counters.backup_pages["stored"] == 4
+    assert rig.backend.exists(rig.cache.namespace_of(None), chain_page_hashes(TOKENS, PAGE)) == 4
+
+
+def test_backup_waits_for_back_off() -> None:
+    rig = Rig(config=StorageConfig(backup_backoff_s=1.0))
+    rig.backend.fail_next(1, op="put")
+    rig.insert(TOKENS)
+    rig.copies.run_all()
+    rig.cache.check_events()
+    rig.io.run_all()
+    rig.cache.check_events()
+    assert not rig.io.jobs, "retried before its back-off"
+    rig.clock.now = 1.0
+    rig.cache.check_events()
+    assert len(rig.io.jobs) == 1
+
+
+def test_backup_pins_host_pages_until_acked() -> None:
+    rig = Rig()
+    rig.insert(TOKENS)
+    rig.copies.run_all()
+    rig.cache.check_events()
+    rig.cache.evict(4)  # demote: L1 freed, host copy kept
+    assert rig.cache.evict_host(4) == 0, "host pages read by a backup were evicted"
+    rig.settle()
+    assert rig.cache.evict_host(4) == 4
+
+
+class Exploding(MemoryBackend):
+    def put(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        raise RuntimeError("boom")
+
+    def exists(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        raise RuntimeError("boom")
+
+
+def test_a_backend_that_raises_is_a_failure_not_a_crash() -> None:
+    rig = Rig(config=StorageConfig(backup_retries=0, prefetch_threshold=PAGE))
+    rig.cache.close()
+    rig.backend = Exploding(KEYS)
+    rig.copies, rig.io = ManualExecutor(), ManualExecutor()
+    rig.cache = HierarchicalRadixCache.build(
+        RadixCacheConfig(page_size=PAGE),
+        rig.device,
+        HostKVPool(SHAPE, 16, HostLayout.PAGE_FIRST),
+        executor=rig.copies,
+        storage=rig.backend,
+        storage_config=StorageConfig(backup_retries=0, prefetch_threshold=PAGE),
+        storage_executor=rig.io,
+    )
+    rig.insert(TOKENS)
+    rig.settle()
+    assert rig.counters.backup_abandoned_pages == 4
+    op = rig.cache.prefetch([*TOKENS, 99, 98, 97, 96])
+    assert op is not None  # the continuation exists locally up to the last page
+    rig.settle()
+    assert rig.cache.prefetch_commit(op) == 0
+
+
+def test_wait_complete_and_timeout_policies() -> None:
+    shared = MemoryStore()
+    writer = Rig(shared)
+    writer.insert(TOKENS)
+    writer.settle()
+    waiting = Rig(shared, StorageConfig(prefetch_threshold=PAGE, prefetch_policy="wait_complete"))
+    op = waiting.cache.prefetch(TOKENS)
+    assert op is not None and not waiting.cache.prefetch_ready(op)
+    waiting.settle()
+    assert waiting.cache.prefetch_ready(op)
+    timed = Rig(
+        shared,
+        StorageConfig(
+            prefetch_threshold=PAGE,
+            prefetch_policy="timeout",
+            prefetch_timeout_base_s=0.5,
+            prefetch_timeout_per_1k_s=0,
+        ),
+    )
+    op = timed.cache.prefetch(TOKENS)
+    assert op is not None and not timed.cache.prefetch_ready(op)
+    timed.clock.now = 0.5
+    assert timed.cache.prefetch_ready(op)
+    timed.cache.prefetch_abort(op)
+    timed.settle()
+    assert timed.cache.prefetch_reserved() == 0
+    assert timed.cache.host_free == 16
+
+
+def test_abort_while_reading_keeps_slots_until_the_read_drains() -> None:
+    shared = MemoryStore()
+    writer = Rig(shared)
+    writer.insert(TOKENS)
+    writer.settle()
+    reader = Rig(shared)
+    op = reader.cache.prefetch(TOKENS)
+    assert op is not None
+    reader.io.run_next()  # the query
+    reader.cache.check_events()
+    assert reader.cache.prefetch_reserved() == 4
+    reader.cache.prefetch_abort(op)
+    assert reader.cache.host_free == 12, "slots freed while the read may still write them"
+    reader.settle()
+    assert reader.cache.host_free == 16
+    with pytest.raises(MisuseError):
+        reader.cache.prefetch_commit(op)
+
+
+def test_prefetch_below_threshold_or_without_l3() -> None:
+    rig = Rig(config=StorageConfig(prefetch_threshold=8 * PAGE))
+    assert rig.cache.prefetch(TOKENS) is None
+    plain = HierarchicalRadixCache.build(
+        RadixCacheConfig(page_size=PAGE),
+        DeviceKVPool(SHAPE, 4, "cpu"),
+        HostKVPool(SHAPE, 4),
+        executor=ManualExecutor(),
+    )
+    assert plain.prefetch(TOKENS) is None
+    with pytest.raises(MisuseError):
+        plain.prefetch_commit(1)
+
+
+def test_configuration_errors() -> None:
+    with pytest.raises(ConfigError, match="page-first"):
+        HierarchicalRadixCache.build(
+            RadixCacheConfig(page_size=PAGE),
+            DeviceKVPool(SHAPE, 4, "cpu"),
+            HostKVPool(SHAPE, 4, HostLayout.LAYER_FIRST),
+            storage=MemoryBackend(KEYS),
+        )
+    with pytest.raises(ConfigError, match="host pool"):
+        HierarchicalRadixCache.build(
+            RadixCacheConfig(page_size=PAGE),
+            DeviceKVPool(SHAPE, 4, "cpu"),
+            storage=MemoryBackend(KEYS),
+        )
+    with pytest.raises(ConfigError, match="page size"):
+        HierarchicalRadixCache.build(
+            RadixCacheConfig(page_size=2),
+            DeviceKVPool(
+                KVShape(
+                    KVKind.MHA, layers=2, heads=2, head_dim=4, dtype=torch.float16, page_size=2
+                ),
+                4,
+                "cpu",
+            ),
+            HostKVPool(
+                KVShape(
+                    KVKind.MHA, layers=2, heads=2, head_dim=4, dtype=torch.float16, page_size=2
+                ),
+                4,
+                HostLayout.PAGE_FIRST,
+            ),
+            storage=MemoryBackend(KEYS),
+        )
+    for bad in (
+        {"prefetch_policy": "eventually"},
+        {"prefetch_reserve_fraction": 0},
+        {"backup_retries": -1},
+        {"backup_backoff_s": -0.1},
+        {"backup_batch_pages": 0},
+    ):
+        with pytest.raises(ConfigError):
+            StorageConfig(**bad)  # type: ignore[arg-type]
+
+
+def test_metrics_are_scraped_from_the_cache() -> None:
+    shared = MemoryStore()
+    rig = Rig(shared)
+    rig.insert(TOKENS)
+    rig.settle()
+    rig.cache.match_prefix(TOKENS)
+    text = generate_latest(registry_for(rig.cache)).decode()
+    assert 'kvstrata_hit_tokens_total{tier="l1"} 16.0' in text
+    assert 'kvstrata_backup_pages_total{status="stored"} 4.0' in text
+    assert 'kvstrata_copy_pages_total{direction="write"} 4.0' in text
+    assert 'kvstrata_queue_depth{queue="backup"} 0.0' in text
+    assert "kvstrata_store_errors_total" in text
