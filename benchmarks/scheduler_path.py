@@ -9,25 +9,27 @@ Replays a Mooncake-format trace (default ``../shared/traces/conversation_trace.j
   request the deepest is evicted first (ties broken leaf-first, like a tree);
 * **kvstrata**: :class:`kvstrata.impl.radix_cache.HierarchicalRadixCache`, L1 only (no host pool), doing
   the full scheduler protocol per request: ``match_prefix`` -> ``lock`` the device node ->
-  ``alloc_device`` for the pages not on L1 (evicting itself) -> ``insert`` (which computes the SHA-256
-  page hashes L3 needs for the new pages) -> ``unlock``;
+  ``alloc_device`` for the pages not on L1 (evicting itself) -> ``insert`` -> ``unlock``. In two modes:
+  ``page_hashes=False`` ("L1 only, no L3": the tree matches by page fingerprints and hashes nothing) and
+  ``page_hashes=True`` (``insert`` also computes the SHA-256 chain of the new pages that L3 needs);
 * the **sha256 floor**: only the SHA-256 work kvstrata cannot avoid (chain-hashing the pages past its L1
   hit, one ``hashlib`` call per page like the baseline): the lowest ratio any cache that hashes new pages
   on the scheduler thread can reach.
 
-Both run unbounded (capacity = every page of the trace) and capped (``--cap-tokens``, default 3M tokens).
+All run unbounded (capacity = every page of the trace) and capped (``--cap-tokens``, default 3M tokens).
 Token arrays are synthesised before any timing (:mod:`benchmarks.traces`); only the per-request cache work
-is timed (``time.perf_counter_ns``). Untimed: kvstrata's page hashes are compared with the baseline's
-chain on sampled requests, and the metadata memory of both structures after the unbounded run is measured
-by walking the objects they own (cross-checked with ``tracemalloc`` on the first
+is timed (``time.perf_counter_ns``). Untimed: kvstrata's page hashes (hashes mode) are compared with the
+baseline's chain on sampled requests, and the metadata memory of every structure after the unbounded run
+is measured by walking the objects it owns (cross-checked with ``tracemalloc`` on the first
 ``--tracemalloc-requests`` requests: tracemalloc slows the tree's replay too much for the full trace).
 
 Usage::
 
     .venv/bin/python benchmarks/scheduler_path.py [--trace PATH] [--limit N] [--json PATH]
 
-Exit status: 0 on success, 1 if the unbounded hit ratios disagree or the page hashes differ from the
-baseline's, 2 if the trace is missing.
+Exit status: 0 on success, 1 if the unbounded hit ratios disagree (kvstrata in either mode against the
+baseline, or the two modes against each other in any run) or the page hashes differ from the baseline's,
+2 if the trace is missing.
 """
 
 from __future__ import annotations
@@ -58,6 +60,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from benchmarks.traces import load_trace, resolve_trace_or_exit, synthesise  # noqa: E402
+from kvstrata.impl import fingerprint as fingerprint_module  # noqa: E402
 from kvstrata.impl import radix_cache as radix_cache_module  # noqa: E402
 from kvstrata.impl.config import RadixCacheConfig  # noqa: E402
 from kvstrata.impl.errors import CapacityError  # noqa: E402
@@ -168,8 +171,20 @@ def chain_hashes(tokens: Tokens, page_size: int) -> list[bytes]:
 
 
 # -------------------------------------------------------------------------------------------- kvstrata
-def make_kvstrata(page_size: int, capacity_pages: int) -> HierarchicalRadixCache:
-    config = RadixCacheConfig(page_size=page_size, write_policy="write_through")
+MODES = {"kvstrata_no_hashes": False, "kvstrata_hashes": True}
+"""The two kvstrata runs: result key -> ``RadixCacheConfig.page_hashes``."""
+LABELS = {
+    "baseline": "baseline",
+    "kvstrata_no_hashes": "kvstrata, no hashes",
+    "kvstrata_hashes": "kvstrata, + sha256 of new pages",
+    "floor": "sha256 floor",
+}
+
+
+def make_kvstrata(page_size: int, capacity_pages: int, page_hashes: bool) -> HierarchicalRadixCache:
+    config = RadixCacheConfig(
+        page_size=page_size, write_policy="write_through", page_hashes=page_hashes
+    )
     return HierarchicalRadixCache(config, PageAllocator(capacity_pages, "device"))
 
 
@@ -282,11 +297,12 @@ def run_kvstrata(
     tokens_list: Sequence[Tokens],
     page_size: int,
     capacity: int,
+    mode: str,
     keep: list[HierarchicalRadixCache] | None = None,
 ) -> RunResult:
-    cache = make_kvstrata(page_size, capacity)
+    cache = make_kvstrata(page_size, capacity, MODES[mode])
     result = replay(
-        "kvstrata",
+        mode,
         lambda tokens: kvstrata_request(cache, tokens, page_size),
         tokens_list,
         page_size,
@@ -368,21 +384,60 @@ def _array_size(array: npt.NDArray[Any], seen: set[int]) -> int:
     return size
 
 
+def _bytes_size(value: bytes | bytearray, seen: set[int]) -> int:
+    """A bytes object's size, once (the match memo shares the fingerprinter's bytes)."""
+    if id(value) in seen:
+        return 0
+    seen.add(id(value))
+    return sys.getsizeof(value)
+
+
+def _cache_state_size(value: object, seen: set[int]) -> tuple[str, int]:
+    """The part and bytes of one attribute of the cache itself: arrays (held mask, scratch),
+    the lazy LRU heap (a list of (last_access, id, node) tuples: its ints are counted although some
+    are shared with the nodes, so the heap is an upper bound), the fingerprinter (keys and the last
+    request's memo) and the match memo (its path list; the nodes are the tree's)."""
+    if isinstance(value, np.ndarray):
+        return "cache_state", _array_size(value, seen)
+    if isinstance(value, set | frozenset):
+        return "cache_state", sys.getsizeof(value) + sum(_int_size(v) for v in value)
+    if isinstance(value, list):
+        size = sys.getsizeof(value)
+        for entry in value:
+            if isinstance(entry, tuple):
+                size += sys.getsizeof(entry) + sum(_int_size(v) for v in entry[:2])
+        return "lru_heap", size
+    slots = getattr(type(value), "__slots__", None)
+    if slots is None or isinstance(value, str | int | float | bool):
+        return "cache_state", 0
+    size = sys.getsizeof(value)
+    for slot in slots:
+        inner = getattr(value, slot, None)
+        if isinstance(inner, bytes | bytearray):
+            size += _bytes_size(inner, seen)
+        elif isinstance(inner, np.ndarray):
+            size += _array_size(inner, seen)
+        elif isinstance(inner, list):
+            size += sys.getsizeof(inner)
+    return "cache_state", size
+
+
 def walk_kvstrata(cache: HierarchicalRadixCache) -> dict[str, Any]:
     """Bytes the tree holds, by kind: every object reachable from the roots that belongs to the tree
-    (node objects, token keys, child-dict keys, page hashes, child dicts, page-index arrays, ints) and
-    the cache's own per-page state (arrays and sets it holds). Shared objects (namespace, enum states,
-    parents, ops) and CPython's cached small ints are not counted. Reads slots generically, so it
-    follows changes to :class:`Node`."""
+    (node objects, page fingerprints, SHA-256 page hashes, child dicts and their keys, page-index
+    arrays, ints) and the cache's own state (arrays, the lazy LRU heap, the fingerprint keys and
+    memos). Shared objects (namespace, enum states, parents, ops) and CPython's cached small ints are
+    not counted. Reads slots generically, so it follows changes to :class:`Node`."""
     parts = dict.fromkeys(
         (
             "node_objects",
-            "token_keys",
+            "fingerprints",
             "page_hashes",
             "child_dicts",
             "child_dict_keys",
             "indices",
             "ints",
+            "lru_heap",
             "cache_state",
         ),
         0,
@@ -392,10 +447,8 @@ def walk_kvstrata(cache: HierarchicalRadixCache) -> dict[str, Any]:
     stack = list(cache.roots.values())
     parts["cache_state"] += sys.getsizeof(cache.roots)
     for value in vars(cache).values():
-        if isinstance(value, np.ndarray):
-            parts["cache_state"] += _array_size(value, seen)
-        elif isinstance(value, set | frozenset):
-            parts["cache_state"] += sys.getsizeof(value) + sum(_int_size(v) for v in value)
+        part, size = _cache_state_size(value, seen)
+        parts[part] += size
     while stack:
         node = stack.pop()
         count += 0 if node.is_root else 1
@@ -405,14 +458,13 @@ def walk_kvstrata(cache: HierarchicalRadixCache) -> dict[str, Any]:
             if slot == "children":
                 parts["child_dicts"] += sys.getsizeof(value)
                 for key, child in value.items():
-                    if key is not getattr(child, "key", None):  # a copy of the first page
-                        parts["child_dict_keys"] += (
-                            _int_size(key) if isinstance(key, int) else sys.getsizeof(key)
-                        )
+                    parts["child_dict_keys"] += (
+                        _int_size(key) if isinstance(key, int) else _bytes_size(key, seen)
+                    )
                     stack.append(child)
             elif isinstance(value, bytes | bytearray):
-                part = {"key": "token_keys", "hashes": "page_hashes"}.get(slot, "token_keys")
-                parts[part] += sys.getsizeof(value)
+                part = "page_hashes" if slot == "hashes" else "fingerprints"
+                parts[part] += _bytes_size(value, seen)
             elif isinstance(value, np.ndarray):
                 parts["indices"] += _array_size(value, seen)
             elif isinstance(value, int) and not isinstance(value, bool):
@@ -445,25 +497,30 @@ def allocator_bytes(capacity: int) -> int:
     return size
 
 
-def memory_summary(
-    tree: dict[str, Any], base: dict[str, Any], allocator: int, page_size: int
-) -> dict[str, Any]:
+def tree_summary(tree: dict[str, Any], allocator: int, page_size: int) -> dict[str, Any]:
     tokens = max(tree["cached_tokens"], 1)
     parts = tree["parts"]
     return {
+        "cached_tokens": tree["cached_tokens"],
+        "nodes": tree["nodes"],
+        "tree_bytes": tree["bytes"],
+        "allocator_bytes": allocator,
+        "tree_and_allocator_bytes": tree["bytes"] + allocator,
+        "tree_bytes_per_token": tree["bytes"] / tokens,
+        "tree_and_allocator_bytes_per_token": (tree["bytes"] + allocator) / tokens,
+        "bytes_per_token_by_part": {name: size / tokens for name, size in parts.items()},
+        "bytes_per_node": tree["bytes"] / max(tree["nodes"], 1),
+        "page_size": page_size,
+    }
+
+
+def memory_summary(
+    trees: dict[str, dict[str, Any]], base: dict[str, Any], allocator: int, page_size: int
+) -> dict[str, Any]:
+    """``trees``: the walk of each kvstrata mode, by result key."""
+    return {
         "method": "walk",
-        "kvstrata": {
-            "cached_tokens": tree["cached_tokens"],
-            "nodes": tree["nodes"],
-            "tree_bytes": tree["bytes"],
-            "allocator_bytes": allocator,
-            "tree_and_allocator_bytes": tree["bytes"] + allocator,
-            "tree_bytes_per_token": tree["bytes"] / tokens,
-            "tree_and_allocator_bytes_per_token": (tree["bytes"] + allocator) / tokens,
-            "bytes_per_token_by_part": {name: size / tokens for name, size in parts.items()},
-            "bytes_per_node": tree["bytes"] / max(tree["nodes"], 1),
-            "page_size": page_size,
-        },
+        **{mode: tree_summary(tree, allocator, page_size) for mode, tree in trees.items()},
         "baseline": {
             "cached_tokens": base["cached_tokens"],
             "bytes": base["bytes"],
@@ -478,46 +535,8 @@ def tracemalloc_check(
     """tracemalloc (started before the cache is built, read after the replay) against the walk, on
     a prefix of the trace: tracemalloc slows the tree's replay ~40x, so the full trace uses the walk."""
     out: dict[str, Any] = {"requests": len(tokens_list)}
-    gc.collect()
-    tracemalloc.start()
-    try:
-        base = tracemalloc.get_traced_memory()[0]
-        allocator = PageAllocator(capacity, "device")
-        gc.collect()
-        alloc_size = tracemalloc.get_traced_memory()[0] - base
-        cache = HierarchicalRadixCache(
-            RadixCacheConfig(page_size=page_size, write_policy="write_through"), allocator
-        )
-        for tokens in tokens_list:
-            kvstrata_request(cache, tokens, page_size)
-        gc.collect()
-        total = tracemalloc.get_traced_memory()[0] - base
-        snapshot = tracemalloc.take_snapshot()
-    finally:
-        tracemalloc.stop()
-    walk = walk_kvstrata(cache)
-    stats = snapshot.filter_traces(
-        [tracemalloc.Filter(False, tracemalloc.__file__), tracemalloc.Filter(False, __file__)]
-    ).statistics("lineno")
-    tokens = max(walk["cached_tokens"], 1)
-    out["kvstrata"] = {
-        "cached_tokens": walk["cached_tokens"],
-        "traced_tree_bytes": total - alloc_size,
-        "traced_allocator_bytes": alloc_size,
-        "traced_tree_bytes_per_token": (total - alloc_size) / tokens,
-        "traced_tree_and_allocator_bytes_per_token": total / tokens,
-        "walk_tree_bytes": walk["bytes"],
-        "walk_tree_bytes_per_token": walk["bytes"] / tokens,
-        "top_allocation_sites": [
-            {
-                "site": f"{Path(s.traceback[0].filename).name}:{s.traceback[0].lineno}",
-                "bytes": s.size,
-                "blocks": s.count,
-            }
-            for s in stats[:top]
-        ],
-    }
-    del cache, allocator, snapshot, stats
+    for mode, page_hashes in MODES.items():
+        out[mode] = tracemalloc_kvstrata(tokens_list, page_size, capacity, page_hashes, top)
     gc.collect()
     tracemalloc.start()
     try:
@@ -540,9 +559,60 @@ def tracemalloc_check(
     return out
 
 
+def tracemalloc_kvstrata(
+    tokens_list: Sequence[Tokens], page_size: int, capacity: int, page_hashes: bool, top: int
+) -> dict[str, Any]:
+    gc.collect()
+    tracemalloc.start()
+    try:
+        base = tracemalloc.get_traced_memory()[0]
+        allocator = PageAllocator(capacity, "device")
+        gc.collect()
+        alloc_size = tracemalloc.get_traced_memory()[0] - base
+        cache = HierarchicalRadixCache(
+            RadixCacheConfig(
+                page_size=page_size, write_policy="write_through", page_hashes=page_hashes
+            ),
+            allocator,
+        )
+        for tokens in tokens_list:
+            kvstrata_request(cache, tokens, page_size)
+        gc.collect()
+        total = tracemalloc.get_traced_memory()[0] - base
+        snapshot = tracemalloc.take_snapshot()
+    finally:
+        tracemalloc.stop()
+    walk = walk_kvstrata(cache)
+    stats = snapshot.filter_traces(
+        [tracemalloc.Filter(False, tracemalloc.__file__), tracemalloc.Filter(False, __file__)]
+    ).statistics("lineno")
+    tokens = max(walk["cached_tokens"], 1)
+    summary = {
+        "cached_tokens": walk["cached_tokens"],
+        "traced_tree_bytes": total - alloc_size,
+        "traced_allocator_bytes": alloc_size,
+        "traced_tree_bytes_per_token": (total - alloc_size) / tokens,
+        "traced_tree_and_allocator_bytes_per_token": total / tokens,
+        "walk_tree_bytes": walk["bytes"],
+        "walk_tree_bytes_per_token": walk["bytes"] / tokens,
+        "top_allocation_sites": [
+            {
+                "site": f"{Path(s.traceback[0].filename).name}:{s.traceback[0].lineno}",
+                "bytes": s.size,
+                "blocks": s.count,
+            }
+            for s in stats[:top]
+        ],
+    }
+    del cache, allocator, snapshot, stats
+    return summary
+
+
 # --------------------------------------------------------------------------------------------- profile
-def profile_kvstrata(tokens_list: Sequence[Tokens], page_size: int, capacity: int, top: int) -> str:
-    cache = make_kvstrata(page_size, capacity)
+def profile_kvstrata(
+    tokens_list: Sequence[Tokens], page_size: int, capacity: int, page_hashes: bool, top: int
+) -> str:
+    cache = make_kvstrata(page_size, capacity, page_hashes)
     profiler = cProfile.Profile()
     profiler.enable()
     for tokens in tokens_list:
@@ -559,7 +629,7 @@ def profile_kvstrata(tokens_list: Sequence[Tokens], page_size: int, capacity: in
 def impl_sources() -> dict[str, str]:
     """SHA-256 (first 16 hex digits) of the implementation files measured, and the git commit."""
     out: dict[str, str] = {}
-    for module in (radix_cache_module, allocator_module):
+    for module in (radix_cache_module, fingerprint_module, allocator_module):
         source = Path(module.__file__ or "")
         if source.is_file():
             out[source.name] = hashlib.sha256(source.read_bytes()).hexdigest()[:16]
@@ -639,7 +709,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--hash-samples", type=int, default=200, help="requests whose page hashes are cross-checked"
     )
     parser.add_argument(
-        "--profile", type=int, metavar="TOP", help="also cProfile kvstrata (unbounded), top rows"
+        "--profile",
+        type=int,
+        metavar="TOP",
+        help="also cProfile kvstrata in both modes (unbounded), top rows",
     )
     parser.add_argument("--json", type=Path, help="write the results here")
     args = parser.parse_args(argv)
@@ -648,6 +721,177 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     if args.page_size < 1 or args.cap_tokens < args.page_size or args.repeat < 1:
         parser.error("--page-size >= 1, --cap-tokens >= --page-size and --repeat >= 1 are required")
     return args
+
+
+def run_case(
+    case: str,
+    capacity: int,
+    tokens_list: Sequence[Tokens],
+    args: argparse.Namespace,
+    walks: dict[str, Any],
+) -> tuple[dict[str, RunResult], dict[str, Any] | None]:
+    """Baseline, kvstrata in both modes and the sha256 floor at one capacity. On the unbounded case
+    also the memory walks (into ``walks``) and the page-hash cross-check (returned)."""
+    page = args.page_size
+    log(f"[{case}] baseline ...")
+    kept_base: list[BaselineLRU] = []
+
+    def run_base(c: int = capacity, keep: list[BaselineLRU] = kept_base) -> RunResult:
+        keep.clear()
+        return run_baseline(tokens_list, page, c, keep)
+
+    results = {"baseline": best_of(args.repeat, run_base, args.no_gc)}
+    if case == "unbounded" and not args.no_memory:
+        walks["baseline"] = walk_baseline(kept_base[0])
+    kept_base.clear()
+    hash_check: dict[str, Any] | None = None
+    for mode, hashing in MODES.items():
+        log(f"[{case}] {LABELS[mode]} ...")
+        kept: list[HierarchicalRadixCache] = []
+
+        def run_kv(
+            c: int = capacity, m: str = mode, keep: list[HierarchicalRadixCache] = kept
+        ) -> RunResult:
+            keep.clear()
+            return run_kvstrata(tokens_list, page, c, m, keep)
+
+        results[mode] = best_of(args.repeat, run_kv, args.no_gc)
+        if case == "unbounded":
+            if hashing:
+                log(f"[{case}] cross-checking page hashes ...")
+                hash_check = check_hashes(kept[0], tokens_list, page, args.hash_samples)
+            if not args.no_memory:
+                walks[mode] = walk_kvstrata(kept[0])
+        kept.clear()
+        gc.collect()
+    log(f"[{case}] sha256 floor (new pages only) ...")
+    hits = results["kvstrata_hashes"].hit_pages
+    results["floor"] = best_of(
+        args.repeat, lambda: run_floor(tokens_list, page, capacity, hits), args.no_gc
+    )
+    gc.collect()
+    return results, hash_check
+
+
+def ratio(result: RunResult, base: RunResult) -> float:
+    return result.total_ns / max(base.total_ns, 1)
+
+
+def report_times(results: dict[str, dict[str, RunResult]], page: int, title: str) -> None:
+    rows = []
+    for case, runs in results.items():
+        base = runs["baseline"]
+        for key, result in runs.items():
+            rows.append(
+                [
+                    f"{case} / {LABELS[key]}",
+                    f"{result.capacity_pages * page:,}",
+                    f"{result.us_per_1k_tokens:.1f}",
+                    f"{result.us_per_request:.0f}",
+                    f"{result.hit_ratio:.4f}",
+                    "" if result is base else f"{ratio(result, base):.3f}",
+                ]
+            )
+    print_table(
+        title,
+        ["run", "capacity (tokens)", "µs / 1k tokens", "µs / request", "hit ratio", "/ baseline"],
+        rows,
+    )
+
+
+def report_memory(memory: dict[str, Any]) -> None:
+    bm = memory["baseline"]
+    rows = []
+    for mode in MODES:
+        kvm = memory[mode]
+        label = LABELS[mode]
+        rows.append(
+            [f"{label}: tree", f"{kvm['tree_bytes']:,}", f"{kvm['tree_bytes_per_token']:.3f}"]
+        )
+        rows.append(
+            [
+                f"{label}: tree + allocator",
+                f"{kvm['tree_and_allocator_bytes']:,}",
+                f"{kvm['tree_and_allocator_bytes_per_token']:.3f}",
+            ]
+        )
+        for part, per_token in kvm["bytes_per_token_by_part"].items():
+            rows.append([f"  {part}", "", f"{per_token:.3f}"])
+    rows.append(["baseline OrderedDict", f"{bm['bytes']:,}", f"{bm['bytes_per_token']:.3f}"])
+    first = memory[next(iter(MODES))]
+    print_table(
+        f"Metadata memory after the unbounded run ({first['cached_tokens']:,} cached tokens, "
+        f"{first['nodes']:,} nodes; object walk)",
+        ["structure", "bytes", "bytes / cached token"],
+        rows,
+    )
+    check = memory.get("tracemalloc_check")
+    if check is None:
+        return
+    rows = []
+    for mode in MODES:
+        kc = check[mode]
+        rows.append(
+            [
+                f"{LABELS[mode]}: tree",
+                f"{kc['traced_tree_bytes_per_token']:.3f}",
+                f"{kc['walk_tree_bytes_per_token']:.3f}",
+            ]
+        )
+    bc = check["baseline"]
+    rows.append(
+        [
+            "baseline OrderedDict",
+            f"{bc['traced_bytes_per_token']:.3f}",
+            f"{bc['walk_bytes_per_token']:.3f}",
+        ]
+    )
+    print_table(
+        f"tracemalloc cross-check, first {check['requests']:,} requests",
+        ["structure", "tracemalloc B/token", "walk B/token"],
+        rows,
+    )
+    for mode in MODES:
+        print(f"largest allocation sites, {LABELS[mode]} (tracemalloc):")
+        for site in check[mode]["top_allocation_sites"]:
+            print(f"  {site['site']:<28} {site['bytes']:>14,} B in {site['blocks']:,} blocks")
+
+
+def disagreements(results: dict[str, dict[str, RunResult]]) -> list[str]:
+    """Hit counts that must agree: both modes with each other in every run (hashing changes nothing
+    in the tree) and with the baseline when unbounded."""
+    problems = []
+    for case, runs in results.items():
+        no_hashes, hashes = runs["kvstrata_no_hashes"], runs["kvstrata_hashes"]
+        if no_hashes.hit_pages != hashes.hit_pages:
+            problems.append(
+                f"{case}: the two kvstrata modes hit differently; first (request, no hashes, "
+                f"hashes): {first_mismatches(no_hashes, hashes)}"
+            )
+    un = results["unbounded"]
+    for mode in MODES:
+        if un[mode].hit_tokens != un["baseline"].hit_tokens:
+            problems.append(
+                f"unbounded hit tokens differ: {mode} {un[mode].hit_tokens:,} vs baseline "
+                f"{un['baseline'].hit_tokens:,}; first (request, kvstrata pages, baseline pages): "
+                f"{first_mismatches(un[mode], un['baseline'])}"
+            )
+    return problems
+
+
+def goals(
+    results: dict[str, dict[str, RunResult]], memory: dict[str, Any] | None
+) -> dict[str, Any]:
+    out: dict[str, Any] = {"time_ratio": GOAL_TIME_RATIO, "bytes_per_token": GOAL_BYTES_PER_TOKEN}
+    for case, runs in results.items():
+        for mode in MODES:
+            value = ratio(runs[mode], runs["baseline"])
+            out[f"time_ratio_met_{case}_{mode}"] = value <= GOAL_TIME_RATIO
+    for mode in MODES:
+        out[f"bytes_per_token_met_{mode}"] = (
+            None if memory is None else memory[mode]["tree_bytes_per_token"] <= GOAL_BYTES_PER_TOKEN
+        )
+    return out
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -672,49 +916,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     gc.freeze()  # the trace's arrays are never scanned by the cyclic GC while timing
 
     results: dict[str, dict[str, RunResult]] = {}
-    hash_check: dict[str, Any] = {}
     walks: dict[str, Any] = {}
+    hash_check: dict[str, Any] = {}
     for case, capacity in (("unbounded", unbounded), ("capped", capped)):
-        log(f"[{case}] baseline ...")
-        kept_base: list[BaselineLRU] = []
-
-        def run_base(c: int = capacity, keep: list[BaselineLRU] = kept_base) -> RunResult:
-            keep.clear()
-            return run_baseline(tokens_list, page, c, keep)
-
-        base = best_of(args.repeat, run_base, args.no_gc)
-        if case == "unbounded" and not args.no_memory:
-            walks["baseline"] = walk_baseline(kept_base[0])
-        kept_base.clear()
-        log(f"[{case}] kvstrata ...")
-        kept: list[HierarchicalRadixCache] = []
-
-        def run_kv(c: int = capacity, keep: list[HierarchicalRadixCache] = kept) -> RunResult:
-            keep.clear()
-            return run_kvstrata(tokens_list, page, c, keep)
-
-        kv = best_of(args.repeat, run_kv, args.no_gc)
-        if case == "unbounded":
-            log(f"[{case}] cross-checking page hashes ...")
-            hash_check = check_hashes(kept[0], tokens_list, page, args.hash_samples)
-            if not args.no_memory:
-                walks["kvstrata"] = walk_kvstrata(kept[0])
-        kept.clear()
-        gc.collect()
-        log(f"[{case}] sha256 floor (new pages only) ...")
-        floor = best_of(
-            args.repeat,
-            lambda c=capacity, h=kv.hit_pages: run_floor(tokens_list, page, c, h),
-            args.no_gc,
-        )
-        results[case] = {"baseline": base, "kvstrata": kv, "floor": floor}
-        gc.collect()
+        results[case], checked = run_case(case, capacity, tokens_list, args, walks)
+        if checked is not None:
+            hash_check = checked
 
     memory: dict[str, Any] | None = None
     if not args.no_memory:
-        memory = memory_summary(
-            walks["kvstrata"], walks["baseline"], allocator_bytes(unbounded), page
-        )
+        trees = {mode: walks[mode] for mode in MODES}
+        memory = memory_summary(trees, walks["baseline"], allocator_bytes(unbounded), page)
         if args.tracemalloc_requests > 0:
             subset = tokens_list[: args.tracemalloc_requests]
             log(f"[memory] tracemalloc cross-check on {len(subset)} requests (untimed) ...")
@@ -723,102 +935,35 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
 
     # ------------------------------------------------------------------ report
-    rows = []
-    for case, pair in results.items():
-        base = pair["baseline"]
-        for result in (base, pair["kvstrata"], pair["floor"]):
-            rows.append(
-                [
-                    f"{case} / {result.impl}",
-                    f"{result.capacity_pages * page:,}",
-                    f"{result.us_per_1k_tokens:.1f}",
-                    f"{result.us_per_request:.0f}",
-                    f"{result.hit_ratio:.4f}",
-                    "" if result is base else f"{result.total_ns / base.total_ns:.3f}",
-                ]
-            )
-    print_table(
+    report_times(
+        results,
+        page,
         f"Scheduler path, page {page}: {len(requests):,} requests, {input_tokens:,} input tokens "
         f"({path.name})",
-        ["run", "capacity (tokens)", "µs / 1k tokens", "µs / request", "hit ratio", "/ baseline"],
-        rows,
     )
     if memory is not None:
-        kvm, bm = memory["kvstrata"], memory["baseline"]
-        rows = [
-            ["kvstrata tree only", f"{kvm['tree_bytes']:,}", f"{kvm['tree_bytes_per_token']:.3f}"],
-            [
-                "kvstrata tree + allocator",
-                f"{kvm['tree_and_allocator_bytes']:,}",
-                f"{kvm['tree_and_allocator_bytes_per_token']:.3f}",
-            ],
-        ]
-        for part, per_token in kvm["bytes_per_token_by_part"].items():
-            rows.append([f"  tree: {part}", "", f"{per_token:.3f}"])
-        rows.append(["baseline OrderedDict", f"{bm['bytes']:,}", f"{bm['bytes_per_token']:.3f}"])
-        print_table(
-            f"Metadata memory after the unbounded run ({kvm['cached_tokens']:,} cached tokens, "
-            f"{kvm['nodes']:,} nodes; object walk)",
-            ["structure", "bytes", "bytes / cached token"],
-            rows,
-        )
-        check = memory.get("tracemalloc_check")
-        if check is not None:
-            kc, bc = check["kvstrata"], check["baseline"]
-            print_table(
-                f"tracemalloc cross-check, first {check['requests']:,} requests "
-                f"({kc['cached_tokens']:,} cached tokens)",
-                ["structure", "tracemalloc B/token", "walk B/token"],
-                [
-                    [
-                        "kvstrata tree only",
-                        f"{kc['traced_tree_bytes_per_token']:.3f}",
-                        f"{kc['walk_tree_bytes_per_token']:.3f}",
-                    ],
-                    [
-                        "kvstrata tree + allocator",
-                        f"{kc['traced_tree_and_allocator_bytes_per_token']:.3f}",
-                        "",
-                    ],
-                    [
-                        "baseline OrderedDict",
-                        f"{bc['traced_bytes_per_token']:.3f}",
-                        f"{bc['walk_bytes_per_token']:.3f}",
-                    ],
-                ],
+        report_memory(memory)
+    print()
+    for case, runs in results.items():
+        for mode in MODES:
+            value = ratio(runs[mode], runs["baseline"])
+            met = "met" if value <= GOAL_TIME_RATIO else "NOT met"
+            print(
+                f"goal time ratio <= {GOAL_TIME_RATIO}: {case}, {LABELS[mode]}: {value:.3f} ({met})"
             )
-            print("largest kvstrata allocation sites (tracemalloc):")
-            for site in kc["top_allocation_sites"]:
-                print(f"  {site['site']:<28} {site['bytes']:>14,} B in {site['blocks']:,} blocks")
-
-    un = results["unbounded"]
-    ratio = un["kvstrata"].total_ns / max(un["baseline"].total_ns, 1)
-    capped_ratio = results["capped"]["kvstrata"].total_ns / max(
-        results["capped"]["baseline"].total_ns, 1
-    )
-    agree = un["kvstrata"].hit_tokens == un["baseline"].hit_tokens
-    print(
-        f"\ngoal time ratio <= {GOAL_TIME_RATIO}: unbounded {ratio:.3f} "
-        f"({'met' if ratio <= GOAL_TIME_RATIO else 'NOT met'}), capped {capped_ratio:.3f} "
-        f"({'met' if capped_ratio <= GOAL_TIME_RATIO else 'NOT met'})"
-    )
     if memory is not None:
-        per_token = memory["kvstrata"]["tree_bytes_per_token"]
-        print(
-            f"goal metadata <= {GOAL_BYTES_PER_TOKEN} B/token: tree only {per_token:.3f} "
-            f"({'met' if per_token <= GOAL_BYTES_PER_TOKEN else 'NOT met'})"
-        )
+        for mode in MODES:
+            per_token = memory[mode]["tree_bytes_per_token"]
+            met = "met" if per_token <= GOAL_BYTES_PER_TOKEN else "NOT met"
+            print(
+                f"goal metadata <= {GOAL_BYTES_PER_TOKEN} B/token: {LABELS[mode]}: "
+                f"{per_token:.3f} ({met})"
+            )
     print(f"page hashes cross-checked: {hash_check}")
     status = 0
-    if not agree:
+    for problem in disagreements(results):
         status = 1
-        print(
-            "MISMATCH: unbounded hit tokens differ: "
-            f"kvstrata {un['kvstrata'].hit_tokens:,} vs baseline {un['baseline'].hit_tokens:,}; "
-            "first (request, kvstrata pages, baseline pages): "
-            f"{first_mismatches(un['kvstrata'], un['baseline'])}",
-            file=sys.stderr,
-        )
+        print(f"MISMATCH: {problem}", file=sys.stderr)
     if not hash_check.get("ok", False):
         status = 1
         print(
@@ -829,7 +974,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.json is not None:
         document = {
             "benchmark": "scheduler_path",
-            "schema": 1,
+            "schema": 2,
             "trace": str(path),
             "requests": len(requests),
             "input_tokens": input_tokens,
@@ -839,26 +984,18 @@ def main(argv: Sequence[str] | None = None) -> int:
             "gc_during_timing": not args.no_gc,
             "runs": {
                 case: {
-                    "baseline": pair["baseline"].summary(),
-                    "kvstrata": pair["kvstrata"].summary(),
-                    "sha256_floor": pair["floor"].summary(),
-                    "time_ratio": pair["kvstrata"].total_ns / max(pair["baseline"].total_ns, 1),
-                    "floor_ratio": pair["floor"].total_ns / max(pair["baseline"].total_ns, 1),
+                    "baseline": runs["baseline"].summary(),
+                    **{mode: runs[mode].summary() for mode in MODES},
+                    "sha256_floor": runs["floor"].summary(),
+                    **{f"time_ratio_{mode}": ratio(runs[mode], runs["baseline"]) for mode in MODES},
+                    "floor_ratio": ratio(runs["floor"], runs["baseline"]),
                 }
-                for case, pair in results.items()
+                for case, runs in results.items()
             },
-            "unbounded_hit_ratio_agree": agree,
+            "unbounded_hit_ratio_agree": not disagreements(results),
             "hash_check": hash_check,
             "memory": memory,
-            "goals": {
-                "time_ratio": GOAL_TIME_RATIO,
-                "bytes_per_token": GOAL_BYTES_PER_TOKEN,
-                "time_ratio_met_unbounded": ratio <= GOAL_TIME_RATIO,
-                "time_ratio_met_capped": capped_ratio <= GOAL_TIME_RATIO,
-                "bytes_per_token_met": None
-                if memory is None
-                else memory["kvstrata"]["tree_bytes_per_token"] <= GOAL_BYTES_PER_TOKEN,
-            },
+            "goals": goals(results, memory),
             "impl_sources": impl_sources(),
             "environment": {
                 "python": platform.python_version(),
@@ -873,8 +1010,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         log(f"wrote {args.json}")
 
     if args.profile:
-        log("[profile] cProfile of kvstrata, unbounded ...")
-        print(profile_kvstrata(tokens_list, page, unbounded, args.profile))
+        for mode, page_hashes in MODES.items():
+            log(f"[profile] cProfile of {LABELS[mode]}, unbounded ...")
+            print(profile_kvstrata(tokens_list, page, unbounded, page_hashes, args.profile))
     log(f"done in {time.perf_counter() - started:.1f} s")
     return status
 

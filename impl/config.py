@@ -51,6 +51,18 @@ def _optional_positive(
         _positive(_instance, attribute, value)  # type: ignore[arg-type]
 
 
+def _bool(_instance: object, attribute: attrs.Attribute[bool], value: bool) -> None:
+    if not isinstance(value, bool):
+        raise ConfigError(f"{attribute.name}: expected a bool, got {value!r}")
+
+
+def _optional_seed(
+    _instance: object, attribute: attrs.Attribute[int | None], value: int | None
+) -> None:
+    if value is not None:
+        _non_negative(_instance, attribute, value)  # type: ignore[arg-type]
+
+
 def _write_policy(value: object) -> WritePolicy:
     converted: WritePolicy = enum_converter(WritePolicy, "write_policy")(value)
     return converted
@@ -58,7 +70,13 @@ def _write_policy(value: object) -> WritePolicy:
 
 @attrs.frozen
 class RadixCacheConfig:
-    """The radix cache's policies. Sizes of the pools are the pools' own configuration."""
+    """The radix cache's policies. Sizes of the pools are the pools' own configuration.
+
+    ``page_hashes``: keep the SHA-256 page-hash chain (SPEC §4) of every cached page, computed for new
+    pages at insert; L3 needs it for its store keys. Off, the cache never hashes (L1/L2 only) and
+    ``page_hashes()`` refuses. ``fingerprint_seed``: makes the keys of the page fingerprints the tree
+    matches by reproducible (tests); None draws secret keys per cache (:mod:`kvstrata.impl.fingerprint`).
+    """
 
     page_size: int = attrs.field(validator=_positive)
     write_policy: WritePolicy = attrs.field(
@@ -67,6 +85,8 @@ class RadixCacheConfig:
     write_through_threshold: int = attrs.field(default=2, validator=_positive)
     load_back_threshold: int = attrs.field(default=0, validator=_non_negative)  # tokens
     load_back_quota: int | None = attrs.field(default=None, validator=_optional_positive)  # pages
+    page_hashes: bool = attrs.field(default=True, validator=_bool)
+    fingerprint_seed: int | None = attrs.field(default=None, validator=_optional_seed)
 
 
 def _prefetch_policy(value: object) -> PrefetchPolicy:

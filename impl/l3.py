@@ -37,6 +37,7 @@ import numpy.typing as npt
 
 from kvstrata.impl.config import StorageConfig
 from kvstrata.impl.errors import MisuseError
+from kvstrata.impl.fingerprint import FINGERPRINT_BYTES
 from kvstrata.impl.storage.base import GetStatus, PutStatus, StorageBackend
 from kvstrata.impl.storage.worker import (
     BackupResult,
@@ -421,8 +422,8 @@ class L3Tier:
         arrived = op.arrived
         size = cache.page_size
         tokens = op.tokens[: (op.prefix_pages + arrived) * size]
-        _, path, matched = cache._walk(tokens, op.namespace, split=True)
-        last = path[-1] if path else cache._root(op.namespace, create=True)
+        root, path, matched, fps = cache._walk_split(tokens, op.namespace)
+        last = path[-1] if path else root
         have = max(0, min(arrived, matched - op.prefix_pages))
         spare = [op.host[:have]]
         added = 0
@@ -430,7 +431,7 @@ class L3Tier:
             start = op.prefix_pages + have
             leaf = cache._add_leaf(
                 last,
-                tokens[start * size :].tobytes(),
+                fps[start * FINGERPRINT_BYTES :],
                 op.digests[have * _DIGEST : arrived * _DIGEST],
                 Residency.NEW,
             )

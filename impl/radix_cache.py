@@ -18,6 +18,24 @@ Theory of operation
 * Bad input raises a typed error (:mod:`kvstrata.impl.errors`) before anything changes.
 
 Indices are page indices (one per ``page_size`` tokens), never token indices.
+
+What a node stores
+------------------
+No token ids. A node holds its pages' 16-byte keyed fingerprints (``fps``, computed for a whole request
+in one numpy pass, :mod:`kvstrata.impl.fingerprint`, which argues the 2**-66 collision bound per pair of
+compared pages) and is found under its parent by its first page's fingerprint. Matching a node is one
+``bytes.startswith`` on the request's fingerprints; matching inside it (a split) one numpy comparison.
+With ``RadixCacheConfig.page_hashes`` (the default; L3 needs it) a node also holds the SHA-256 chain
+digests of its pages (32 bytes each, SPEC §4), computed only for the pages an insert adds; without it
+nothing is hashed, ``hashes`` stays empty and :meth:`HierarchicalRadixCache.page_hashes` refuses.
+At page 64 that is 0.25 B/token of fingerprints (+0.5 with hashes) against 4 B/token of token ids.
+
+Hot path
+--------
+``match_prefix`` and the ``insert`` that follows it fingerprint the request once (the
+:class:`~kvstrata.impl.fingerprint.Fingerprinter` remembers the last request). The LRU order of L1
+leaves is a lazy heap of ``(last_access, id, node)``: an entry is pushed only where a node may be an
+unlocked L1 leaf (see :meth:`HierarchicalRadixCache._touch`), and stale entries are skipped on pop.
 """
 
 from __future__ import annotations
@@ -34,6 +52,12 @@ import numpy.typing as npt
 
 from kvstrata.impl.config import RadixCacheConfig, StorageConfig
 from kvstrata.impl.errors import CapacityError, ConfigError, MisuseError
+from kvstrata.impl.fingerprint import (
+    FINGERPRINT_BYTES,
+    Fingerprinter,
+    common_pages,
+    fingerprint_keys,
+)
 from kvstrata.impl.l3 import L3Tier
 from kvstrata.impl.metrics import CacheStats
 from kvstrata.impl.pools import KVPool, copy_pages
@@ -41,7 +65,7 @@ from kvstrata.impl.pools.host import HostKVPool
 from kvstrata.impl.storage.base import StorageBackend
 from kvstrata.impl.transfer import Completion, Direction, Executor, TransferController
 from kvstrata.model.cache import WritePolicy
-from kvstrata.model.keys import Namespace, PageHash
+from kvstrata.model.keys import DEFAULT_NAMESPACE, Namespace, PageHash
 from kvstrata.model.lifecycles import (
     DEVICE_CLAIMED,
     DEVICE_VALID,
@@ -73,6 +97,7 @@ _DEVICE_CLAIMED_T = tuple(DEVICE_CLAIMED)
 _HOST_CLAIMED_T = tuple(HOST_CLAIMED)
 _EMPTY: Pages = np.zeros(0, dtype=np.int64)
 _MAX_TOKEN = 2**32 - 1
+_UINT32 = np.dtype("<u4")
 
 
 class Allocator(Protocol):
@@ -90,18 +115,20 @@ class Allocator(Protocol):
 
 
 class Node:
-    """A run of whole pages. ``key`` holds the token ids as little-endian uint32 bytes, ``hashes``
-    the pages' SHA-256 chain digests (32 bytes each), ``device`` / ``host`` their page indices."""
+    """A run of whole pages. ``fps`` holds the pages' fingerprints (16 bytes each; the first one is the
+    node's key among its parent's children), ``hashes`` their SHA-256 chain digests (32 bytes each, or
+    empty when page hashes are off), ``device`` / ``host`` their page indices. A root has no pages and
+    no parent."""
 
     __slots__ = (
         "backup_pins",
         "children",
         "device",
+        "fps",
         "hashes",
         "hits",
         "host",
         "id",
-        "key",
         "last_access",
         "load_op",
         "lock_ref",
@@ -118,14 +145,14 @@ class Node:
         parent: Node | None,
         namespace: Namespace,
         *,
-        key: bytes,
+        fps: bytes,
         hashes: bytes,
         state: Residency | None,
     ) -> None:
         self.id = node_id
         self.parent = parent
         self.namespace = namespace
-        self.key = key
+        self.fps = fps
         self.hashes = hashes
         self.state = state
         self.children: dict[bytes, Node] = {}
@@ -145,9 +172,10 @@ class Node:
 
     @property
     def num_pages(self) -> int:
-        return len(self.hashes) // 32
+        return len(self.fps) // FINGERPRINT_BYTES
 
     def page_hash(self, index: int) -> PageHash:
+        """The SHA-256 page hash of page ``index`` (page hashes on)."""
         return PageHash(self.hashes[index * 32 : (index + 1) * 32])
 
     @property
@@ -216,6 +244,8 @@ def chain_digests(key: bytes, page_bytes: int, seed: bytes) -> bytes:
 
 def _as_tokens(tokens: object) -> npt.NDArray[np.uint32]:
     """``tokens`` as a 1-D uint32 array; :class:`MisuseError` for anything else."""
+    if type(tokens) is np.ndarray and tokens.dtype == _UINT32 and tokens.ndim == 1:
+        return tokens  # the common case, checked by type alone
     if isinstance(tokens, str | bytes):
         raise MisuseError(f"tokens must be a 1-D sequence of ints, got {type(tokens).__name__}")
     try:
@@ -233,6 +263,27 @@ def _as_tokens(tokens: object) -> npt.NDArray[np.uint32]:
     if int(array.min()) < 0 or int(array.max()) > _MAX_TOKEN:
         raise MisuseError(f"token ids must be in [0, {_MAX_TOKEN}]")
     return array.astype("<u4", copy=False)
+
+
+@attrs.define(slots=True, eq=False)
+class _MatchMemo:
+    """What ``match_prefix`` found, for the ``insert`` of the same request: valid while the tree's
+    ``version`` is unchanged (no node added, removed, split or moved between residencies)."""
+
+    fps: bytes
+    namespace: Namespace
+    path: list[Node]  # ends on a node boundary (the match split the node it ended inside)
+    pages: int
+    devices: Pages | None  # the path's L1 pages if every node of it holds valid L1 pages
+    version: int
+
+
+def _valid_device(node: Node) -> Pages:
+    """The node's L1 pages if they hold valid KV, else -1 per page."""
+    if node.state in _DEVICE_VALID_T:
+        assert node.device is not None
+        return node.device
+    return np.full(node.num_pages, -1, dtype=np.int64)
 
 
 class HierarchicalRadixCache:
@@ -257,7 +308,13 @@ class HierarchicalRadixCache:
         self._transfer = transfer
         self._copy_now = copy_now
         self._page_bytes = 4 * config.page_size
+        self._hashing = config.page_hashes
+        self._fingerprint = Fingerprinter(
+            fingerprint_keys(config.page_size, config.fingerprint_seed)
+        )
         self.clock = 0
+        self._version = 0  # bumped by every change to the tree's shape or a node's residency
+        self._memo: _MatchMemo | None = None
         self._next_id = 0
         self._next_op = 0
         self.roots: dict[Namespace, Node] = {}
@@ -304,6 +361,8 @@ class HierarchicalRadixCache:
                     f"the storage key space's page size ({storage.keyspace.model.page_size}) "
                     f"differs from the cache's page_size ({config.page_size})"
                 )
+            if not config.page_hashes:
+                raise ConfigError("an L3 storage backend needs page_hashes=True (its keys)")
             storage.attach(host_pool)
 
         def copy(direction: Direction, src: Pages, dst: Pages) -> int:
@@ -366,9 +425,11 @@ class HierarchicalRadixCache:
 
     @staticmethod
     def namespace_of(extra_key: str | Namespace | None) -> Namespace:
+        if extra_key is None:
+            return DEFAULT_NAMESPACE
         if isinstance(extra_key, Namespace):
             return extra_key
-        if extra_key is not None and not isinstance(extra_key, str):
+        if not isinstance(extra_key, str):
             raise MisuseError(f"extra_key must be a str or None, got {type(extra_key).__name__}")
         return Namespace(extra_key=extra_key)
 
@@ -376,14 +437,15 @@ class HierarchicalRadixCache:
         root = self.roots.get(namespace)
         if root is None:
             if not create:
-                return Node(0, None, namespace, key=b"", hashes=b"", state=None)
-            root = Node(self._new_id(), None, namespace, key=b"", hashes=b"", state=None)
+                return Node(0, None, namespace, fps=b"", hashes=b"", state=None)
+            root = Node(self._new_id(), None, namespace, fps=b"", hashes=b"", state=None)
             self.roots[namespace] = root
         return root
 
     def _advance(self, node: Node, event: ResidencyEvent) -> None:
         assert node.state is not None
         node.state = PAGE_RESIDENCY.next(node.state, event)
+        self._version += 1
 
     def _count_device(self, node: Node, sign: int) -> None:
         if node.lock_ref:
@@ -392,24 +454,35 @@ class HierarchicalRadixCache:
             self.evictable_pages += sign * node.num_pages
 
     def _lock(self, node: Node, delta: int) -> None:
+        """Add ``delta`` to the path lock of ``node``: its ``lock_ref`` and every ancestor's. L1 pages
+        move between evictable and protected where a count leaves or reaches zero; a node whose count
+        reaches zero gets a heap entry unless the node below it on the path holds L1 pages (then it is
+        no L1 leaf, and whatever makes it one pushes it)."""
         node.pins += delta
-        current: Node | None = node
-        while current is not None and not current.is_root:
+        leaves = self._leaves
+        moved = 0  # L1 pages that become protected (negative: evictable)
+        below: Node | None = None
+        current = node
+        parent = current.parent
+        while parent is not None:
             before = current.lock_ref
-            current.lock_ref += delta
-            if current.lock_ref == 0:
-                heapq.heappush(self._leaves, (current.last_access, current.id, current))
-            if (before == 0) != (current.lock_ref == 0) and current.state in _DEVICE_VALID_T:
-                moved = current.num_pages if current.lock_ref else -current.num_pages
-                self.protected_pages += moved
-                self.evictable_pages -= moved
-            current = current.parent
+            after = current.lock_ref = before + delta
+            if (before == 0) != (after == 0) and current.state in _DEVICE_VALID_T:
+                pages = len(current.fps) // FINGERPRINT_BYTES
+                moved += pages if after else -pages
+            if after == 0 and (below is None or below.state not in _DEVICE_CLAIMED_T):
+                heapq.heappush(leaves, (current.last_access, current.id, current))
+            below = current
+            current = parent
+            parent = current.parent
+        self.protected_pages += moved
+        self.evictable_pages -= moved
 
     def _raw_lock(self, node: Node, delta: int) -> None:
         """A lock that only keeps eviction away for the length of one call (no accounting)."""
         node.pins += delta
-        current: Node | None = node
-        while current is not None and not current.is_root:
+        current = node
+        while current.parent is not None:
             current.lock_ref += delta
             current = current.parent
 
@@ -418,72 +491,42 @@ class HierarchicalRadixCache:
             self._transfer.flush()
 
     # ------------------------------------------------------------------ the tree
-    def _walk(
-        self, tokens: npt.NDArray[np.uint32], namespace: Namespace, split: bool
-    ) -> tuple[Node, list[Node], int]:
-        """Follow ``tokens`` from the root. With ``split`` the node the match ends inside is split so
-        that the path ends on a node boundary (creating the namespace root if needed); without it
-        nothing changes and that node is left out."""
-        total = len(tokens) // self.page_size
-        query = tokens[: total * self.page_size].tobytes()
-        root = self._root(namespace, create=split)
-        path, matched, partial, common = self._walk_keep(tokens, query, namespace)
-        if split and partial is not None:
-            path.append(self._split(partial, common))
-            matched += common
-        return root, path, matched
-
-    def _common_pages(
-        self, child: Node, tokens: npt.NDArray[np.uint32], query: bytes, matched: int, total: int
-    ) -> int:
-        """How many leading pages of ``child`` equal the query's pages from page ``matched`` on
-        (the first page is known to match: it is the child's key)."""
-        size, step = self.page_size, self._page_bytes
-        avail = min(child.num_pages, total - matched)
-        whole = child.key if avail == child.num_pages else memoryview(child.key)[: avail * step]
-        if query.startswith(whole, matched * step):
-            return avail
-        mine = np.frombuffer(child.key, dtype="<u4", count=avail * size).reshape(avail, size)
-        theirs = tokens[matched * size : (matched + avail) * size].reshape(avail, size)
-        return int(np.argmin((mine == theirs).all(axis=1)))
-
-    def _walk_keep(
-        self, tokens: npt.NDArray[np.uint32], query: bytes, namespace: Namespace
+    def _descend(
+        self, fps: bytes, namespace: Namespace
     ) -> tuple[list[Node], int, Node | None, int]:
-        """A walk that changes nothing: the fully matched path, its pages, and the node the match
-        ends inside (with its matched pages) if any."""
-        root = self.roots.get(namespace)
+        """Follow the page fingerprints ``fps`` down from the namespace's root, changing nothing.
+        Returns the fully matched path (root excluded), its pages, and the node the match ends inside
+        with its matching leading pages (``None, 0`` when the match ends on a node boundary)."""
         path: list[Node] = []
-        if root is None:
+        node = self.roots.get(namespace)
+        if node is None:
             return path, 0, None, 0
-        step = self._page_bytes
-        total = len(query) // step
-        node = root
-        matched = 0
-        while matched < total:
-            child = node.children.get(query[matched * step : (matched + 1) * step])
+        step = FINGERPRINT_BYTES
+        start, end = 0, len(fps)
+        while start < end:
+            child = node.children.get(fps[start : start + step])
             if child is None:
                 break
-            pages = child.num_pages
-            common = self._common_pages(child, tokens, query, matched, total)
-            if common < pages:
-                return path, matched, child, common
+            stored = child.fps
+            if not fps.startswith(stored, start):
+                return path, start // step, child, common_pages(stored, fps, start)
             path.append(child)
-            matched += common
+            start += len(stored)
             node = child
-        return path, matched, None, 0
+        return path, start // step, None, 0
 
     def _split(self, node: Node, pages: int) -> Node:
         """``node`` keeps the suffix (and its id, children, pins, pending ops); a new node takes the
         first ``pages`` pages and joins every pending op that covers ``node``."""
         parent = node.parent
         assert parent is not None and 0 < pages < node.num_pages
-        cut = pages * self._page_bytes
+        self._version += 1
+        cut = pages * FINGERPRINT_BYTES
         prefix = Node(
             self._new_id(),
             parent,
             node.namespace,
-            key=node.key[:cut],
+            fps=node.fps[:cut],
             hashes=node.hashes[: pages * 32],
             state=node.state,
         )
@@ -501,24 +544,54 @@ class HierarchicalRadixCache:
         prefix.backup_pins = node.backup_pins
         if node.backup_pins and self._l3 is not None:
             self._l3.on_split(node, prefix)
-        parent.children[prefix.key[: self._page_bytes]] = prefix
-        node.key = node.key[cut:]
+        parent.children[prefix.fps[:FINGERPRINT_BYTES]] = prefix
+        node.fps = node.fps[cut:]
         node.hashes = node.hashes[pages * 32 :]
         node.parent = prefix
-        prefix.children[node.key[: self._page_bytes]] = node
+        prefix.children[node.fps[:FINGERPRINT_BYTES]] = node
         return prefix
 
-    def _add_leaf(self, parent: Node, key: bytes, hashes: bytes, state: Residency) -> Node:
-        leaf = Node(self._new_id(), parent, parent.namespace, key=key, hashes=hashes, state=state)
+    def _add_leaf(self, parent: Node, fps: bytes, hashes: bytes, state: Residency) -> Node:
+        self._version += 1
+        leaf = Node(self._new_id(), parent, parent.namespace, fps=fps, hashes=hashes, state=state)
         leaf.last_access = self.clock
-        parent.children[key[: self._page_bytes]] = leaf
+        parent.children[fps[:FINGERPRINT_BYTES]] = leaf
         return leaf
 
     def _remove_leaf(self, node: Node) -> None:
         assert node.parent is not None and not node.children and not node.lock_ref
-        del node.parent.children[node.key[: self._page_bytes]]
+        self._version += 1
+        del node.parent.children[node.fps[:FINGERPRINT_BYTES]]
         node.parent = None
         node.state = Residency.GONE
+
+    def _touch(self, path: list[Node]) -> None:
+        """Mark ``path`` (root side first) as used now: LRU time and hit count of every node. The lazy
+        heap gets a current entry for each node that may be an L1 leaf: the deepest, and any whose
+        successor on the path holds no L1 pages. A node with an L1 child is no leaf; the eviction,
+        ack or unlock that makes it one pushes it then, with its ``last_access`` of that time."""
+        clock = self.clock
+        leaves = self._leaves
+        push = heapq.heappush
+        claimed_below = False
+        for node in reversed(path):
+            node.last_access = clock
+            node.hits += 1
+            if not claimed_below:
+                push(leaves, (clock, node.id, node))
+            claimed_below = node.state in _DEVICE_CLAIMED_T
+
+    def _chain(
+        self, query: npt.NDArray[np.uint32], first: int, parent: Node, namespace: Namespace
+    ) -> bytes:
+        """The SHA-256 digests of the whole pages of ``query`` from page ``first`` on, chained from
+        ``parent``'s last page (or the namespace seed); empty when page hashes are off."""
+        if not self._hashing:
+            return b""
+        pages = len(query) // self.page_size
+        new = query[first * self.page_size : pages * self.page_size].tobytes()
+        seed = parent.hashes[-32:] if parent.hashes else namespace.seed()
+        return chain_digests(new, self._page_bytes, seed)
 
     def nodes(self) -> Iterator[Node]:
         """Every non-root node, parents before children."""
@@ -537,15 +610,38 @@ class HierarchicalRadixCache:
             current = current.parent
 
     # ------------------------------------------------------------------ queries
+    def _walk_split(
+        self, query: npt.NDArray[np.uint32], namespace: Namespace
+    ) -> tuple[Node, list[Node], int, bytes]:
+        """Follow ``query`` from its namespace's root (created if needed), splitting the node the
+        match ends inside: the root, the matched path, its pages and the query's fingerprints."""
+        fps = self._fingerprint(query)
+        root = self._root(namespace, create=True)
+        path, matched, partial, common = self._descend(fps, namespace)
+        if partial is not None:
+            path.append(self._split(partial, common))
+            matched += common
+        return root, path, matched, fps
+
+    def _cached_path(
+        self,
+        tokens: Sequence[int] | npt.NDArray[np.integer],
+        extra_key: str | Namespace | None,
+    ) -> list[Node]:
+        """The nodes fully covered by ``tokens`` (no split, no LRU touch)."""
+        query = _as_tokens(tokens)
+        namespace = self.namespace_of(extra_key)
+        path, _, _, _ = self._descend(self._fingerprint(query), namespace)
+        return path
+
     def residency(
         self,
         tokens: Sequence[int] | npt.NDArray[np.integer],
         extra_key: str | Namespace | None = None,
     ) -> tuple[Residency, ...]:
         """Residency of each full page of ``tokens`` in the tree (no split, no LRU touch)."""
-        _, path, _ = self._walk(_as_tokens(tokens), self.namespace_of(extra_key), split=False)
         out: list[Residency] = []
-        for node in path:
+        for node in self._cached_path(tokens, extra_key):
             assert node.state is not None
             out.extend([node.state] * node.num_pages)
         return tuple(out)
@@ -555,8 +651,13 @@ class HierarchicalRadixCache:
         tokens: Sequence[int] | npt.NDArray[np.integer],
         extra_key: str | Namespace | None = None,
     ) -> tuple[PageHash, ...]:
-        """The page hashes the tree holds for the cached pages of ``tokens`` (for L3 keys)."""
-        _, path, _ = self._walk(_as_tokens(tokens), self.namespace_of(extra_key), split=False)
+        """The page hashes the tree holds for the cached pages of ``tokens`` (for L3 keys).
+        :class:`MisuseError` when the cache keeps none (``RadixCacheConfig.page_hashes=False``)."""
+        if not self._hashing:
+            raise MisuseError(
+                "page hashes are off for this cache (RadixCacheConfig.page_hashes=False)"
+            )
+        path = self._cached_path(tokens, extra_key)
         return tuple(node.page_hash(i) for node in path for i in range(node.num_pages))
 
     # ------------------------------------------------------------------ match
@@ -568,25 +669,35 @@ class HierarchicalRadixCache:
         query = _as_tokens(tokens)
         namespace = self.namespace_of(extra_key)
         self._tick()
-        root, path, _ = self._walk(query, namespace, split=True)
+        root, path, matched, fps = self._walk_split(query, namespace)
         device: list[Pages] = []
         device_node = host_node = root
         host_pages = 0
         in_device = True
-        for node in path:
-            node.last_access = self.clock
-            heapq.heappush(self._leaves, (node.last_access, node.id, node))
-            node.hits += 1
-            if in_device and node.state in _DEVICE_VALID_T:
+        reached = len(path)
+        for index, node in enumerate(path):
+            state = node.state
+            if in_device and state in _DEVICE_VALID_T:
                 assert node.device is not None
                 device.append(node.device)
                 device_node = host_node = node
                 continue
             in_device = False
-            if node.state not in _HOST_VALID_T:
+            if state not in _HOST_VALID_T:
+                reached = index + 1  # the match stops here: deeper nodes are not touched
                 break
             host_pages += node.num_pages
             host_node = node
+        self._touch(path if reached == len(path) else path[:reached])
+        indices = np.concatenate(device) if device else _EMPTY
+        self._memo = _MatchMemo(
+            fps,
+            namespace,
+            path,
+            matched,
+            indices if len(device) == len(path) else None,
+            self._version,
+        )
         if self.config.write_policy is WritePolicy.WRITE_THROUGH_SELECTIVE:
             for node in path:
                 if (
@@ -595,7 +706,6 @@ class HierarchicalRadixCache:
                 ):
                     self._write_through_chain(node)
         self._finish()
-        indices = np.concatenate(device) if device else _EMPTY
         stats = self.stats
         stats.match_tokens += len(query)
         stats.l1_hit_tokens += len(indices) * self.page_size
@@ -639,7 +749,7 @@ class HierarchicalRadixCache:
         # a page given twice: its later position overwrites the earlier one (no sort)
         order = np.arange(len(array), dtype=np.int32)
         self._pos[array] = order
-        if not np.array_equal(self._pos[array], order):
+        if (self._pos[array] != order).any():
             raise MisuseError(f"{what} holds a page twice")
         return array
 
@@ -671,57 +781,38 @@ class HierarchicalRadixCache:
         given = self._page_array(device_indices, "device_indices")
         if len(given) != total:
             raise MisuseError(f"{total} L1 pages needed for {total} pages, got {len(given)}")
-        query_bytes = query[: total * self.page_size].tobytes()
-        path, matched, partial, common = self._walk_keep(query, query_bytes, namespace)
-        cached = np.full(total, -1, dtype=np.int64)
-        offset = 0
-        for node in path:
-            if node.state in _DEVICE_VALID_T:
-                assert node.device is not None
-                cached[offset : offset + node.num_pages] = node.device
-            offset += node.num_pages
-        foreign = ~self._held[given] & (cached != given)
-        if foreign.any():
-            index = int(np.argmax(foreign))
-            raise MisuseError(
-                f"L1 page {int(given[index])} for page {index} is not the scheduler's"
-            )
+        fps = self._fingerprint(query)
+        memo = self._memo
+        if (
+            memo is not None
+            and memo.version == self._version
+            and memo.fps == fps
+            and memo.namespace == namespace
+        ):  # the match of this request, with the tree unchanged since
+            path, matched, partial, common = list(memo.path), memo.pages, None, 0
+            devices = memo.devices
+        else:
+            path, matched, partial, common = self._descend(fps, namespace)
+            devices = None
+        differs = self._check_given(path, given, devices)
         self._tick()
         root = self._root(namespace, create=True)
         if partial is not None:
             path.append(self._split(partial, common))
             matched += common
         self._held[given] = False
-        revived = 0
-        offset = 0
-        clock = self.clock
-        leaves = self._leaves
-        push = heapq.heappush
-        own = np.full(matched, -1, dtype=np.int64)  # L1 pages the tree holds (loading included)
-        for node in path:
-            node.last_access = clock
-            push(leaves, (clock, node.id, node))
-            node.hits += 1
-            pages = len(node.hashes) >> 5
-            if node.state is Residency.HOST:
-                node.device = given[offset : offset + pages].copy()
-                self._advance(node, ResidencyEvent.REVIVE)
-                self._count_device(node, +1)
-                revived += pages
-            else:
-                assert node.device is not None
-                own[offset : offset + pages] = node.device
-            offset += pages
-        spare = given[:matched][(own >= 0) & (own != given[:matched])]
-        if len(spare):
-            self._device.free(spare)
+        if devices is not None:  # every node holds its L1 pages: no revival, spare = the differing
+            revived, spare = 0, self._give_back(given[: len(devices)][differs])
+        else:
+            revived, spare = self._adopt(path, given)
+        self._touch(path)
         deepest = path[-1] if path else root
         new_pages = total - matched
         if new_pages:
-            key = query_bytes[matched * self._page_bytes :]
-            seed = deepest.hashes[-32:] if deepest.hashes else namespace.seed()
-            hashes = chain_digests(key, self._page_bytes, seed)
-            leaf = self._add_leaf(deepest, key, hashes, Residency.NEW)
+            hashes = self._chain(query, matched, deepest, namespace)
+            leaf = self._add_leaf(
+                deepest, fps[matched * FINGERPRINT_BYTES :], hashes, Residency.NEW
+            )
             heapq.heappush(self._leaves, (leaf.last_access, leaf.id, leaf))
             self._advance(leaf, ResidencyEvent.INSERT)
             leaf.device = given[matched:].copy()
@@ -730,7 +821,54 @@ class HierarchicalRadixCache:
             if self.config.write_policy is WritePolicy.WRITE_THROUGH:
                 self._write_through_chain(leaf)
         self._finish()
-        return InsertResult(deepest, new_pages, revived, len(spare))
+        return InsertResult(deepest, new_pages, revived, spare)
+
+    def _check_given(
+        self, path: list[Node], given: Pages, devices: Pages | None
+    ) -> npt.NDArray[np.bool_]:
+        """:class:`MisuseError` unless every page of ``given`` is the scheduler's (from
+        :meth:`alloc_device`) or, on the fully cached ``path``, the tree's own valid L1 page for that
+        position (``devices``: those pages, if known). Changes nothing. Returns where the path's
+        pages differ from ``given``."""
+        foreign = ~self._held[given]
+        if devices is None:
+            devices = np.concatenate([_valid_device(node) for node in path]) if path else _EMPTY
+        differs: npt.NDArray[np.bool_] = devices != given[: len(devices)]
+        foreign[: len(devices)] &= differs
+        if foreign.any():
+            index = int(np.argmax(foreign))
+            raise MisuseError(
+                f"L1 page {int(given[index])} for page {index} is not the scheduler's"
+            )
+        return differs
+
+    def _adopt(self, path: list[Node], given: Pages) -> tuple[int, int]:
+        """The cached ``path`` takes its pages of ``given``: host-only nodes are revived with them;
+        where the tree already holds an L1 page (valid or loading) a different given page is spare
+        and goes back to the pool. Returns (revived pages, spare pages)."""
+        revived = 0
+        offset = 0
+        owned: list[Pages] = []
+        for node in path:
+            pages = len(node.fps) // FINGERPRINT_BYTES
+            if node.state is Residency.HOST:
+                node.device = given[offset : offset + pages].copy()
+                self._advance(node, ResidencyEvent.REVIVE)
+                self._count_device(node, +1)
+                revived += pages
+            assert node.device is not None
+            owned.append(node.device)
+            offset += pages
+        if not owned:
+            return revived, 0
+        head = given[:offset]
+        return revived, self._give_back(head[np.concatenate(owned) != head])
+
+    def _give_back(self, spare: Pages) -> int:
+        """Free given pages the tree did not need (it holds those positions already)."""
+        if len(spare):
+            self._device.free(spare)
+        return len(spare)
 
     # ------------------------------------------------------------------ write-through
     def _write_through_chain(self, node: Node) -> None:
@@ -1047,7 +1185,7 @@ class HierarchicalRadixCache:
         if self._l3 is None:
             return None
         self._tick()
-        root, path, matched = self._walk(query, namespace, split=True)
+        root, path, matched, _ = self._walk_split(query, namespace)
         anchor = path[-1] if path else root
         total = len(query) // self.page_size
         remaining = total - matched
@@ -1128,3 +1266,6 @@ class HierarchicalRadixCache:
             node.state = Residency.GONE
         self.roots.clear()
         self.evictable_pages = self.protected_pages = 0
+        self._version += 1
+        self._memo = None
+        self._fingerprint.forget()

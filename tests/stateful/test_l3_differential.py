@@ -44,6 +44,7 @@ TAG = "ci-l3"
 class L3Differential(DifferentialMachine):
     policy = WritePolicy.WRITE_THROUGH
     page_first_only = True
+    page_hashes = st.just(True)
     host_sizes = st.integers(4, 10)
 
     def __init__(self) -> None:

@@ -98,6 +98,7 @@ class DifferentialMachine(RuleBasedStateMachine):
     ) -> None:
         host_pages = data.draw(self.host_sizes, label="host_pages")
         threshold = data.draw(st.integers(1, 2), label="threshold")
+        self.hashes = data.draw(self.page_hashes, label="page_hashes")
         kind = KVKind.MLA if mla else KVKind.MHA
         self.model = CacheModel(
             CacheConfig(
@@ -131,6 +132,8 @@ class DifferentialMachine(RuleBasedStateMachine):
                 write_policy=self.policy,
                 write_through_threshold=threshold,
                 load_back_quota=quota,
+                page_hashes=self.hashes,
+                fingerprint_seed=0,  # reproducible runs; the keys are secret in production
             ),
             self.device_pool,
             self.host_pool,
@@ -156,6 +159,7 @@ class DifferentialMachine(RuleBasedStateMachine):
 
     # ------------------------------------------------------------ hooks for subclasses
     page_first_only = False  # an L3 backend needs a page-first host layout
+    page_hashes: st.SearchStrategy[bool] = st.booleans()  # an L3 backend needs them on
 
     def model_extras(
         self, data: st.DataObject, kind: KVKind, page_size: int, host_pages: int
@@ -198,7 +202,21 @@ class DifferentialMachine(RuleBasedStateMachine):
             got = self.device_pool.read_pages(actual.device_indices)
             assert torch.equal(got.view(torch.int16), want.view(torch.int16)), "L1 bytes differ"
             event("L1 bytes compared")
+        self.check_page_hashes(tokens, ns)
         return expected, actual
+
+    def check_page_hashes(self, tokens: tuple[int, ...], ns: Namespace) -> None:
+        """With page hashes on, the tree holds the model's chain for every cached page of
+        ``tokens`` (whatever splits happened); off, it refuses to give any."""
+        if not self.hashes:
+            try:
+                self.impl.page_hashes(tokens, ns)
+            except MisuseError:
+                return
+            raise AssertionError("page_hashes answered with page hashes off")
+        cached = len(self.impl.residency(tokens, ns))
+        expected = chain_page_hashes(tokens, self.page_size, ns)[:cached]
+        assert self.impl.page_hashes(tokens, ns) == expected, "page hashes differ from the chain"
 
     # ------------------------------------------------------------ scheduler rules
     @rule(data=st.data())

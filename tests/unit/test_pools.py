@@ -318,6 +318,7 @@ def test_allocator_matches_a_set_model(num_pages: int, ops: list[tuple[str, obje
                     allocator.free(pages)
                 assert _state(allocator) == before
         assert allocator.allocated() == used
+        allocator.check()  # counters, the first-free hint and the free run agree with the mask
         assert allocator.used_count == len(used)
         assert allocator.free_count + allocator.used_count == num_pages
         allocator.check()

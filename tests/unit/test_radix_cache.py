@@ -182,3 +182,34 @@ def test_page_hashes_match_the_model_schema_in_every_namespace() -> None:
         fresh = cache.alloc_device(3 - result.device_pages)
         cache.insert(tokens, fresh, ns)
         assert cache.page_hashes(tokens, ns) == chain_page_hashes(tokens, 4, ns)
+
+
+def test_without_page_hashes_nothing_is_hashed_and_page_hashes_refuses() -> None:
+    hashed, device_a, _ = build(ManualExecutor(), fingerprint_seed=5)
+    plain, device_b, _ = build(ManualExecutor(), page_hashes=False, fingerprint_seed=5)
+    for tokens in (list(range(12)), [*range(8), 9, 9, 9, 9], list(range(4))):
+        serve(hashed, device_a, tokens)
+        serve(plain, device_b, tokens)
+        assert plain.residency(tokens) == hashed.residency(tokens)
+    assert [n.id for n in plain.nodes()] == [n.id for n in hashed.nodes()]
+    assert all(node.hashes == b"" for node in plain.nodes())
+    assert all(len(node.hashes) == 32 * node.num_pages for node in hashed.nodes())
+    with pytest.raises(MisuseError, match="page hashes are off"):
+        plain.page_hashes(list(range(12)))
+
+
+def test_nodes_hold_fingerprints_not_tokens() -> None:
+    cache, device, _ = build(ManualExecutor(), fingerprint_seed=1)
+    serve(cache, device, list(range(12)))
+    serve(cache, device, [*range(8), 9, 9, 9, 9])  # splits the first node after two pages
+    sizes = sorted((len(n.fps), len(n.hashes)) for n in cache.nodes())
+    assert sizes == [(16, 32), (16, 32), (32, 64)]
+    assert not hasattr(next(cache.nodes()), "key")
+
+
+def test_new_config_fields_are_validated() -> None:
+    with pytest.raises(ConfigError, match="page_hashes"):
+        RadixCacheConfig(page_size=4, page_hashes=1)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="fingerprint_seed"):
+        RadixCacheConfig(page_size=4, fingerprint_seed=-1)
+    assert RadixCacheConfig(page_size=4).page_hashes is True
