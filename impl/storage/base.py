@@ -7,6 +7,11 @@ and writes into (``get``). Store keys are made **only** by ``KeySpace.page_keys`
 rendering function) inside the backend, at the I/O boundary; callers pass :class:`PageHash` values
 and never see or build key strings.
 
+Object format: one object per component (plane) of a page, holding that plane's page in canonical
+order ``[L, page_size, H, D]`` whatever the host layout, so instances with different host layouts
+share pages bit for bit (the key does not name the layout). For ``page_first_direct`` that is the
+page slab itself (zero-copy); ``page_first`` is transposed on the way (a staging copy).
+
 Semantics every backend keeps (the contract tests in ``tests/unit/storage`` check them):
 
 - a page **exists** only if every component object of it exists and is complete;
