@@ -18,9 +18,11 @@ then calls the model's ``prefetch`` (both split the tree at the same point first
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import hypothesis.strategies as st
+import pytest
 import torch
 from hypothesis import event, settings
 from hypothesis.stateful import invariant, precondition, rule
@@ -28,12 +30,20 @@ from support.differential import DifferentialMachine, kv_for
 
 from kvstrata.impl.config import StorageConfig
 from kvstrata.impl.pools import HostKVPool, HostLayout
-from kvstrata.impl.storage.base import PutStatus
+from kvstrata.impl.storage.base import PutStatus, StorageBackend
 from kvstrata.impl.storage.memory import MemoryBackend, MemoryStore
+from kvstrata.impl.storage.mooncake import LocalCluster, MooncakeBackend, MooncakeClient
 from kvstrata.impl.storage.worker import BackupResult, FetchResult, QueryResult
 from kvstrata.impl.transfer import ManualExecutor
 from kvstrata.model.cache import WritePolicy
-from kvstrata.model.keys import KeySpace, KVKind, ModelIdentity, Namespace, chain_page_hashes
+from kvstrata.model.keys import (
+    KeySpace,
+    KVKind,
+    ModelIdentity,
+    Namespace,
+    StoreKey,
+    chain_page_hashes,
+)
 from kvstrata.model.lifecycles import HOST_VALID, PrefetchState
 from kvstrata.model.prefetch import PrefetchPolicy
 from kvstrata.model.store import StoreModel
@@ -51,6 +61,7 @@ class L3Differential(DifferentialMachine):
         super().__init__()
         self.evicted: set[str] = set()
         self.finished: set[int] = set()  # committed/aborted, read still in flight
+        self.failing = False
 
     # ------------------------------------------------------------ setup hooks
     def model_extras(
@@ -91,14 +102,45 @@ class L3Differential(DifferentialMachine):
             ),
         }
 
+    # ------------------------------------------------------------ store access (overridden for Mooncake)
+    def inject_put_failure(self) -> None:
+        """The next backup batch fails as a whole (as against an unreachable store)."""
+        self.failing = True
+
+    def install_failures(self) -> None:
+        real_put = self.backend.put
+
+        def put(namespace: Namespace, pages: Any, host_indices: Any) -> list[PutStatus]:
+            if self.failing:
+                self.failing = False
+                return [PutStatus.FAILED] * len(pages)
+            return real_put(namespace, pages, host_indices)
+
+        self.backend.put = put  # type: ignore[method-assign]
+
+    def visible_keys(self) -> list[str]:
+        return sorted(key.text for key in self.shared.visible_keys())
+
+    def model_keys(self) -> list[str]:
+        return sorted(key.text for key, _ in self.store_model.visible_items())
+
+    def drop_key(self, key: StoreKey) -> int:
+        return self.shared.drop([key])
+
+    def peer(self) -> StorageBackend:
+        return MemoryBackend(self.keyspace, store=self.shared)
+
     # ------------------------------------------------------------ storage jobs, mirrored
     def run_storage_job(self, fail: bool = False) -> list[object]:
         """Run the oldest storage job (a backup fails as a whole when ``fail``), apply its result
         to the implementation and mirror it into the model. Returns the applied results."""
+        if not getattr(self, "_failures_installed", False):
+            self.install_failures()
+            self._failures_installed = True
         if fail:
-            self.backend.fail_next(1, op="put")
+            self.inject_put_failure()
         self.storage_executor.run_next()
-        self.backend.clear_faults()
+        self.failing = False
         self.impl.check_events()
         l3 = self.impl.l3
         assert l3 is not None
@@ -156,7 +198,7 @@ class L3Differential(DifferentialMachine):
         text = data.draw(st.sampled_from(keys), label="evicted key")
         key = next(k for k, _ in self.store_model.visible_items() if k.text == text)
         assert self.model.store_evict(key)
-        assert self.shared.drop([key]) == 1
+        assert self.drop_key(key) == 1
         self.evicted.add(text)  # may leave an L2 page out of L3 after a drain
         event("the store evicted an object")
 
@@ -174,7 +216,7 @@ class L3Differential(DifferentialMachine):
                 if self.store_model.begin_put(key):
                     self.store_model.end_put(key, (page, component))
         scratch = HostKVPool(self.shape, len(pages), HostLayout.PAGE_FIRST)
-        peer = MemoryBackend(self.keyspace, store=self.shared)
+        peer = self.peer()
         peer.attach(scratch)
         slots = list(range(len(pages)))
         scratch.write_pages(slots, torch.cat([kv_for(self.shape, p) for p in pages], dim=2))
@@ -261,8 +303,8 @@ class L3Differential(DifferentialMachine):
         model_view, impl_view = super().observe()
         l3 = self.impl.l3
         assert l3 is not None
-        model_keys = sorted(key.text for key, _ in self.store_model.visible_items())
-        impl_keys = sorted(key.text for key in self.shared.visible_keys())
+        model_keys = self.model_keys()
+        impl_keys = self.visible_keys()
         seen = sorted(self.seen, key=repr)
         model_l3 = (
             model_keys,
@@ -284,9 +326,9 @@ class L3Differential(DifferentialMachine):
     @invariant()
     def store_keys_parse(self) -> None:
         if self.ready:
-            for key in self.shared.visible_keys():
-                assert key.text.startswith(f"kvs1/{TAG}/"), key
-                assert key.text.count(TAG) == 1, f"tagged twice: {key}"
+            for key in self.visible_keys():
+                assert key.startswith(f"kvs1/{TAG}/"), key
+                assert key.count(TAG) == 1, f"tagged twice: {key}"
 
     def teardown(self) -> None:
         if self.ready:
@@ -303,7 +345,88 @@ class L3Selective(L3Differential):
 
 
 STEPS = settings(stateful_step_count=50)
+L3_STEPS = settings(STEPS, max_examples=max(10, settings().max_examples // 2))
 TestL3WriteThrough = L3WriteThrough.TestCase
-TestL3WriteThrough.settings = STEPS
+TestL3WriteThrough.settings = L3_STEPS
 TestL3Selective = L3Selective.TestCase
-TestL3Selective.settings = STEPS
+TestL3Selective.settings = L3_STEPS
+
+
+# ---------------------------------------------------------------------------- on a real Mooncake
+class MooncakeL3(L3Differential):
+    """The same machine with a real Mooncake master and storage node as L3 (a smaller run). The
+    store cannot list its keys, so the compared key set is restricted to the keys of every page of
+    every sequence seen (which covers everything either side can have written)."""
+
+    client: MooncakeClient | None = None
+
+    def storage(self) -> dict[str, Any]:
+        client = MooncakeL3.client
+        assert client is not None, "the module fixture starts the cluster"
+        assert client.remove_all(force=True) >= 0
+        self.backend = MooncakeBackend(client, self.keyspace)
+        self.storage_executor = ManualExecutor()
+        self.prefetch_ops = {}
+        return {
+            "storage": self.backend,
+            "storage_executor": self.storage_executor,
+            "storage_config": StorageConfig(
+                prefetch_threshold=self.threshold,
+                prefetch_policy=self.prefetch_policy,
+                backup_retries=10**6,
+                backup_backoff_s=0.0,
+            ),
+        }
+
+    def visible_keys(self) -> list[str]:
+        client = MooncakeL3.client
+        assert client is not None
+        candidates = sorted(
+            {
+                key.text: key
+                for ns, tokens in self.seen
+                for page in chain_page_hashes(tokens, self.page_size, ns)
+                for key in self.keyspace.page_keys(ns, page)
+            }.items()
+        )
+        if not candidates:
+            return []
+        found = client.batch_is_exist([key for _, key in candidates])
+        return [text for (text, _), hit in zip(candidates, found, strict=True) if hit == 1]
+
+    def drop_key(self, key: StoreKey) -> int:
+        client = MooncakeL3.client
+        assert client is not None
+        return sum(1 for code in client.batch_remove([key], force=True) if code == 0)
+
+    def peer(self) -> StorageBackend:
+        client = MooncakeL3.client
+        assert client is not None
+        return MooncakeBackend(client, self.keyspace)
+
+    def model_keys(self) -> list[str]:
+        seen = {
+            key.text
+            for ns, tokens in self.seen
+            for page in chain_page_hashes(tokens, self.page_size, ns)
+            for key in self.keyspace.page_keys(ns, page)
+        }
+        return sorted(key.text for key, _ in self.store_model.visible_items() if key.text in seen)
+
+
+@pytest.fixture(scope="module")
+def mooncake_for_machine() -> Iterator[None]:
+    with LocalCluster(segment_size="64mib") as cluster, MooncakeClient(cluster.config) as client:
+        MooncakeL3.client = client
+        try:
+            yield
+        finally:
+            MooncakeL3.client = None
+
+
+class TestMooncakeL3(MooncakeL3.TestCase):  # type: ignore[name-defined,misc]
+    settings = settings(STEPS, max_examples=max(5, settings().max_examples // 10), deadline=None)
+
+    @pytest.fixture(autouse=True)
+    def _cluster(self, mooncake_for_machine: None) -> None:
+        """Start the real store for this test class."""
