@@ -541,8 +541,7 @@ class HierarchicalRadixCache:
             if op is not None:
                 op.nodes.insert(op.nodes.index(node), prefix)
         prefix.write_op, prefix.load_op = node.write_op, node.load_op
-        prefix.backup_pins = node.backup_pins
-        if node.backup_pins and self._l3 is not None:
+        if node.backup_pins and self._l3 is not None:  # sets the prefix's pins
             self._l3.on_split(node, prefix)
         parent.children[prefix.fps[:FINGERPRINT_BYTES]] = prefix
         node.fps = node.fps[cut:]
@@ -803,11 +802,12 @@ class HierarchicalRadixCache:
         self._held[given] = False
         if devices is not None:  # every node holds its L1 pages: no revival, spare = the differing
             revived, spare = 0, self._give_back(given[: len(devices)][differs])
+            loading = False
         else:
-            revived, spare = self._adopt(path, given)
+            revived, spare, loading = self._adopt(path, given)
         self._touch(path)
         deepest = path[-1] if path else root
-        new_pages = total - matched
+        new_pages = 0 if loading else total - matched
         if new_pages:
             hashes = self._chain(query, matched, deepest, namespace)
             leaf = self._add_leaf(
@@ -842,15 +842,24 @@ class HierarchicalRadixCache:
             )
         return differs
 
-    def _adopt(self, path: list[Node], given: Pages) -> tuple[int, int]:
+    def _adopt(self, path: list[Node], given: Pages) -> tuple[int, int, bool]:
         """The cached ``path`` takes its pages of ``given``: host-only nodes are revived with them;
         where the tree already holds an L1 page (valid or loading) a different given page is spare
-        and goes back to the pool. Returns (revived pages, spare pages)."""
+        and goes back to the pool. Below a node still loading back nothing is adopted: all its
+        given pages are spare (the model's rule; a failed load would leave L1 pages under a
+        host-only parent). Returns (revived pages, spare pages, whether a loading node cut it)."""
         revived = 0
         offset = 0
         owned: list[Pages] = []
+        loading = False
         for node in path:
             pages = len(node.fps) // FINGERPRINT_BYTES
+            if node.state is Residency.LOADING:  # nothing below it is adopted (I3 if it fails)
+                assert node.device is not None
+                owned.append(node.device)
+                offset += pages
+                loading = True
+                break
             if node.state is Residency.HOST:
                 node.device = given[offset : offset + pages].copy()
                 self._advance(node, ResidencyEvent.REVIVE)
@@ -860,9 +869,12 @@ class HierarchicalRadixCache:
             owned.append(node.device)
             offset += pages
         if not owned:
-            return revived, 0
+            return revived, 0, False
         head = given[:offset]
-        return revived, self._give_back(head[np.concatenate(owned) != head])
+        spare = head[np.concatenate(owned) != head]
+        if loading:
+            spare = np.concatenate([spare, given[offset:]])
+        return revived, self._give_back(spare), loading
 
     def _give_back(self, spare: Pages) -> int:
         """Free given pages the tree did not need (it holds those positions already)."""

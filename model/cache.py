@@ -382,7 +382,9 @@ class CacheModel:
         slot from :meth:`alloc_device` holding that page's KV. The cache takes ownership of every
         slot it is given: pages it already holds on L1 (or is loading) give their fresh slot back
         to the pool (``duplicate_pages``), host-only pages are revived on L1 with it, and pages it
-        does not have form a new leaf. Invalid slots raise :class:`MisuseError`, nothing changed.
+        does not have form a new leaf. Below a node that is still loading back to L1 nothing is
+        revived or added (those slots go back too): if that load failed, L1 pages would hang under
+        a host-only parent (I3). Invalid slots raise :class:`MisuseError`, nothing changed.
         """
         tokens = _check_tokens(tokens)
         total = len(tokens) // self.page_size
@@ -406,20 +408,26 @@ class CacheModel:
         duplicates: list[int] = []
         revived = 0
         offset = 0
+        loading = False  # a node on the path so far is still loading back to L1
         for node in walk.path:
             node.last_access = self.clock
             node.hits += 1
             given = slots[offset : offset + len(node.pages)]
             offset += len(node.pages)
             state = self.residency_of(node)
-            if state is Residency.HOST:
+            if loading:
+                duplicates.extend(given)
+            elif state is Residency.HOST:
                 self._revive(node, given)
                 revived += len(node.pages)
             else:
                 own = [self.page_info[page].device_slot for page in node.pages]
                 duplicates.extend(s for s, o in zip(given, own, strict=True) if s != o)
+            loading = loading or state is Residency.LOADING
+        new_pages = 0 if loading else total - walk.matched_pages
+        if loading:
+            duplicates.extend(slots[walk.matched_pages :])
         self.device.free(duplicates)
-        new_pages = total - walk.matched_pages
         deepest = walk.last
         if new_pages:
             start = walk.matched_pages * self.page_size
