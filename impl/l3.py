@@ -64,7 +64,7 @@ from kvstrata.model.prefetch import PrefetchPolicy
 if TYPE_CHECKING:
     from kvstrata.impl.radix_cache import HierarchicalRadixCache, Node
 
-__all__ = ["BackupOp", "L3Counters", "L3Tier", "PrefetchOp"]
+__all__ = ["BackupOp", "L3Counters", "L3Tier", "PageRef", "PrefetchOp"]
 
 Pages = npt.NDArray[np.int64]
 _HOST_CLAIMED_T = tuple(HOST_CLAIMED)
@@ -72,16 +72,24 @@ _DIGEST = 32
 
 
 @attrs.define(eq=False)
+class PageRef:
+    """Which node holds one page of a backup op, and where in it (re-pointed by splits)."""
+
+    node: Node
+    offset: int
+
+
+@attrs.define(eq=False)
 class BackupOp:
-    """Pages of L2 being written to L3. ``digests``/``host`` are fixed at enqueue; ``nodes`` are the
-    nodes still pinned for it, each with the number of its pages this op covers (grown by splits)."""
+    """Pages of L2 being written to L3. ``digests``/``host`` are fixed at enqueue; ``refs[i]`` names
+    the node holding page ``i`` (splits re-point it). Every distinct node among ``refs`` carries
+    one ``backup_pins`` for this op until none of its pages is pending here."""
 
     op_id: int
     namespace: Namespace
     digests: bytes
     host: Pages
-    nodes: list[Node]
-    spans: list[int]
+    refs: list[PageRef]
     state: BackupState = BackupState.QUEUED
     attempts: int = 0
     retry_at: float = 0.0
@@ -89,6 +97,13 @@ class BackupOp:
     @property
     def num_pages(self) -> int:
         return len(self.host)
+
+    def nodes(self) -> list[Node]:
+        """The distinct nodes this op pins, in page order."""
+        seen: dict[int, Node] = {}
+        for ref in self.refs:
+            seen.setdefault(id(ref.node), ref.node)
+        return list(seen.values())
 
 
 @attrs.define(eq=False)
@@ -160,36 +175,26 @@ class L3Tier:
     # ------------------------------------------------------------------ backup
     def enqueue_backup(self, namespace: Namespace, nodes: list[Node]) -> None:
         """Back up the pages of ``nodes`` (in order; each has a host copy and its hashes), in
-        batches of at most ``backup_batch_pages``."""
-        limit = self.config.backup_batch_pages
-        batch: list[Node] = []
-        size = 0
-        for node in nodes:
-            if batch and size + node.num_pages > limit:
-                self._submit_backup(namespace, batch)
-                batch, size = [], 0
-            batch.append(node)
-            size += node.num_pages
-        if batch:
-            self._submit_backup(namespace, batch)
-
-    def _submit_backup(self, namespace: Namespace, nodes: list[Node]) -> None:
+        batches of at most ``backup_batch_pages`` pages (a long node is cut across batches)."""
+        refs = [PageRef(node, i) for node in nodes for i in range(node.num_pages)]
         digests = b"".join(node.hashes for node in nodes)
         host = np.concatenate([node.host for node in nodes if node.host is not None])
-        assert len(host) * _DIGEST == len(digests), "a backed-up node lacks a host copy"
-        for node in nodes:
-            node.backup_pins += 1
-        op = BackupOp(
-            self._cache._new_op(),
-            namespace,
-            digests,
-            host.copy(),
-            list(nodes),
-            [node.num_pages for node in nodes],
-        )
-        self.backups[op.op_id] = op
-        self.counters.backup_ops += 1
-        self._start_backup(op)
+        assert len(host) * _DIGEST == len(digests) == len(refs) * _DIGEST, "a page lacks a copy"
+        limit = self.config.backup_batch_pages
+        for start in range(0, len(refs), limit):
+            end = start + limit
+            op = BackupOp(
+                self._cache._new_op(),
+                namespace,
+                digests[start * _DIGEST : end * _DIGEST],
+                host[start:end].copy(),
+                refs[start:end],
+            )
+            for node in op.nodes():
+                node.backup_pins += 1
+            self.backups[op.op_id] = op
+            self.counters.backup_ops += 1
+            self._start_backup(op)
 
     def _start_backup(self, op: BackupOp) -> None:
         op.state = BACKUP_OP.next(op.state, BackupEvent.START)
@@ -197,16 +202,26 @@ class L3Tier:
         self.worker.backup(op.op_id, op.namespace, op.digests, op.host)
 
     def on_split(self, node: Node, prefix: Node) -> None:
-        """``node`` was split and ``prefix`` took its first pages: every backup op pinning ``node``
-        now pins both, with the same page coverage."""
-        pages = prefix.num_pages
+        """``node`` was split and ``prefix`` took its first pages: page references move to the
+        prefix where they fall in it, and each op pins exactly the nodes it still covers."""
+        cut = prefix.num_pages
+        prefix.backup_pins = 0
         for op in self.backups.values():
-            for i, member in enumerate(op.nodes):
-                if member is node:
-                    op.nodes.insert(i, prefix)
-                    op.spans.insert(i, pages)
-                    op.spans[i + 1] -= pages
-                    break
+            had = False
+            for ref in op.refs:
+                if ref.node is node:
+                    had = True
+                    if ref.offset < cut:
+                        ref.node = prefix
+                    else:
+                        ref.offset -= cut
+            if not had:
+                continue
+            covers = {id(ref.node) for ref in op.refs}
+            if id(prefix) in covers:
+                prefix.backup_pins += 1
+            if id(node) not in covers:
+                node.backup_pins -= 1
 
     def _apply_backup(self, result: BackupResult) -> None:
         op = self.backups.get(result.op_id)
@@ -221,24 +236,16 @@ class L3Tier:
         )
         event = BackupEvent.RETRY if any(failed) else BackupEvent.ACK
         op.state = BACKUP_OP.next(op.state, event)
-        # unpin the nodes none of whose pages failed; keep the rest for the retry
-        keep_nodes: list[Node] = []
-        keep_spans: list[int] = []
-        offset = 0
-        for node, span in zip(op.nodes, op.spans, strict=True):
-            if any(failed[offset : offset + span]):
-                keep_nodes.append(node)
-                keep_spans.append(span)
-            else:
-                node.backup_pins -= 1
-            offset += span
         del self.backups[op.op_id]
+        abandon = any(failed) and op.attempts > self.config.backup_retries
+        pending = {id(ref.node) for ref, bad in zip(op.refs, failed, strict=True) if bad}
+        for node in op.nodes():  # unpin every node with nothing left to retry here
+            if abandon or id(node) not in pending:
+                node.backup_pins -= 1
         if not any(failed):
             return
-        if op.attempts > self.config.backup_retries:
+        if abandon:
             counters.backup_abandoned_pages += sum(failed)
-            for node in keep_nodes:
-                node.backup_pins -= 1
             return
         mask = np.asarray(failed, dtype=bool)
         digests = b"".join(
@@ -249,8 +256,7 @@ class L3Tier:
             op.namespace,
             digests,
             op.host[mask],
-            keep_nodes,
-            keep_spans,
+            [ref for ref, bad in zip(op.refs, failed, strict=True) if bad],
             attempts=op.attempts,
             retry_at=self._now() + self.config.backoff(op.attempts),
         )

@@ -320,3 +320,47 @@ def test_metrics_are_scraped_from_the_cache() -> None:
     assert 'kvstrata_copy_pages_total{direction="write"} 4.0' in text
     assert 'kvstrata_queue_depth{queue="backup"} 0.0' in text
     assert "kvstrata_store_errors_total" in text
+
+
+def test_partial_failure_retries_only_the_failed_pages() -> None:
+    rig = Rig()
+    rig.backend.fail_next(1, status=PutStatus.FULL, op="put", after=2)
+    rig.insert(TOKENS)
+    rig.copies.run_all()
+    rig.cache.check_events()
+    rig.io.run_next()
+    rig.cache.check_events()
+    assert rig.cache.l3 is not None
+    (retry,) = rig.cache.l3.backups.values()
+    assert retry.num_pages == 2
+    assert [node.backup_pins for node in rig.cache.nodes()] == [1]
+    rig.settle()
+    assert rig.counters.backup_pages == {
+        "stored": 4,
+        "existed": 0,
+        "skipped": 0,
+        "full": 2,
+        "failed": 0,
+    }
+    assert all(node.backup_pins == 0 for node in rig.cache.nodes())
+
+
+def test_long_nodes_are_cut_into_batches_and_splits_keep_pins_exact() -> None:
+    rig = Rig(config=StorageConfig(prefetch_threshold=PAGE, backup_batch_pages=3))
+    rig.insert(TOKENS)  # one node of 4 pages -> batches of 3 and 1
+    rig.copies.run_all()
+    rig.cache.check_events()
+    assert rig.cache.l3 is not None
+    assert sorted(op.num_pages for op in rig.cache.l3.backups.values()) == [1, 3]
+    (node,) = rig.cache.nodes()
+    assert node.backup_pins == 2
+    rig.cache.match_prefix(TOKENS[: 2 * PAGE])  # split 2 | 2 while both batches are pending
+    prefix, suffix = rig.cache.nodes()  # parents first
+    assert suffix.parent is prefix
+    assert (prefix.backup_pins, suffix.backup_pins) == (1, 2)  # batch A: pages 0-2; B: page 3
+    rig.io.run_next()  # batch A acks
+    rig.cache.check_events()
+    assert (prefix.backup_pins, suffix.backup_pins) == (0, 1)
+    rig.settle()
+    assert all(n.backup_pins == 0 for n in rig.cache.nodes())
+    assert rig.counters.backup_pages["stored"] == 4
