@@ -20,7 +20,14 @@ from kvstrata.impl.config import RadixCacheConfig, StorageConfig
 from kvstrata.impl.pools import DeviceKVPool, HostKVPool, HostLayout, KVShape
 from kvstrata.impl.radix_cache import HierarchicalRadixCache
 from kvstrata.impl.storage.mooncake import LocalCluster, MooncakeBackend, MooncakeClient
-from kvstrata.model.keys import KeySpace, KVKind, ModelIdentity, PageHash, chain_page_hashes
+from kvstrata.model.keys import (
+    DEFAULT_NAMESPACE,
+    KeySpace,
+    KVKind,
+    ModelIdentity,
+    PageHash,
+    chain_page_hashes,
+)
 
 PAGE = 16
 SHAPE = KVShape(KVKind.MHA, layers=2, heads=2, head_dim=8, dtype=torch.float16, page_size=PAGE)
@@ -166,5 +173,31 @@ def test_master_killed_during_backup_and_prefetch_then_back(cluster: LocalCluste
             raise AssertionError("L3 did not come back after the master restarted")
         assert reader.device_bytes_ok(after) == 5
     finally:
+        writer.close()
+        reader.close()
+
+
+def test_batches_beyond_the_native_object_limit_are_chunked(cluster: LocalCluster) -> None:
+    """1,100 MHA pages are 2,200 objects: more than one native batch call carries reliably."""
+    tiny = KVShape(KVKind.MHA, layers=1, heads=1, head_dim=2, dtype=torch.float16, page_size=1)
+    keys = KeySpace(
+        ModelIdentity(name="chunks", dtype="float16", kind=KVKind.MHA, page_size=1), tag="chunk"
+    )
+    pages = chain_page_hashes(list(range(1100)), 1)
+    slots = list(range(len(pages)))
+    source = HostKVPool(tiny, len(pages), HostLayout.PAGE_FIRST_DIRECT)
+    data = torch.randn(tiny.canonical(len(pages))).to(tiny.dtype)
+    source.write_pages(slots, data)
+    with MooncakeClient(cluster.config) as client:
+        writer = MooncakeBackend(client, keys)
+        writer.attach(source)
+        assert all(status.ok for status in writer.put(DEFAULT_NAMESPACE, pages, slots))
+        assert writer.exists(DEFAULT_NAMESPACE, pages) == len(pages)
+        target = HostKVPool(tiny, len(pages), HostLayout.PAGE_FIRST_DIRECT)
+        reader = MooncakeBackend(client, keys)
+        reader.attach(target)
+        statuses = reader.get(DEFAULT_NAMESPACE, pages, slots)
+        assert {status.value for status in statuses} == {"loaded"}
+        assert torch.equal(target.read_pages(slots).view(torch.int16), data.view(torch.int16))
         writer.close()
         reader.close()
