@@ -361,29 +361,49 @@ def parse_store_key(key: StoreKey | str) -> KeyParts:
     return parts
 
 
+_ZERO_HASH = PageHash(bytes(32))
+
+
 @attrs.frozen
 class KeySpace:
     """The fixed part of every key one cache instance reads and writes.
 
     Two instances share L3 objects exactly when their key spaces are equal (same model identity,
-    namespace, shard and tag)."""
+    namespace, shard and tag).
+
+    Speed without a second renderer: everything in a key but the page hash is fixed per
+    (namespace, pool, component), and the page hash is the key's last segment. :meth:`key` therefore
+    renders that fixed part once through :func:`render_store_key` (with an all-zero page hash) and
+    appends each page hash's hex digits to it; a unit test checks the result equals
+    :func:`render_store_key` for arbitrary parts. The memo is part of no comparison or hash."""
 
     model: ModelIdentity
     shard: Shard = Shard()
     tag: str | None = attrs.field(default=None, validator=_check_tag)
+    _prefixes: dict[tuple[Namespace, str, str], str] = attrs.field(
+        factory=dict, init=False, eq=False, hash=False, repr=False
+    )
 
     def key(self, namespace: Namespace, pool: str, component: str, page_hash: PageHash) -> StoreKey:
-        return render_store_key(
-            KeyParts(
-                model=self.model,
-                namespace_id=namespace.key_id(),
-                shard=self.shard,
-                pool=pool,
-                component=component,
-                page_hash=page_hash,
-                tag=self.tag,
-            )
-        )
+        if not isinstance(page_hash, PageHash):
+            raise DoubleRenderError(f"page_hash is not a PageHash: {page_hash!r}")
+        slot = (namespace, pool, component)
+        prefix = self._prefixes.get(slot)
+        if prefix is None:
+            template = render_store_key(
+                KeyParts(
+                    model=self.model,
+                    namespace_id=namespace.key_id(),
+                    shard=self.shard,
+                    pool=pool,
+                    component=component,
+                    page_hash=_ZERO_HASH,
+                    tag=self.tag,
+                )
+            ).text
+            prefix = template[: -len(_ZERO_HASH.hex())]
+            self._prefixes[slot] = prefix
+        return StoreKey(prefix + page_hash.digest.hex())
 
     def page_keys(
         self, namespace: Namespace, page_hash: PageHash, pool: str = "kv"

@@ -717,3 +717,52 @@ def test_keys_are_deterministic_across_processes(hash_seed: str) -> None:
         timeout=60,
     )
     assert json.loads(result.stdout) == _in_process_values()
+
+
+@given(
+    name=st.text(min_size=1, max_size=12),
+    tag=st.none() | st.from_regex(r"[A-Za-z0-9][A-Za-z0-9.-]{0,8}", fullmatch=True),
+    extra=st.none() | st.text(max_size=8),
+    pool=st.sampled_from(["kv", "indexer", "mamba"]),
+    component=st.sampled_from(["k", "v", "latent", "conv0", "temporal"]),
+    digest=st.binary(min_size=32, max_size=32),
+    mla=st.booleans(),
+)
+def test_key_space_fast_path_equals_the_one_renderer(  # noqa: PLR0917
+    name: str,
+    tag: str | None,
+    extra: str | None,
+    pool: str,
+    component: str,
+    digest: bytes,
+    mla: bool,
+) -> None:
+    """KeySpace.key memoises the constant part of a key: byte for byte what render_store_key makes,
+    parseable back, and a second call with another page hash reuses the memo correctly."""
+    kind = KVKind.MLA if mla else KVKind.MHA
+    shard = Shard.replicated() if mla else Shard(tp_rank=1, tp_size=2)
+    space = KeySpace(ModelIdentity(name=name, dtype="bf16", kind=kind, page_size=16), shard, tag)
+    namespace = Namespace(extra_key=extra)
+    for page in (PageHash(digest), PageHash(bytes(reversed(digest)))):
+        expected = render_store_key(
+            KeyParts(
+                model=space.model,
+                namespace_id=namespace.key_id(),
+                shard=shard,
+                pool=pool,
+                component=component,
+                page_hash=page,
+                tag=tag,
+            )
+        )
+        assert space.key(namespace, pool, component, page) == expected
+        assert parse_store_key(expected).page_hash == page
+
+
+def test_key_space_memo_is_not_part_of_identity() -> None:
+    model = ModelIdentity(name="m", dtype="bf16", kind=KVKind.MHA, page_size=4)
+    warm, cold = KeySpace(model, tag="t"), KeySpace(model, tag="t")
+    warm.page_keys(Namespace(), PageHash(bytes(32)))
+    assert warm == cold and hash(warm) == hash(cold)
+    with pytest.raises(DoubleRenderError):
+        warm.key(Namespace(), "kv", "k", warm.page_keys(Namespace(), PageHash(bytes(32)))[0])  # type: ignore[arg-type]
