@@ -1,0 +1,960 @@
+"""L2 <-> L3 throughput through kvstrata against the raw Mooncake client, in one run (issue 4).
+
+Setup. One process starts a :class:`~kvstrata.impl.storage.mooncake.LocalCluster` (a ``mooncake_master``
+plus a storage node that owns the only segment) and opens two clients on it, neither with a segment of
+its own, so every byte crosses TCP loopback to the storage node on both sides of the comparison:
+
+- **raw**: ``mooncake.store.MooncakeDistributedStore`` called directly (``batch_put_from`` /
+  ``batch_get_into`` / ``batch_is_exist``) with key strings computed before the clock starts;
+- **kvstrata**: :class:`~kvstrata.impl.storage.mooncake.MooncakeClient` under
+  :class:`~kvstrata.impl.storage.mooncake.MooncakeBackend`, and
+  :class:`~kvstrata.impl.radix_cache.HierarchicalRadixCache` instances on top of such backends.
+
+Page size means the bytes of one whole KV page, every plane included. The model is fixed (MHA, 32
+layers, 2 KV heads, head dim 128, bfloat16: 32 KiB per token) and the page size in tokens varies: 2, 8,
+32 and 128 tokens give 64 KiB, 256 KiB, 1 MiB and 4 MiB pages. A page is two store objects (K and V,
+half a page each) for kvstrata and for the raw client alike, and both use the same key strings (the
+raw client gets kvstrata's rendered keys, made before timing). A cell moves ``total`` bytes in store
+calls of ``batch`` pages: 64 KiB: 64 pages x 16 calls = 64 MiB; 256 KiB: 64 x 8 = 128 MiB; 1 MiB:
+32 x 8 = 256 MiB; 4 MiB: 8 x 8 = 256 MiB (``--quick``: an eighth of the bytes in 2 calls per
+cell and 2 repetitions, a CI smoke run of about 20 s).
+
+Rows of the throughput table (per cell; ``time.perf_counter`` around the store calls only):
+
+1. ``raw``: ``batch_put_from`` of each batch from the page slabs of a ``page_first_direct`` host pool
+   (exactly the pointers and sizes kvstrata's zero-copy path hands Mooncake), then ``batch_get_into``
+   back into them;
+2. ``direct``: ``MooncakeBackend.put`` then ``get`` of the same pages on that ``page_first_direct`` pool
+   (zero-copy). This includes everything kvstrata does per call: rendering the keys from page hashes,
+   ``batch_is_exist`` before the put and again after it (exists-then-put-missing, then confirm),
+   argument checks and status accounting;
+3. ``prefix`` (a what-if, not the library): the same backend whose key space renders each key as a
+   cached prefix plus the page hash's hex (identical strings, checked), to show what the key-rendering
+   cost amounts to;
+4. ``staged``: ``MooncakeBackend`` on a ``page_first`` pool, whose objects pass through the registered
+   staging buffer (a gather/transpose copy before each put, a scatter after each get);
+5. ``cache`` (informative): *backup* is the time from the first ``insert`` of ``total / batch``
+   new requests of ``batch`` pages each into cache A until ``check_events`` has applied every backup
+   (it includes the L1 -> L2 write-through copy, which runs on the copy thread pipelined with the
+   store I/O on the storage thread, and polling every 0.5 ms); *prefetch* is cache B (own host pool,
+   own backend on the same client) calling ``prefetch`` for the same requests (``wait_complete``)
+   until every op is ready and committed (an ``exists`` query plus a ``get`` per request). Its ratio
+   is against a raw put/get of the same bytes run right before or after it in each repetition
+   (the ``cache_raw`` row).
+
+Method. Rows 1-4 are interleaved call by call: for each batch the four paths issue their call in an
+order that rotates from batch to batch, so that a burst of load from other processes on this shared
+machine falls on all of them alike; first every put, then every get, then ``remove_all(force=True)``
+and one 4 KiB primer put (both untimed: the first put after ``remove_all`` was measured about 25 ms
+slower, which would otherwise land on whichever path goes first). Puts always use fresh keys (a
+re-put of an existing key is a master-side no-op). One unrecorded warm-up repetition per cell runs
+each path on its own and checks bytes: sampled host slots are zeroed before the get and must come
+back bit for bit. The storage node's segment is written once before the first cell, so first-touch
+page faults land on no path. Reported per row: median GB/s (``bytes / median seconds``, 1 GB = 1e9
+bytes) over ``--repeats`` repetitions, and kvstrata / raw as the median over repetitions of that
+repetition's ``raw seconds / kvstrata seconds`` (both sides ran under the same load; goal: >= 0.9).
+The JSON also has the ratio of the medians and every sample.
+
+Exists latency: 1024 pages of the first cell's size are stored, then ``MooncakeBackend.exists`` of the
+first 1, 64 and 1024 pages (2, 128 and 2048 keys) against the raw ``batch_is_exist`` of the same key
+strings, interleaved, for stored pages (hits; each grants a lease) and for pages never stored
+(misses): median microseconds, with the time ``KeySpace.page_keys`` takes for those pages and the
+``prefix`` what-if's ``exists``.
+
+Exit status: 0 when everything ran; 1 when a store call failed, bytes came back wrong or a cache op did
+not complete (one line on stderr, no traceback); 2 when the cluster cannot be started here.
+
+Usage: python benchmarks/l3_throughput.py [--quick] [--repeats N] [--sizes 64,256,1024,4096]
+       [--segment-mib M] [--threads 1] [--skip-cache] [--skip-exists] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import hashlib
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import attrs
+import numpy as np
+import numpy.typing as npt
+import torch
+
+from kvstrata.impl.config import RadixCacheConfig, StorageConfig
+from kvstrata.impl.errors import KvStrataError, StoreUnavailable
+from kvstrata.impl.pools import DeviceKVPool, HostKVPool, HostLayout, KVShape
+from kvstrata.impl.radix_cache import HierarchicalRadixCache
+from kvstrata.impl.storage.base import GetStatus, PutStatus
+from kvstrata.impl.storage.mooncake import LocalCluster, MooncakeBackend, MooncakeClient
+from kvstrata.model.keys import KeySpace, KVKind, ModelIdentity, Namespace, PageHash, StoreKey
+
+KIB = 1 << 10
+MIB = 1 << 20
+LAYERS, HEADS, HEAD_DIM = 32, 2, 128
+DTYPE = torch.bfloat16
+BYTES_PER_TOKEN = 2 * LAYERS * HEADS * HEAD_DIM * DTYPE.itemsize  # K and V: 32 KiB
+GOAL = 0.9
+POLL_S = 0.0005
+CACHE_TIMEOUT_S = 120.0
+NAMESPACE = Namespace()
+EXISTS_SIZES = (1, 64, 1024)
+PRIMER_BYTES = 4 * KIB
+INTERLEAVED = ("raw", "direct", "prefix", "staged")
+PATH_NAMES = {
+    "raw": "raw `batch_put_from` / `batch_get_into`",
+    "direct": "backend, page_first_direct (zero-copy)",
+    "prefix": "what-if: direct with prefix-cached keys",
+    "staged": "backend, page_first (staged)",
+    "cache_raw": "raw, run next to each cache run",
+    "cache": "cache backup / prefetch",
+}
+
+
+class BenchError(Exception):
+    """A failure the benchmark reports in one line (exit status 1)."""
+
+
+class SetupError(Exception):
+    """The cluster could not be started here (exit status 2)."""
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One page size: ``total`` bytes moved in store calls of ``batch`` pages."""
+
+    page_bytes: int
+    batch: int
+    total: int
+
+    @property
+    def tokens(self) -> int:
+        return self.page_bytes // BYTES_PER_TOKEN
+
+    @property
+    def pages(self) -> int:
+        return self.total // self.page_bytes
+
+    @property
+    def calls(self) -> int:
+        return self.pages // self.batch
+
+    @property
+    def label(self) -> str:
+        size = self.page_bytes
+        return f"{size // MIB} MiB" if size >= MIB else f"{size // KIB} KiB"
+
+
+FULL = {
+    64: Cell(64 * KIB, 64, 64 * MIB),
+    256: Cell(256 * KIB, 64, 128 * MIB),
+    1024: Cell(1 * MIB, 32, 256 * MIB),
+    4096: Cell(4 * MIB, 8, 256 * MIB),
+}
+QUICK = {
+    64: Cell(64 * KIB, 64, 8 * MIB),
+    256: Cell(256 * KIB, 32, 16 * MIB),
+    1024: Cell(1 * MIB, 16, 32 * MIB),
+    4096: Cell(4 * MIB, 4, 32 * MIB),
+}
+
+
+@dataclass
+class Samples:
+    """Seconds per repetition of one path's puts (or backups) and gets (or prefetches)."""
+
+    put: list[float] = field(default_factory=list)
+    get: list[float] = field(default_factory=list)
+
+
+# ---------------------------------------------------------------------------------------- the raw client
+class RawStore:
+    """The native client, set up like kvstrata's (no segment, the same local buffer, P2PHANDSHAKE,
+    TCP). Never called unless set up (a native call before setup or after close segfaults)."""
+
+    def __init__(self, master: str, local_buffer: int) -> None:
+        try:
+            from mooncake.store import (  # type: ignore[import-untyped]  # noqa: PLC0415
+                MooncakeDistributedStore,
+            )
+        except ImportError as error:
+            raise StoreUnavailable(f"the mooncake client is not installed ({error})") from None
+        native = MooncakeDistributedStore()
+        rc = native.setup("127.0.0.1", "P2PHANDSHAKE", 0, local_buffer, "tcp", "", master)
+        if rc != 0:
+            raise StoreUnavailable(f"raw mooncake client: setup against {master} returned {rc}")
+        self.native: Any = native
+        self.registered: set[int] = set()
+        self.primer = torch.ones(PRIMER_BYTES, dtype=torch.uint8)
+        self.primes = 0
+        self.register(self.primer.data_ptr(), PRIMER_BYTES)
+
+    def prime(self) -> None:
+        """Put one small object. The first put after ``remove_all`` is measured to be slower (about
+        55 ms instead of 30 for 8 x 4 MiB pages); this absorbs that outside every timed path."""
+        self.primes += 1
+        key = f"bench-primer/{self.primes}"
+        codes = self.native.batch_put_from([key], [self.primer.data_ptr()], [PRIMER_BYTES])
+        if list(codes) != [0]:
+            raise BenchError(f"raw batch_put_from of the primer object returned {list(codes)}")
+
+    def register(self, ptr: int, size: int) -> None:
+        rc = int(self.native.register_buffer(ptr, size))
+        if rc != 0:
+            raise BenchError(f"raw register_buffer({size} bytes) returned {rc}")
+        self.registered.add(ptr)
+
+    def unregister(self, ptr: int) -> None:
+        if ptr in self.registered:
+            self.registered.discard(ptr)
+            self.native.unregister_buffer(ptr)
+
+    def close(self) -> None:
+        if self.native is not None:
+            for ptr in list(self.registered):
+                self.unregister(ptr)
+            self.native.close()
+            self.native = None
+
+
+# ------------------------------------------------------------------------------------- the what-if
+@attrs.frozen
+class PrefixKeySpace(KeySpace):
+    """What-if (not the library): the same key strings, but everything before the page hash is
+    rendered once per (namespace, pool) by the real ``KeySpace.page_keys`` and cached."""
+
+    _prefixes: dict[tuple[Namespace, str], tuple[str, ...]] = attrs.field(
+        factory=dict, init=False, eq=False, repr=False
+    )
+
+    def page_keys(
+        self, namespace: Namespace, page_hash: PageHash, pool: str = "kv"
+    ) -> tuple[StoreKey, ...]:
+        prefixes = self._prefixes.get((namespace, pool))
+        if prefixes is None:
+            probe = KeySpace.page_keys(self, namespace, PageHash(bytes(32)), pool)
+            prefixes = tuple(key.text[: -len(bytes(32).hex())] for key in probe)
+            self._prefixes[(namespace, pool)] = prefixes
+        tail = page_hash.digest.hex()
+        return tuple(StoreKey(prefix + tail) for prefix in prefixes)
+
+
+# -------------------------------------------------------------------------------------------- helpers
+def fresh_pages(label: str, count: int) -> list[PageHash]:
+    """``count`` page hashes no other call returns (``label`` makes them unique)."""
+    return [PageHash(hashlib.sha256(f"{label}/{i}".encode()).digest()) for i in range(count)]
+
+
+def batches(items: Sequence[Any], size: int) -> list[Sequence[Any]]:
+    return [items[i : i + size] for i in range(0, len(items), size)]
+
+
+def fill(pool: HostKVPool | DeviceKVPool, start: int) -> None:
+    """Touch every byte of the pool with distinct 8-byte values (fast; every page differs)."""
+    flat = pool.buffer.view(-1).view(torch.int64)
+    torch.arange(start, start + flat.numel(), dtype=torch.int64, out=flat)
+
+
+def shape_of(cell: Cell) -> KVShape:
+    return KVShape(KVKind.MHA, LAYERS, HEADS, HEAD_DIM, DTYPE, cell.tokens)
+
+
+def model_of(cell: Cell) -> ModelIdentity:
+    return ModelIdentity(name="bench-l3", dtype="bfloat16", kind=KVKind.MHA, page_size=cell.tokens)
+
+
+def keyspace_of(cell: Cell) -> KeySpace:
+    return KeySpace(model=model_of(cell), tag="bench")
+
+
+def prefix_keyspace_of(cell: Cell) -> PrefixKeySpace:
+    keyspace = PrefixKeySpace(model=model_of(cell), tag="bench")
+    probe = fresh_pages("probe", 1)[0]
+    if keyspace.page_keys(NAMESPACE, probe) != keyspace_of(cell).page_keys(NAMESPACE, probe):
+        raise BenchError("the prefix what-if renders other keys than KeySpace.page_keys")
+    return keyspace
+
+
+def key_texts(keyspace: KeySpace, pages: Sequence[PageHash]) -> list[str]:
+    """The exact strings kvstrata uses for these pages (page-major, K then V)."""
+    return [key.text for page in pages for key in keyspace.page_keys(NAMESPACE, page)]
+
+
+def clear(client: MooncakeClient, raw: RawStore) -> None:
+    """Empty the store (leases notwithstanding), then put the primer object (see ``prime``)."""
+    removed = client.remove_all(force=True)
+    if removed < 0:
+        raise BenchError(f"remove_all(force=True) returned {removed}")
+    raw.prime()
+
+
+def gbps(nbytes: int, seconds: list[float]) -> float:
+    return nbytes / statistics.median(seconds) / 1e9
+
+
+def median_us(seconds: list[float]) -> float:
+    return statistics.median(seconds) * 1e6
+
+
+@contextmanager
+def registered(raw: RawStore, host: HostKVPool) -> Iterator[None]:
+    ptr = host.buffer.data_ptr()
+    raw.register(ptr, host.buffer.numel() * host.buffer.element_size())
+    try:
+        yield
+    finally:
+        raw.unregister(ptr)
+
+
+class Snapshot:
+    """Sampled host slots saved before a get, zeroed, and compared after it (warm-up only)."""
+
+    def __init__(self, host: HostKVPool, pages: int) -> None:
+        self.host = host
+        self.indices = sorted({0, pages // 3, pages // 2, pages - 1})
+        self.saved = [
+            host.page_slab(plane, index).clone()
+            for index in self.indices
+            for plane in range(host.shape.planes)
+        ]
+
+    def zero(self) -> None:
+        for index in self.indices:
+            for plane in range(self.host.shape.planes):
+                self.host.page_slab(plane, index).zero_()
+
+    def check(self, what: str) -> None:
+        planes = self.host.shape.planes
+        for n, index in enumerate(self.indices):
+            for plane in range(planes):
+                got = self.host.page_slab(plane, index).view(torch.uint8)
+                if not torch.equal(got, self.saved[n * planes + plane].view(torch.uint8)):
+                    raise BenchError(f"{what}: host page {index} plane {plane} came back different")
+
+
+# ------------------------------------------------------------------------------------- timed paths
+class MovePath(Protocol):
+    """One way of moving a cell's pages: ``begin`` picks fresh keys, then one store call per batch."""
+
+    host: HostKVPool
+
+    def begin(self, label: str) -> None: ...
+    def put(self, call: int) -> list[Any]: ...
+    def get(self, call: int) -> list[Any]: ...
+    def check_put(self, results: list[list[Any]]) -> None: ...
+    def check_get(self, results: list[list[Any]]) -> None: ...
+
+
+class RawPath:
+    """Raw batches over the direct pool's page slabs (K and V of each page, in key order)."""
+
+    def __init__(self, raw: RawStore, host: HostKVPool, cell: Cell, keyspace: KeySpace) -> None:
+        self.raw, self.host, self.cell, self.keyspace = raw, host, cell, keyspace
+        self.size = host.page_slab(0, 0).numel() * host.buffer.element_size()
+        ptrs = [
+            host.page_slab(plane, page).data_ptr()
+            for page in range(cell.pages)
+            for plane in range(host.shape.planes)
+        ]
+        self.ptrs = batches(ptrs, host.shape.planes * cell.batch)
+        self.sizes = [[self.size] * len(chunk) for chunk in self.ptrs]
+        self.keys: list[Sequence[str]] = []
+
+    def begin(self, label: str) -> None:
+        texts = key_texts(self.keyspace, fresh_pages(label, self.cell.pages))
+        self.keys = batches(texts, self.host.shape.planes * self.cell.batch)
+
+    def put(self, call: int) -> list[int]:
+        codes: list[int] = self.raw.native.batch_put_from(
+            self.keys[call], self.ptrs[call], self.sizes[call]
+        )
+        return codes
+
+    def get(self, call: int) -> list[int]:
+        codes: list[int] = self.raw.native.batch_get_into(
+            self.keys[call], self.ptrs[call], self.sizes[call]
+        )
+        return codes
+
+    def check_put(self, results: list[list[int]]) -> None:
+        bad = [code for codes in results for code in codes if code != 0]
+        if bad:
+            raise BenchError(f"raw batch_put_from: {len(bad)} objects failed (first code {bad[0]})")
+
+    def check_get(self, results: list[list[int]]) -> None:
+        bad = [code for codes in results for code in codes if code != self.size]
+        if bad:
+            raise BenchError(f"raw batch_get_into: {len(bad)} objects failed (first code {bad[0]})")
+
+
+class BackendPath:
+    """``MooncakeBackend.put`` / ``get`` of whole pages of one host pool, ``batch`` pages a call."""
+
+    def __init__(self, backend: MooncakeBackend, host: HostKVPool, cell: Cell) -> None:
+        self.backend, self.host, self.cell = backend, host, cell
+        self.indices = batches(list(range(cell.pages)), cell.batch)
+        self.pages: list[Sequence[PageHash]] = []
+
+    def begin(self, label: str) -> None:
+        self.pages = batches(fresh_pages(label, self.cell.pages), self.cell.batch)
+
+    def put(self, call: int) -> list[PutStatus]:
+        return self.backend.put(NAMESPACE, self.pages[call], self.indices[call])
+
+    def get(self, call: int) -> list[GetStatus]:
+        return self.backend.get(NAMESPACE, self.pages[call], self.indices[call])
+
+    def check_put(self, results: list[list[PutStatus]]) -> None:
+        bad = [
+            status for statuses in results for status in statuses if status is not PutStatus.STORED
+        ]
+        if bad:
+            raise BenchError(f"MooncakeBackend.put: {len(bad)} pages not stored ({bad[0].value})")
+
+    def check_get(self, results: list[list[GetStatus]]) -> None:
+        bad = [
+            status for statuses in results for status in statuses if status is not GetStatus.LOADED
+        ]
+        if bad:
+            raise BenchError(f"MooncakeBackend.get: {len(bad)} pages not loaded ({bad[0].value})")
+
+
+def run_alone(
+    path: MovePath, name: str, label: str, calls: int, verify: bool
+) -> tuple[float, float]:
+    """Every put then every get of one path; with ``verify``, sampled slots must round-trip."""
+    snapshot = Snapshot(path.host, path.host.num_pages) if verify else None
+    path.begin(label)
+    start = time.perf_counter()
+    puts = [path.put(call) for call in range(calls)]
+    put_s = time.perf_counter() - start
+    path.check_put(puts)
+    if snapshot is not None:
+        snapshot.zero()
+    start = time.perf_counter()
+    gets = [path.get(call) for call in range(calls)]
+    get_s = time.perf_counter() - start
+    path.check_get(gets)
+    if snapshot is not None:
+        snapshot.check(name)
+    return put_s, get_s
+
+
+def run_interleaved(
+    paths: dict[str, MovePath], label: str, calls: int, offset: int
+) -> dict[str, tuple[float, float]]:
+    """Call ``i`` of every path, in an order that rotates with ``i + offset``; puts first, then
+    gets."""
+    names = list(paths)
+    for name, path in paths.items():
+        path.begin(f"{label}/{name}")
+    seconds = {name: [0.0, 0.0] for name in names}
+    for phase in (0, 1):
+        results: dict[str, list[list[Any]]] = {name: [] for name in names}
+        for call in range(calls):
+            shift = (call + offset) % len(names)
+            for name in names[shift:] + names[:shift]:
+                path = paths[name]
+                start = time.perf_counter()
+                out = path.put(call) if phase == 0 else path.get(call)
+                seconds[name][phase] += time.perf_counter() - start
+                results[name].append(out)
+        for name, path in paths.items():
+            (path.check_put if phase == 0 else path.check_get)(results[name])
+    return {name: (put_s, get_s) for name, (put_s, get_s) in seconds.items()}
+
+
+# --------------------------------------------------------------------------------------- cache path
+def settle(cache: HierarchicalRadixCache, done: Callable[[], bool], what: str) -> None:
+    deadline = time.monotonic() + CACHE_TIMEOUT_S
+    while True:
+        cache.check_events()
+        if done():
+            return
+        if time.monotonic() > deadline:
+            raise BenchError(f"{what} did not finish within {CACHE_TIMEOUT_S:.0f} s")
+        time.sleep(POLL_S)
+
+
+class CachePath:
+    """Cache A (a device pool, the direct host pool and its backend) backs up; cache B (its own direct
+    host pool, its own backend on the same client) prefetches what A backed up."""
+
+    def __init__(
+        self, client: MooncakeClient, cell: Cell, host_a: HostKVPool, backend_a: MooncakeBackend
+    ) -> None:
+        shape = shape_of(cell)
+        self.cell = cell
+        self.device = DeviceKVPool(shape, cell.pages, "cpu")
+        fill(self.device, 7 << 40)
+        config = RadixCacheConfig(page_size=cell.tokens)
+        self.a = HierarchicalRadixCache.build(
+            config,
+            self.device,
+            host_a,
+            storage=backend_a,
+            storage_config=StorageConfig(
+                prefetch_threshold=cell.tokens, backup_batch_pages=cell.batch
+            ),
+        )
+        self.host_b = HostKVPool(shape, cell.pages, HostLayout.PAGE_FIRST_DIRECT, pin_memory=False)
+        fill(self.host_b, 9 << 40)
+        self.b = HierarchicalRadixCache.build(
+            config,
+            DeviceKVPool(shape, 1, "cpu"),
+            self.host_b,
+            storage=MooncakeBackend(client, keyspace_of(cell)),
+            storage_config=StorageConfig(
+                prefetch_threshold=cell.tokens,
+                prefetch_policy="wait_complete",
+                prefetch_reserve_fraction=1.0,
+            ),
+        )
+        self.next_token = 1
+
+    def _requests(self) -> list[npt.NDArray[np.uint32]]:
+        """Token ids no earlier request used: fresh page hashes, so fresh keys."""
+        span = self.cell.batch * self.cell.tokens
+        out = []
+        for _ in range(self.cell.calls):
+            out.append(np.arange(self.next_token, self.next_token + span, dtype=np.uint32))
+            self.next_token += span
+        return out
+
+    def run(self) -> tuple[float, float, int]:
+        """Seconds of the backup and of the prefetch of one cell's bytes, and backup retries."""
+        a, b, cell = self.a, self.b, self.cell
+        tier_a, tier_b = a.l3, b.l3
+        assert tier_a is not None and tier_b is not None
+        requests = self._requests()
+        counters = tier_a.counters
+        stored, retries = counters.backup_pages["stored"], counters.backup_retries
+        start = time.perf_counter()
+        for tokens in requests:
+            a.insert(tokens, a.alloc_device(cell.batch))
+        settle(a, lambda: not a.write_ops and tier_a.idle(), "cache backup")
+        backup_s = time.perf_counter() - start
+        stored = counters.backup_pages["stored"] - stored
+        if stored != cell.pages or counters.backup_abandoned_pages:
+            raise BenchError(
+                f"cache backup: {stored} of {cell.pages} pages stored, "
+                f"{counters.backup_abandoned_pages} abandoned"
+            )
+
+        start = time.perf_counter()
+        ops = []
+        for tokens in requests:
+            op = b.prefetch(tokens)
+            if op is None:
+                raise BenchError("cache prefetch: prefetch() declined a request")
+            ops.append(op)
+        settle(b, lambda: all(b.prefetch_ready(op) for op in ops), "cache prefetch")
+        added = sum(b.prefetch_commit(op) for op in ops)
+        prefetch_s = time.perf_counter() - start
+        if added != cell.pages:
+            raise BenchError(f"cache prefetch: {added} of {cell.pages} pages committed")
+        settle(b, tier_b.idle, "cache prefetch drain")
+        a.reset()
+        b.reset()
+        return backup_s, prefetch_s, counters.backup_retries - retries
+
+    def close(self) -> None:
+        self.b.close()
+        self.a.close()
+
+
+# ---------------------------------------------------------------------------------------------- cells
+def run_cell(
+    cell: Cell, client: MooncakeClient, raw: RawStore, repeats: int, with_cache: bool
+) -> dict[str, Any]:
+    """Every row of one cell (see the module docstring)."""
+    started = time.perf_counter()
+    shape, keyspace = shape_of(cell), keyspace_of(cell)
+    direct = HostKVPool(shape, cell.pages, HostLayout.PAGE_FIRST_DIRECT, pin_memory=False)
+    staged = HostKVPool(shape, cell.pages, HostLayout.PAGE_FIRST, pin_memory=False)
+    fill(direct, 1 << 40)
+    fill(staged, 3 << 40)
+    backends = {
+        "direct": MooncakeBackend(client, keyspace),
+        "prefix": MooncakeBackend(client, prefix_keyspace_of(cell)),
+        "staged": MooncakeBackend(client, keyspace),
+    }
+    samples = {name: Samples() for name in (*INTERLEAVED, "cache_raw", "cache")}
+    retries = 0
+    try:
+        backends["direct"].attach(direct)
+        backends["prefix"].attach(direct)  # the same registration, counted twice
+        backends["staged"].attach(staged)
+        with registered(raw, direct):
+            raw_path = RawPath(raw, direct, cell, keyspace)
+            paths: dict[str, MovePath] = {
+                "raw": raw_path,
+                "direct": BackendPath(backends["direct"], direct, cell),
+                "prefix": BackendPath(backends["prefix"], direct, cell),
+                "staged": BackendPath(backends["staged"], staged, cell),
+            }
+            for name, path in paths.items():  # warm-up, bytes checked, not recorded
+                run_alone(path, name, f"{cell.page_bytes}/warm/{name}", cell.calls, verify=True)
+                clear(client, raw)
+            for rep in range(repeats):
+                times = run_interleaved(paths, f"{cell.page_bytes}/{rep}", cell.calls, rep)
+                clear(client, raw)
+                for name, (put_s, get_s) in times.items():
+                    samples[name].put.append(put_s)
+                    samples[name].get.append(get_s)
+            backends["prefix"].close()
+            backends["staged"].close()
+            if with_cache:
+                retries = run_cache(
+                    cell,
+                    client=client,
+                    raw_path=raw_path,
+                    direct=direct,
+                    backend=backends["direct"],
+                    repeats=repeats,
+                    samples=samples,
+                )
+    finally:
+        for backend in backends.values():
+            backend.close()
+        clear(client, raw)
+    rows = []
+    for name, got in samples.items():
+        if not got.put:
+            continue
+        base = samples["cache_raw" if name.startswith("cache") else "raw"]
+        row: dict[str, Any] = {"path": name}
+        for what in ("put", "get"):
+            mine, theirs = getattr(got, what), getattr(base, what)
+            row[f"{what}_gbps"] = gbps(cell.total, mine)
+            # each repetition ran both sides under the same load: the median of per-repetition
+            # ratios is the headline; the ratio of the medians is kept for reference
+            row[f"{what}_ratio"] = statistics.median(
+                r / k for r, k in zip(theirs, mine, strict=True)
+            )
+            row[f"{what}_ratio_of_medians"] = statistics.median(theirs) / statistics.median(mine)
+            row[f"{what}_s"] = mine
+        rows.append(row)
+    return {
+        "page_bytes": cell.page_bytes,
+        "page_tokens": cell.tokens,
+        "batch_pages": cell.batch,
+        "calls": cell.calls,
+        "total_bytes": cell.total,
+        "object_bytes": cell.page_bytes // shape.planes,
+        "cache_backup_retries": retries,
+        "seconds": time.perf_counter() - started,
+        "rows": rows,
+    }
+
+
+def run_cache(
+    cell: Cell,
+    *,
+    client: MooncakeClient,
+    raw_path: RawPath,
+    direct: HostKVPool,
+    backend: MooncakeBackend,
+    repeats: int,
+    samples: dict[str, Samples],
+) -> int:
+    """Cache rows: each repetition runs the cache and, right before or after it (alternating), the
+    raw put/get of the same bytes that its ratio is taken against. Returns backup retries seen."""
+    cache = CachePath(client, cell, direct, backend)
+    raw = raw_path.raw
+    retries = 0
+    try:
+        for rep in range(-1, repeats):  # -1: warm-up, not recorded
+            order = ("raw", "cache") if rep % 2 else ("cache", "raw")
+            for what in order:
+                if what == "raw":
+                    put_s, get_s = run_alone(
+                        raw_path, "raw", f"{cell.page_bytes}/c{rep}", cell.calls, False
+                    )
+                    into = samples["cache_raw"]
+                else:
+                    put_s, get_s, retried = cache.run()
+                    retries += retried if rep >= 0 else 0
+                    into = samples["cache"]
+                clear(client, raw)
+                if rep >= 0:
+                    into.put.append(put_s)
+                    into.get.append(get_s)
+    finally:
+        cache.close()  # closes the direct backend and cache B's backend too
+    return retries
+
+
+# --------------------------------------------------------------------------------------------- exists
+def run_exists(
+    cell: Cell, client: MooncakeClient, raw: RawStore, quick: bool
+) -> list[dict[str, Any]]:
+    """Latency of ``exists`` (kvstrata, and the prefix what-if) and of the raw ``batch_is_exist`` on
+    the same keys."""
+    count = max(EXISTS_SIZES)
+    keyspace = keyspace_of(cell)
+    host = HostKVPool(shape_of(cell), count, HostLayout.PAGE_FIRST_DIRECT, pin_memory=False)
+    fill(host, 5 << 40)
+    backend = MooncakeBackend(client, keyspace)
+    whatif = MooncakeBackend(client, prefix_keyspace_of(cell))
+    rows = []
+    try:
+        backend.attach(host)
+        whatif.attach(host)
+        stored = fresh_pages("exists/stored", count)
+        for chunk in batches(list(range(count)), 256):
+            statuses = backend.put(NAMESPACE, [stored[i] for i in chunk], list(chunk))
+            if any(status is not PutStatus.STORED for status in statuses):
+                raise BenchError("exists: could not store the pages to query")
+        absent = fresh_pages("exists/absent", count)
+        native = raw.native
+        for n in EXISTS_SIZES:
+            reps = (20 if n < 1024 else 5) if quick else (200 if n < 1024 else 40)
+            for kind, pages in (("hit", stored[:n]), ("miss", absent[:n])):
+                texts = key_texts(keyspace, pages)
+                want_raw = [1 if kind == "hit" else 0] * len(texts)
+                want = n if kind == "hit" else 0
+                times: dict[str, list[float]] = {
+                    "raw": [],
+                    "kvstrata": [],
+                    "prefix": [],
+                    "keys": [],
+                }
+                for _ in range(reps):
+                    start = time.perf_counter()
+                    codes = native.batch_is_exist(texts)
+                    times["raw"].append(time.perf_counter() - start)
+                    start = time.perf_counter()
+                    found = backend.exists(NAMESPACE, pages)
+                    times["kvstrata"].append(time.perf_counter() - start)
+                    start = time.perf_counter()
+                    found_whatif = whatif.exists(NAMESPACE, pages)
+                    times["prefix"].append(time.perf_counter() - start)
+                    start = time.perf_counter()
+                    for page in pages:
+                        keyspace.page_keys(NAMESPACE, page)
+                    times["keys"].append(time.perf_counter() - start)
+                    if list(codes) != want_raw or found != want or found_whatif != want:
+                        raise BenchError(
+                            f"exists of {n} pages ({kind}): raw {sorted(set(codes))}, "
+                            f"kvstrata {found}, what-if {found_whatif}"
+                        )
+                rows.append(
+                    {
+                        "pages": n,
+                        "keys": len(texts),
+                        "kind": kind,
+                        "repeats": reps,
+                        "raw_us": median_us(times["raw"]),
+                        "kvstrata_us": median_us(times["kvstrata"]),
+                        "prefix_us": median_us(times["prefix"]),
+                        "key_render_us": median_us(times["keys"]),
+                    }
+                )
+    finally:
+        whatif.close()
+        backend.close()
+        clear(client, raw)
+    return rows
+
+
+def prefault(client: MooncakeClient, raw: RawStore, segment: int) -> None:
+    """Write about 85% of the segment once and remove it, so the storage node's memory is committed
+    before anything is timed (a store that fills up earlier just ends this early)."""
+    size, per_call = 4 * MIB, 16
+    buffer = torch.ones(size * per_call, dtype=torch.uint8)
+    ptr = buffer.data_ptr()
+    raw.register(ptr, buffer.numel())
+    try:
+        written, call = 0, 0
+        while written < segment * 0.85:
+            keys = [f"bench-prefault/{call}/{i}" for i in range(per_call)]
+            ptrs = [ptr + i * size for i in range(per_call)]
+            codes = raw.native.batch_put_from(keys, ptrs, [size] * per_call)
+            call += 1
+            written += size * sum(1 for code in codes if code == 0)
+            if any(code != 0 for code in codes):
+                break
+    finally:
+        raw.unregister(ptr)
+        clear(client, raw)
+
+
+# ----------------------------------------------------------------------------------------------- main
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="an eighth of the bytes (CI smoke)")
+    parser.add_argument(
+        "--repeats", type=int, default=None, help="recorded repetitions (7; 2 quick)"
+    )
+    parser.add_argument(
+        "--sizes", default="64,256,1024,4096", help="page sizes in KiB (of 64,256,1024,4096)"
+    )
+    parser.add_argument("--segment-mib", type=int, default=None, help="storage node segment")
+    parser.add_argument("--threads", type=int, default=1, help="torch.set_num_threads")
+    parser.add_argument("--skip-cache", action="store_true", help="no cache backup/prefetch rows")
+    parser.add_argument("--skip-exists", action="store_true", help="no exists latency table")
+    parser.add_argument("--json", type=Path, default=None, help="write every number here")
+    args = parser.parse_args(argv)
+    table = QUICK if args.quick else FULL
+    try:
+        args.cells = [table[int(size)] for size in args.sizes.split(",")]
+    except (KeyError, ValueError):
+        parser.error(f"--sizes: expected a comma list of {sorted(table)}, got {args.sizes!r}")
+    if args.repeats is None:
+        args.repeats = 2 if args.quick else 7
+    if args.repeats < 1:
+        parser.error("--repeats must be >= 1")
+    if args.segment_mib is None:  # four paths' objects at once, under the 90% eviction watermark
+        largest = max(cell.total for cell in args.cells) // MIB
+        args.segment_mib = max(512, 5 * largest + 128)
+    return args
+
+
+def _mooncake_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version  # noqa: PLC0415
+
+    for name in ("mooncake-transfer-engine-non-cuda", "mooncake-transfer-engine"):
+        try:
+            return f"{name} {version(name)}"
+        except PackageNotFoundError:
+            continue
+    return "unknown"
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    torch.set_num_threads(args.threads)
+    os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
+    started = time.perf_counter()
+    load_start = os.getloadavg()
+    result: dict[str, Any] = {
+        "config": {
+            "model": {
+                "kind": "mha",
+                "layers": LAYERS,
+                "heads": HEADS,
+                "head_dim": HEAD_DIM,
+                "dtype": "bfloat16",
+                "bytes_per_token": BYTES_PER_TOKEN,
+            },
+            "repeats": args.repeats,
+            "quick": args.quick,
+            "segment_bytes": args.segment_mib * MIB,
+            "threads": args.threads,
+            "cpus": os.cpu_count(),
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "mooncake": _mooncake_version(),
+            "date": time.strftime("%Y-%m-%d"),
+        },
+        "cells": [],
+        "exists": [],
+    }
+    try:
+        cluster = LocalCluster(segment_size=args.segment_mib * MIB).start()
+    except KvStrataError as error:
+        reason = str(error).splitlines()[0]
+        raise SetupError(f"cannot start the local Mooncake cluster: {reason}") from None
+    client: MooncakeClient | None = None
+    raw: RawStore | None = None
+    try:
+        client = MooncakeClient(cluster.config).setup()
+        raw = RawStore(cluster.master_address, cluster.config.local_buffer_size)
+        prefault(client, raw, args.segment_mib * MIB)
+        for cell in args.cells:
+            print(
+                f"cell {cell.label}: {cell.batch} pages x {cell.calls} calls ...",
+                file=sys.stderr,
+                flush=True,
+            )
+            result["cells"].append(run_cell(cell, client, raw, args.repeats, not args.skip_cache))
+            gc.collect()
+        if not args.skip_exists:
+            print("exists latency ...", file=sys.stderr, flush=True)
+            result["exists"] = run_exists(args.cells[0], client, raw, args.quick)
+    finally:
+        if raw is not None:
+            raw.close()
+        if client is not None:
+            client.close()
+        cluster.stop()
+    result["seconds"] = time.perf_counter() - started
+    result["loadavg"] = {"start": load_start, "end": os.getloadavg()}
+    return result
+
+
+def print_tables(result: dict[str, Any]) -> None:
+    config = result["config"]
+    print(
+        f"MHA {LAYERS} layers x {HEADS} heads x {HEAD_DIM}, bf16 ({BYTES_PER_TOKEN // KIB} KiB/token); "
+        f"median of {config['repeats']}; {result['seconds']:.0f} s; 1-min load average "
+        f"{result['loadavg']['start'][0]:.2f} -> {result['loadavg']['end'][0]:.2f}"
+    )
+    print()
+    print("| page (tokens) | batch x calls | path | put GB/s | put ÷ raw | get GB/s | get ÷ raw |")
+    print("|---|---|---|---:|---:|---:|---:|")
+    for cell in result["cells"]:
+        size = cell["page_bytes"]
+        label = f"{size // MIB} MiB" if size >= MIB else f"{size // KIB} KiB"
+        for n, row in enumerate(cell["rows"]):
+            head = f"| {label} ({cell['page_tokens']}) | {cell['batch_pages']} x {cell['calls']} "
+            print(
+                f"{head if n == 0 else '| | '}| {PATH_NAMES[row['path']]} | {row['put_gbps']:.2f} "
+                f"| {row['put_ratio']:.2f} | {row['get_gbps']:.2f} | {row['get_ratio']:.2f} |"
+            )
+    if result["exists"]:
+        print()
+        print(
+            "| pages (keys) | lookup | raw `batch_is_exist` µs | kvstrata `exists` µs | ÷ raw "
+            "| key rendering µs | what-if prefix keys µs |"
+        )
+        print("|---|---|---:|---:|---:|---:|---:|")
+        for row in result["exists"]:
+            print(
+                f"| {row['pages']} ({row['keys']}) | {row['kind']} | {row['raw_us']:.0f} | "
+                f"{row['kvstrata_us']:.0f} | {row['kvstrata_us'] / row['raw_us']:.1f} | "
+                f"{row['key_render_us']:.0f} | {row['prefix_us']:.0f} |"
+            )
+    print()
+    for cell in result["cells"]:
+        for row in cell["rows"]:
+            if row["path"] in ("raw", "cache_raw"):
+                continue
+            verdict = ", ".join(
+                f"{what} {row[f'{what}_ratio']:.2f} (ratio of medians "
+                f"{row[f'{what}_ratio_of_medians']:.2f}) "
+                f"{'meets' if row[f'{what}_ratio'] >= GOAL else 'misses'} {GOAL}"
+                for what in ("put", "get")
+            )
+            print(f"{cell['page_bytes'] // KIB} KiB {row['path']}: {verdict}")
+        if cell["cache_backup_retries"]:
+            print(f"{cell['page_bytes'] // KIB} KiB cache: {cell['cache_backup_retries']} retries")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        result = run(args)
+    except SetupError as error:
+        print(f"l3_throughput: {error}", file=sys.stderr)
+        return 2
+    except (BenchError, KvStrataError, OSError) as error:
+        print(f"l3_throughput: failed: {str(error).splitlines()[0]}", file=sys.stderr)
+        return 1
+    print_tables(result)
+    if args.json is not None:
+        args.json.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
