@@ -212,7 +212,7 @@ class MooncakeBackend:
         """How many pages, from the first, have every component in the store; counting stops at
         the first page that is incomplete or that the store could not confirm."""
         chunk = self._chunk()
-        if len(pages) <= chunk:
+        if not isinstance(pages, Sequence) or len(pages) <= chunk:
             return self._exists_chunk(namespace, pages)
         found = 0
         for start in range(0, len(pages), chunk):
@@ -245,7 +245,7 @@ class MooncakeBackend:
         """Store each page from its host slot: exists, put the missing components, confirm (in
         native batches of at most ``MAX_BATCH_OBJECTS`` objects)."""
         chunk = self._chunk()
-        if len(pages) <= chunk:
+        if not isinstance(pages, Sequence) or len(pages) <= chunk:
             return self._put_chunk(namespace, pages, host_indices)
         self._checked("put", namespace, pages, host_indices)
         out: list[PutStatus] = []
@@ -347,7 +347,7 @@ class MooncakeBackend:
         """Read each page into its host slot; LOADED only when every component arrived whole (in
         native batches of at most ``MAX_BATCH_OBJECTS`` objects)."""
         chunk = self._chunk()
-        if len(pages) <= chunk:
+        if not isinstance(pages, Sequence) or len(pages) <= chunk:
             return self._get_chunk(namespace, pages, host_indices)
         self._checked("get", namespace, pages, host_indices)
         out: list[GetStatus] = []
