@@ -19,11 +19,12 @@ stream is synchronised; that path needs a GPU and is not exercised by CI (CPU on
 from __future__ import annotations
 
 import enum
+import logging
 import queue
 import threading
 from collections import deque
 from collections.abc import Callable
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 import attrs
 import numpy as np
@@ -39,7 +40,23 @@ __all__ = [
     "ThreadExecutor",
     "TransferController",
     "TransferFailed",
+    "drain",
 ]
+
+
+log = logging.getLogger("kvstrata.transfer")
+T = TypeVar("T")
+
+
+def drain(results: queue.SimpleQueue[T]) -> list[T]:
+    """Everything in ``results`` now, oldest first, without blocking (the scheduler thread's side
+    of a worker's result queue)."""
+    out: list[T] = []
+    while True:
+        try:
+            out.append(results.get_nowait())
+        except queue.Empty:
+            return out
 
 
 class TransferFailed(KvStrataError):
@@ -58,9 +75,14 @@ class Executor(Protocol):
 
 
 class ThreadExecutor:
-    """One worker thread running jobs in submission order."""
+    """One worker thread running jobs in submission order. ``after_job`` (if given) runs after each
+    job, also after one that raised: a raising job is logged and the worker keeps going (the cache's
+    jobs report their own failures as completions)."""
 
-    def __init__(self, name: str = "kvstrata-transfer") -> None:
+    def __init__(
+        self, name: str = "kvstrata-transfer", after_job: Callable[[], None] | None = None
+    ) -> None:
+        self._after_job = after_job
         self._jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
@@ -70,7 +92,12 @@ class ThreadExecutor:
             job = self._jobs.get()
             if job is None:
                 return
-            job()
+            try:
+                job()
+            except Exception:
+                log.exception("kvstrata: background job raised")
+            if self._after_job is not None:
+                self._after_job()
 
     def submit(self, job: Callable[[], None]) -> None:
         self._jobs.put(job)
@@ -187,12 +214,7 @@ class TransferController:
 
     def completed(self) -> list[Completion]:
         """Every batch finished since the last call, in completion (= FIFO) order."""
-        out: list[Completion] = []
-        while True:
-            try:
-                out.append(self._done.get_nowait())
-            except queue.Empty:
-                return out
+        return drain(self._done)
 
     def close(self) -> None:
         self.flush()

@@ -15,7 +15,7 @@ from typing import Any, Protocol
 
 from kvstrata.impl.config import RadixCacheConfig
 from kvstrata.impl.radix_cache import HierarchicalRadixCache
-from kvstrata.impl.replay.background import Progress, SignallingExecutor
+from kvstrata.impl.replay.background import Progress, signalling_executor
 from kvstrata.impl.replay.capacity import Capacity
 from kvstrata.impl.replay.config import ReplayConfig, TierPages, TimestampMode
 from kvstrata.impl.replay.kv import KVSynth
@@ -66,8 +66,8 @@ def _cache(
     shape = _kv_shape(config)
     device = DeviceKVPool(shape, pages.l1)
     host = HostKVPool(shape, pages.l2, HostLayout.PAGE_FIRST_DIRECT) if pages.l2 else None
-    copies = SignallingExecutor(progress, "kvstrata-copy") if host is not None else None
-    io = SignallingExecutor(progress, "kvstrata-store") if store is not None else None
+    copies = signalling_executor(progress, "kvstrata-copy") if host is not None else None
+    io = signalling_executor(progress, "kvstrata-store") if store is not None else None
     try:
         cache = HierarchicalRadixCache.build(
             RadixCacheConfig(page_size=config.page_size, write_policy=config.write_policy),

@@ -28,7 +28,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvstrata.impl.storage.base import GetStatus, PutStatus, StorageBackend
-from kvstrata.impl.transfer import Executor, ThreadExecutor
+from kvstrata.impl.transfer import Executor, ThreadExecutor, drain
 from kvstrata.model.keys import Namespace, PageHash
 
 __all__ = ["BackupResult", "FetchResult", "QueryResult", "StorageResult", "StorageWorker"]
@@ -166,12 +166,7 @@ class StorageWorker:
 
     def results(self) -> list[StorageResult]:
         """Every result finished since the last call, in completion (= submission) order."""
-        out: list[StorageResult] = []
-        while True:
-            try:
-                out.append(self._done.get_nowait())
-            except queue.Empty:
-                return out
+        return drain(self._done)
 
     def close(self) -> None:
         """Finish submitted jobs, stop the executor and close the backend."""
