@@ -247,8 +247,13 @@ class FileBackend(ObjectBackend):
     def evict(self, namespace: Namespace, page: PageHash, component: str | None = None) -> int:
         """Remove ``page``'s object files (only ``component``'s when given), as the cap's own
         eviction would; how many files were removed."""
+        return self.drop(self._component_keys(namespace, page, component))
+
+    def drop(self, keys: Sequence[StoreKey]) -> int:
+        """Remove the object files of ``keys`` (any pool's), as the cap's own eviction would; how
+        many files were removed."""
         removed = 0
-        for key in self._component_keys(namespace, page, component):
+        for key in keys:
             name = object_name(key)
             with self._lock:
                 self._forget_locked(name)

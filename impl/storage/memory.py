@@ -294,7 +294,12 @@ class MemoryBackend(ObjectBackend):
     def evict(self, namespace: Namespace, page: PageHash, component: str | None = None) -> int:
         """Test hook: drop ``page``'s objects (only ``component``'s when given) as the store's own
         eviction would; how many objects were dropped."""
-        return self.store.drop(self._component_keys(namespace, page, component))
+        return self.drop(self._component_keys(namespace, page, component))
+
+    def drop(self, keys: Sequence[StoreKey]) -> int:
+        """Test hook: drop the objects of ``keys`` (any pool's) as the store's own eviction would;
+        how many were dropped."""
+        return self.store.drop(keys)
 
     def fail_next(
         self,

@@ -33,7 +33,7 @@ non-sequence arguments, any call after :meth:`~MooncakeBackend.close`).
 from __future__ import annotations
 
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Final
 
 from kvstrata.impl.errors import ConfigError, MisuseError, StoreUnavailable
@@ -266,10 +266,15 @@ class MooncakeBackend:
         for position, page in enumerate(pages):
             first.setdefault(page, position)
         unique = list(first.values())
-        settled, written = self._put_unique(
-            slabs,
-            self._keys(namespace, [pages[i] for i in unique]),
-            [host_indices[i] for i in unique],
+        keys = self._keys(namespace, [pages[i] for i in unique])
+        indices = [host_indices[i] for i in unique]
+        width, planes = len(self._planes), self._planes
+        settled, written = self.put_objects(
+            keys,
+            width,
+            lambda todo: slabs.put(
+                [keys[i] for i in todo], [(indices[i // width], planes[i % width]) for i in todo]
+            ),
         )
         by_page = dict(zip(unique, settled, strict=True))
         statuses = []
@@ -281,15 +286,19 @@ class MooncakeBackend:
         self.counters.record_puts(statuses, written * slabs.size)
         return statuses
 
-    def _put_unique(
-        self, slabs: SlabIO, keys: Sequence[StoreKey], host_indices: Sequence[int]
+    def put_objects(
+        self,
+        keys: Sequence[StoreKey],
+        width: int,
+        write: Callable[[list[int]], list[int]],
     ) -> tuple[list[PutStatus], int]:
-        """Exists-then-put-missing-then-confirm for distinct pages; the statuses and the number of
-        objects written."""
-        count = len(host_indices)
+        """Exists-then-put-missing-then-confirm for distinct pages of ``width`` objects each
+        (``keys`` page-major); ``write(flat object indices)`` puts those objects and returns one
+        native code per object. The statuses per page and the number of objects written. Shared by
+        the KV pages and the side pools' objects (:mod:`kvstrata.impl.storage.side`)."""
+        count = len(keys) // width
         if not count:
             return [], 0
-        width = len(self._planes)
         status: list[PutStatus | None] = [None] * count
         present = self._is_exist(keys)
         failed = self._count_errors("put", present)
@@ -304,8 +313,7 @@ class MooncakeBackend:
                 todo.extend(page * width + c for c, code in enumerate(codes) if code != EXISTS)
         written = 0
         if todo:
-            objects = [(host_indices[i // width], self._planes[i % width]) for i in todo]
-            codes = slabs.put([keys[i] for i in todo], objects)
+            codes = write(todo)
             failed |= self._count_errors("put", codes)
             refused: dict[int, set[ErrorKind]] = {}
             for flat, code in zip(todo, codes, strict=True):
@@ -317,17 +325,20 @@ class MooncakeBackend:
                 status[page] = PutStatus.FULL if kinds == {ErrorKind.FULL} else PutStatus.FAILED
         to_confirm = [page for page in range(count) if status[page] is None]
         if to_confirm:
-            failed |= self._confirm(keys, to_confirm, status)
+            failed |= self._confirm(keys, width, to_confirm, status)
         if not failed:
             self.errors.success("put")
         return [PutStatus.FAILED if s is None else s for s in status], written
 
     def _confirm(
-        self, keys: Sequence[StoreKey], pages: Sequence[int], status: list[PutStatus | None]
+        self,
+        keys: Sequence[StoreKey],
+        width: int,
+        pages: Sequence[int],
+        status: list[PutStatus | None],
     ) -> bool:
         """Settle ``pages`` (each component just written or already present): STORED if every
         component is now visible, FAILED (counted NOT_VISIBLE) if not. Whether anything failed."""
-        width = len(self._planes)
         codes = self._is_exist([keys[p * width + c] for p in pages for c in range(width)])
         failed = self._count_errors("put", codes)
         unseen = 0
@@ -364,15 +375,26 @@ class MooncakeBackend:
             return []
         keys = self._keys(namespace, pages)
         objects = [(index, plane) for index in host_indices for plane in self._planes]
-        codes = slabs.get(keys, objects, len(self._planes))
         width = len(self._planes)
+        codes = slabs.get(keys, objects, width)
+        statuses = self.settle_gets(codes, [slabs.size] * width)
+        loaded = statuses.count(GetStatus.LOADED)
+        self.counters.record_gets(statuses, loaded * width * slabs.size)  # bytes of whole pages
+        return statuses
+
+    def settle_gets(self, codes: Sequence[int], sizes: Sequence[int]) -> list[GetStatus]:
+        """One status per page from the native codes of a ``batch_get_into`` of whole pages of
+        ``len(sizes)`` objects each (page-major; object ``c`` of a page is ``sizes[c]`` bytes):
+        LOADED only if every object returned exactly its size; a missing one is a plain MISSING,
+        anything else FAILED (counted by kind)."""
+        width = len(sizes)
         statuses: list[GetStatus] = []
         errors: list[int] = []
         short = 0
-        for page in range(len(pages)):
+        for page in range(len(codes) // width):
             missing = failed = False
-            for code in codes[page * width : (page + 1) * width]:
-                if code == slabs.size:
+            for code, size in zip(codes[page * width : (page + 1) * width], sizes, strict=True):
+                if code == size:
                     continue
                 if code >= 0:
                     failed = True
@@ -386,9 +408,7 @@ class MooncakeBackend:
                 GetStatus.MISSING if missing else GetStatus.FAILED if failed else GetStatus.LOADED
             )
         if short:
-            self._error("get", ErrorKind.SHORT_READ, short, f"objects not of {slabs.size} bytes")
+            self._error("get", ErrorKind.SHORT_READ, short, "objects not of their size")
         if not self._count_errors("get", errors) and not short:
             self.errors.success("get")
-        loaded = statuses.count(GetStatus.LOADED)
-        self.counters.record_gets(statuses, loaded * width * slabs.size)  # bytes of whole pages
         return statuses
