@@ -10,6 +10,12 @@ op ids complete in FIFO order. The worker only appends finished op ids to a thre
 learns about them only when the scheduler drains that queue (:meth:`TransferController.completed`,
 called from ``check_events``).
 
+Hybrid models (SPEC §5): an op may carry per-pool transfer descriptors (:class:`PoolTransfer`) for its
+side pools with their own slots (Mamba states) next to its KV pages (which the ``ALL_PAGES`` side pools,
+indexed by KV page, follow through the same page arrays). They are merged per pool like the pages and
+copied by the injected ``side_copy`` in the same job, so a batch is acked only when every pool of it is
+copied, and fails as a whole if any pool's copy fails.
+
 The executor is injected: :class:`ThreadExecutor` (a single worker thread) or :class:`ManualExecutor`,
 with which a test decides when each batch runs. When CUDA is present the copies run on the controller's
 own CUDA stream (non-blocking copies through pinned staging) and a batch is reported done only after that
@@ -37,6 +43,8 @@ __all__ = [
     "Direction",
     "Executor",
     "ManualExecutor",
+    "PoolTransfer",
+    "SideCopyFunction",
     "ThreadExecutor",
     "TransferController",
     "TransferFailed",
@@ -138,11 +146,45 @@ class ManualExecutor:
 CopyFunction = Callable[[Direction, np.ndarray, np.ndarray], int]
 
 
+def _entries(value: object) -> np.ndarray:
+    return np.asarray(value, dtype=np.int64)
+
+
+@attrs.frozen
+class PoolTransfer:
+    """One side pool's part of a copy op: its entries ``src`` (in the source tier) go to ``dst``
+    (in the target tier), pairwise. Fixed at enqueue, like the op's page arrays."""
+
+    pool: str
+    src: np.ndarray = attrs.field(converter=_entries)
+    dst: np.ndarray = attrs.field(converter=_entries)
+
+    def __attrs_post_init__(self) -> None:
+        if self.src.ndim != 1 or self.src.shape != self.dst.shape:
+            raise ValueError(f"{self.pool}: source and destination entries differ in count")
+
+
+#: ``side_copy(direction, transfer) -> bytes moved`` (a side pool's vectorised entry copy).
+SideCopyFunction = Callable[[Direction, PoolTransfer], int]
+
+
 @attrs.define
 class _Pending:
     op_ids: list[int] = attrs.field(factory=list)
     src: list[np.ndarray] = attrs.field(factory=list)
     dst: list[np.ndarray] = attrs.field(factory=list)
+    side: dict[str, list[PoolTransfer]] = attrs.field(factory=dict)
+
+    def merged_side(self) -> tuple[PoolTransfer, ...]:
+        """One transfer per side pool, its entries in enqueue order."""
+        return tuple(
+            PoolTransfer(
+                pool,
+                np.concatenate([t.src for t in parts]),
+                np.concatenate([t.dst for t in parts]),
+            )
+            for pool, parts in self.side.items()
+        )
 
 
 @attrs.frozen
@@ -156,8 +198,14 @@ class Completion:
 class TransferController:
     """Queues, merges and runs page copies; reports completions in FIFO order per direction."""
 
-    def __init__(self, copy: CopyFunction, executor: Executor | None = None) -> None:
+    def __init__(
+        self,
+        copy: CopyFunction,
+        executor: Executor | None = None,
+        side_copy: SideCopyFunction | None = None,
+    ) -> None:
         self._copy = copy
+        self._side_copy = side_copy
         self._executor: Executor = executor if executor is not None else ThreadExecutor()
         self._pending = {direction: _Pending() for direction in Direction}
         self._done: queue.SimpleQueue[Completion] = queue.SimpleQueue()
@@ -169,14 +217,24 @@ class TransferController:
         return self._executor
 
     def enqueue(
-        self, direction: Direction, op_id: int, src_pages: np.ndarray, dst_pages: np.ndarray
+        self,
+        direction: Direction,
+        op_id: int,
+        src_pages: np.ndarray,
+        dst_pages: np.ndarray,
+        side: tuple[PoolTransfer, ...] = (),
     ) -> None:
+        """Queue one copy op: its KV pages and, for a hybrid model, its side pools' entries."""
         if len(src_pages) != len(dst_pages):
             raise ValueError("source and destination page counts differ")
+        if side and self._side_copy is None:
+            raise ValueError("side-pool transfers need a controller built with side_copy")
         pending = self._pending[direction]
         pending.op_ids.append(op_id)
         pending.src.append(np.asarray(src_pages, dtype=np.int64))
         pending.dst.append(np.asarray(dst_pages, dtype=np.int64))
+        for transfer in side:
+            pending.side.setdefault(transfer.pool, []).append(transfer)
 
     def flush(self) -> int:
         """Submit one merged batch per direction with pending ops; returns batches submitted."""
@@ -189,21 +247,34 @@ class TransferController:
             op_ids = tuple(pending.op_ids)
             src = np.concatenate(pending.src)
             dst = np.concatenate(pending.dst)
-            self._executor.submit(self._job(direction, op_ids, src, dst))
+            side = pending.merged_side()
+            self._executor.submit(self._job(direction, op_ids, src, dst, side))
             submitted += 1
         self.batches_submitted += submitted
         return submitted
 
     def _job(
-        self, direction: Direction, op_ids: tuple[int, ...], src: np.ndarray, dst: np.ndarray
+        self,
+        direction: Direction,
+        op_ids: tuple[int, ...],
+        src: np.ndarray,
+        dst: np.ndarray,
+        side: tuple[PoolTransfer, ...] = (),
     ) -> Callable[[], None]:
+        def copy_all() -> int:
+            moved = self._copy(direction, src, dst) if len(src) else 0
+            for transfer in side:
+                assert self._side_copy is not None  # enqueue refuses side transfers otherwise
+                moved += self._side_copy(direction, transfer) if len(transfer.src) else 0
+            return moved
+
         def run() -> None:
             try:
                 if self._stream is None:
-                    moved = self._copy(direction, src, dst) if len(src) else 0
+                    moved = copy_all()
                 else:  # CUDA: copies run on the controller's own stream; done means synchronised
                     with torch.cuda.stream(self._stream):
-                        moved = self._copy(direction, src, dst) if len(src) else 0
+                        moved = copy_all()
                     self._stream.synchronize()
             except Exception:  # reported to the scheduler thread, never raised on the worker
                 self._done.put(Completion(direction, op_ids, False, 0))

@@ -27,10 +27,11 @@ import numpy.typing as npt
 from kvstrata.impl.errors import CapacityError, ConfigError, MisuseError
 from kvstrata.impl.pools.allocator import PageAllocator, PageIndices, as_page_array
 from kvstrata.impl.pools.base import KVPool
-from kvstrata.impl.pools.side import Region, SideBuffer
+from kvstrata.impl.pools.copy import copy_pages
+from kvstrata.impl.pools.side import Region, SideBuffer, copy_entries
 from kvstrata.model.hybrid import KV_POOL, HitPolicy
 
-__all__ = ["GroupAllocation", "PoolGroup"]
+__all__ = ["GroupAllocation", "PoolGroup", "copy_between"]
 
 _EMPTY = np.empty(0, dtype=np.int32)
 
@@ -176,3 +177,30 @@ class PoolGroup:
             if not allocator.is_allocated(index):
                 raise MisuseError(f"{allocator.name}: page {index} is not allocated (double free?)")
         return array
+
+
+def copy_between(
+    src: PoolGroup,
+    dst: PoolGroup,
+    src_pages: PageIndices,
+    dst_pages: PageIndices,
+    states: Mapping[str, tuple[PageIndices, PageIndices]] | None = None,
+) -> int:
+    """Copy KV pages ``src_pages`` of ``src`` to ``dst_pages`` of ``dst`` together with the same
+    entries of every ``ALL_PAGES`` side pool, and, per ``TRAILING_PAGES`` pool in ``states``, its
+    ``(source slots, target slots)``; returns the bytes moved. The groups must hold the same side
+    pools (by name and spec). One vectorised copy per pool and component."""
+    if set(src.side) != set(dst.side):
+        raise MisuseError(f"copy_between: side pools {sorted(src.side)} vs {sorted(dst.side)}")
+    moved = copy_pages(src.kv, src_pages, dst.kv, dst_pages) if len(src_pages) else 0
+    for buffer in src.paged:
+        if len(src_pages):
+            copy_entries(buffer, src_pages, dst.side[buffer.name], dst_pages)
+            moved += buffer.spec.bytes_per_entry * len(src_pages)
+    for name, (source, target) in (states or {}).items():
+        buffer = src._buffer(name)
+        if buffer.allocator is None:
+            raise MisuseError(f"copy_between: {name!r} rides on the KV pages, no own slots")
+        copy_entries(buffer, source, dst._buffer(name), target)
+        moved += buffer.spec.bytes_per_entry * len(source)
+    return moved

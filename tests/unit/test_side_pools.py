@@ -255,3 +255,94 @@ def test_layer_map_walks_the_union() -> None:
         LayerMap(attention=(2, 1), state=())
     with pytest.raises(ConfigError):
         LayerMap(attention=(1, 1), state=())
+
+
+# ------------------------------------------------------------------- transfers across tiers (L1 <-> L2)
+def _device_group(pages: int = 6, states: int = 3) -> PoolGroup:
+    from kvstrata.impl.pools import DeviceKVPool  # noqa: PLC0415
+
+    return PoolGroup(
+        DeviceKVPool(SHAPE, pages, "cpu"),
+        [SideBuffer(INDEXER, pages), SideBuffer(MAMBA, states)],
+    )
+
+
+def _fill_group(pools: PoolGroup, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    for tensor in (pools.kv.buffer, *(t for b in pools.side.values() for t in b.tensors)):
+        raw = torch.randint(0, 256, (tensor.numel() * tensor.element_size(),), generator=gen)
+        tensor.view(-1).view(torch.uint8).copy_(raw.to(torch.uint8))
+
+
+def _bits(tensor: torch.Tensor) -> bytes:
+    return tensor.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+
+
+def test_copy_between_moves_every_pool_bit_for_bit() -> None:
+    from kvstrata.impl.pools.group import copy_between  # noqa: PLC0415
+
+    device, host = _device_group(), group()
+    _fill_group(device, seed=11)
+    moved = copy_between(device, host, [4, 1], [0, 5], {"mamba": ([2], [1])})
+    assert moved == 2 * (SHAPE.bytes_per_page + INDEXER.bytes_per_entry) + MAMBA.bytes_per_entry
+    for s, d in ((4, 0), (1, 5)):
+        assert _bits(device.kv.read_pages([s])) == _bits(host.kv.read_pages([d]))
+        assert _bits(device.side["indexer"].read([s])[0]) == _bits(
+            host.side["indexer"].read([d])[0]
+        )
+    for s_t, d_t in zip(device.side["mamba"].read([2]), host.side["mamba"].read([1]), strict=True):
+        assert _bits(s_t) == _bits(d_t)
+    with pytest.raises(MisuseError):
+        copy_between(device, host, [0], [0], {"indexer": ([0], [0])})
+    with pytest.raises(MisuseError):
+        copy_between(device, PoolGroup(host.kv), [0], [0])
+
+
+def test_transfer_controller_carries_side_pools_in_one_batch() -> None:
+    """Two ops with side transfers merge into one batch per direction; the batch is acked once
+    every pool is copied, and a side copy that raises fails the whole batch."""
+    from kvstrata.impl.pools.group import copy_between  # noqa: PLC0415
+    from kvstrata.impl.transfer import (  # noqa: PLC0415
+        Direction,
+        ManualExecutor,
+        PoolTransfer,
+        TransferController,
+    )
+
+    device, host = _device_group(), group()
+    _fill_group(device, seed=12)
+    calls: list[tuple[str, list[int]]] = []
+
+    def copy(direction: Direction, src: object, dst: object) -> int:
+        a, b = (device, host) if direction is Direction.WRITE else (host, device)
+        return copy_between(a, b, src, dst)  # type: ignore[arg-type]
+
+    def side_copy(direction: Direction, transfer: PoolTransfer) -> int:
+        calls.append((transfer.pool, transfer.src.tolist()))
+        a, b = (device, host) if direction is Direction.WRITE else (host, device)
+        return copy_between(a, b, [], [], {transfer.pool: (transfer.src, transfer.dst)})
+
+    executor = ManualExecutor()
+    controller = TransferController(copy, executor, side_copy)
+    controller.enqueue(Direction.WRITE, 1, [0, 1], [2, 3], (PoolTransfer("mamba", [0], [2]),))
+    controller.enqueue(Direction.WRITE, 2, [5], [4], (PoolTransfer("mamba", [1], [0]),))
+    assert controller.flush() == 1
+    assert not controller.completed()
+    executor.run_all()
+    (done,) = controller.completed()
+    assert done.ok and done.op_ids == (1, 2)
+    assert calls == [("mamba", [0, 1])]  # merged per pool, in enqueue order
+    for s_t, d_t in zip(
+        device.side["mamba"].read([0, 1]), host.side["mamba"].read([2, 0]), strict=True
+    ):
+        assert _bits(s_t) == _bits(d_t)
+    controller.enqueue(Direction.LOAD, 3, [2], [0], (PoolTransfer("mamba", [2], [9]),))
+    controller.flush()
+    executor.run_all()
+    (failed,) = controller.completed()
+    assert not failed.ok and failed.op_ids == (3,)  # slot 9 is out of range: the batch fails
+    plain = TransferController(copy, ManualExecutor())
+    with pytest.raises(ValueError, match="side_copy"):
+        plain.enqueue(Direction.WRITE, 4, [0], [0], (PoolTransfer("mamba", [0], [0]),))
+    with pytest.raises(ValueError):
+        PoolTransfer("mamba", [0, 1], [0])
