@@ -17,7 +17,11 @@ is FREE -> FILLING -> READY (``insert_batch``) or FREE -> LOADING -> READY (``pr
 once (forgotten, slots freed). Entries are immutable values, replaced with ``attrs.evolve``.
 
 Pushes and GETs are ops with a handle, completed when the caller (a test, or the I/O worker) says
-so. The store is pessimistic: it may read a pushed buffer any time before the ack, and the model
+so, item by item as a real batch call answers (one code per key): ``ack_push(handle, failed)`` /
+``ack_get(handle, failed)`` complete the items not in ``failed`` normally, while a failed PUSH item
+is READY again (its write aborted, counted in ``push_failed``) and a failed GET item is freed and
+forgotten (counted in ``load_failed``); ``fail_push`` / ``fail_get`` fail every item. The store is
+pessimistic: it may read a pushed buffer any time before the ack, and the model
 reads it *at* the ack, so a slot freed and reused while its offset is with the store shows up as
 wrong bytes in the store.
 
@@ -305,30 +309,39 @@ class EmbeddingCacheModel:
             skipped_no_space=no_space,
         )
 
-    def ack_push(self, handle: OpHandle) -> int:
-        """The store acks a batch PUT: it reads every buffer now, the objects become visible and the
-        entries are READY (unpinned) again. Returns the number of objects written."""
+    def ack_push(self, handle: OpHandle, failed: Iterable[PageHash] = ()) -> int:
+        """The store answers a batch PUT, item by item (a real batch call returns one code per
+        key). Every item not in ``failed`` is written: the store reads its buffer now, the object
+        becomes visible and the entry is READY (unpinned) again (``PUSH_ACK``). Every item in
+        ``failed`` is not: its write is aborted and its entry is READY again (``PUSH_FAILED``;
+        a later insert pushes it again). ``failed`` must name media of this op, else
+        :class:`MisuseError` and nothing changes. Returns the number of objects written."""
         op = self._op(handle, OpKind.PUSH)
+        lost = self._check_failed(op, failed)
         del self._ops[handle]
         for item in op.items:
+            if item.media in lost:
+                self.store.abort_put(item.key)
+                self._advance(item.media, EntryEvent.PUSH_FAILED)
+                continue
             content = tuple(self._pool.read(slot) for slot in item.slots)
             self.store.end_put(item.key, content)
             self._advance(item.media, EntryEvent.PUSH_ACK)
-        self.stats = attrs.evolve(self.stats, pushed=self.stats.pushed + len(op.items))
+        written = len(op.items) - len(lost)
+        self.stats = attrs.evolve(
+            self.stats,
+            pushed=self.stats.pushed + written,
+            push_failed=self.stats.push_failed + len(lost),
+        )
         self.check_invariants()
-        return len(op.items)
+        return written
 
     def fail_push(self, handle: OpHandle) -> int:
-        """The batch PUT failed: its writes are aborted, the entries READY again (a later insert
-        pushes them again). Returns the number of objects that were not written."""
-        op = self._op(handle, OpKind.PUSH)
-        del self._ops[handle]
-        for item in op.items:
-            self.store.abort_put(item.key)
-            self._advance(item.media, EntryEvent.PUSH_FAILED)
-        self.stats = attrs.evolve(self.stats, push_failed=self.stats.push_failed + len(op.items))
-        self.check_invariants()
-        return len(op.items)
+        """The whole batch PUT failed (:meth:`ack_push` with every item failed). Returns the number
+        of objects that were not written."""
+        media = [item.media for item in self._op(handle, OpKind.PUSH).items]
+        self.ack_push(handle, failed=media)
+        return len(media)
 
     def prefetch(
         self, request_id: str, hashes: Iterable[PageHash], sizes: Iterable[int]
@@ -375,16 +388,19 @@ class EmbeddingCacheModel:
             skipped_no_space=no_space,
         )
 
-    def ack_get(self, handle: OpHandle) -> int:
-        """The batch GET completes: each object the store still holds (with the expected size) is
-        written into its entry's slots (READY); any other entry failed: freed and forgotten.
-        Returns the number of entries loaded."""
+    def ack_get(self, handle: OpHandle, failed: Iterable[PageHash] = ()) -> int:
+        """The store answers a batch GET, item by item. Every item not in ``failed`` whose object
+        the store still holds (with the expected size) is written into its entry's slots
+        (``LOADED``: READY); every other item failed (``LOAD_FAILED``): its entry is freed and
+        forgotten. ``failed`` must name media of this op, else :class:`MisuseError` and nothing
+        changes. Returns the number of entries loaded."""
         op = self._op(handle, OpKind.GET)
+        lost = self._check_failed(op, failed)
         del self._ops[handle]
         loaded = 0
         for item in op.items:
             entry = self._entries[item.media]
-            content = self.store.get(item.key)
+            content = None if item.media in lost else self.store.get(item.key)
             if not isinstance(content, tuple) or len(content) != entry.size:
                 self._forget(entry, EntryEvent.LOAD_FAILED)
                 continue
@@ -401,14 +417,11 @@ class EmbeddingCacheModel:
         return loaded
 
     def fail_get(self, handle: OpHandle) -> int:
-        """The whole batch GET failed: every entry it was loading is freed and forgotten."""
-        op = self._op(handle, OpKind.GET)
-        del self._ops[handle]
-        for item in op.items:
-            self._forget(self._entries[item.media], EntryEvent.LOAD_FAILED)
-        self.stats = attrs.evolve(self.stats, load_failed=self.stats.load_failed + len(op.items))
-        self.check_invariants()
-        return len(op.items)
+        """The whole batch GET failed (:meth:`ack_get` with every item failed): every entry it was
+        loading is freed and forgotten. Returns the number of entries freed."""
+        media = [item.media for item in self._op(handle, OpKind.GET).items]
+        self.ack_get(handle, failed=media)
+        return len(media)
 
     def release(self, request_id: str) -> None:
         """Forget a request (its GET, if still pending, completes on its own)."""
@@ -607,6 +620,18 @@ class EmbeddingCacheModel:
         if op is None or (kind is not None and handle.kind is not kind):
             raise MisuseError(f"{self.name}: no pending {kind or 'op'} {handle!r}")
         return op
+
+    def _check_failed(self, op: _PendingOp, failed: Iterable[PageHash]) -> frozenset[PageHash]:
+        """The failed items of a per-item completion of ``op``; :class:`MisuseError` unless each
+        is a media item of ``op`` (checked before anything changes)."""
+        lost = frozenset(_check_hashes(failed))
+        unknown = lost - {item.media for item in op.items}
+        if unknown:
+            raise MisuseError(
+                f"{self.name}: {sorted(m.digest.hex()[:8] for m in unknown)} "
+                f"are not items of {op.handle!r}"
+            )
+        return lost
 
     def _request(self, request_id: str) -> OpHandle | None:
         if not isinstance(request_id, str) or request_id not in self._requests:

@@ -73,6 +73,13 @@ BENCHMARKS: tuple[Benchmark, ...] = (
         "L2 <-> L3 throughput through kvstrata against the raw Mooncake client",
     ),
     Benchmark(
+        "embedding",
+        "benchmarks/embedding_throughput.py",
+        ("--json", "{out}/embedding.json"),
+        ("--quick", "--json", "{out}/embedding.json"),
+        "embedding cache insert_batch / prefetch throughput against the raw Mooncake client",
+    ),
+    Benchmark(
         "replay",
         "-m kvstrata.impl.cli.main",
         (

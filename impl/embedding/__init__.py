@@ -13,6 +13,7 @@ from kvstrata.impl.embedding.pool import EmbeddingPool, PoolShape
 from kvstrata.impl.embedding.store import (
     EmbeddingStore,
     Extent,
+    ExtentStatus,
     MemoryEmbeddingStore,
     MooncakeEmbeddingStore,
 )
@@ -23,6 +24,7 @@ __all__ = [
     "EmbeddingPool",
     "EmbeddingStore",
     "Extent",
+    "ExtentStatus",
     "InsertResult",
     "MemoryEmbeddingStore",
     "MooncakeEmbeddingStore",

@@ -17,7 +17,11 @@ entry of the batch and hands those the store lacks to *one* batch put (READY -> 
 and hands them to *one* batch get; LRU eviction takes READY entries only. The I/O runs on an
 :class:`~kvstrata.impl.transfer.Executor` (a thread, or a
 :class:`~kvstrata.impl.transfer.ManualExecutor` in tests); results are queued and applied only on
-the caller's thread (:meth:`EmbeddingCache.poll`, called by every public operation).
+the caller's thread (:meth:`EmbeddingCache.poll`, called by every public operation). A result is
+per store object (one status per key, as a real batch call answers), applied item by item as the
+model's ``ack_push(op, failed)`` / ``ack_get(op, failed)``: an item whose *every* object is DONE
+completes; an item with *any* failed object failed (a put item is READY again and is pushed again
+by a later insert; a get item is freed and forgotten), whatever the other items of the batch did.
 
 Invariants (checked by the differential machine against the model)
     * an entry is PUSHING (LOADING) exactly while one pending put (get) holds its extents, and
@@ -42,7 +46,7 @@ import attrs
 import torch
 
 from kvstrata.impl.embedding.pool import EmbeddingPool
-from kvstrata.impl.embedding.store import EmbeddingStore, Extent
+from kvstrata.impl.embedding.store import EmbeddingStore, Extent, ExtentStatus
 from kvstrata.impl.errors import CapacityError, InvariantViolation, MisuseError
 from kvstrata.impl.transfer import Executor, ThreadExecutor
 from kvstrata.model.keys import DEFAULT_NAMESPACE, KeySpace, KVKind, Namespace, PageHash, StoreKey
@@ -91,12 +95,17 @@ class PrefetchResult:
 
 @attrs.frozen
 class EmbeddingCounters:
-    """Counters since construction: ``failed`` counts entries whose put or get failed."""
+    """Counters since construction, in items (media), not store objects.
+
+    ``skipped_no_space``: items that found no room in the local pool (everything else was pinned);
+    ``failed``: items whose put or get failed (an item fails when *any* of its objects did);
+    ``store_full``: the failed put items the store refused for lack of room (also in ``failed``)."""
 
     new: int = 0
     re_pushed: int = 0
     skipped_no_space: int = 0
     failed: int = 0
+    store_full: int = 0
     pushed: int = 0
     loaded: int = 0
     evicted: int = 0
@@ -149,7 +158,7 @@ class EmbeddingCache:
         self._entries: dict[PageHash, Entry] = {}
         self._ops: dict[int, _Op] = {}
         self._requests: dict[str, int | None] = {}
-        self._results: queue.SimpleQueue[tuple[int, list[bool]]] = queue.SimpleQueue()
+        self._results: queue.SimpleQueue[tuple[int, list[ExtentStatus]]] = queue.SimpleQueue()
         self._clock = 0
         self._generation = 0
         self._next_op = 0
@@ -379,24 +388,30 @@ class EmbeddingCache:
             try:
                 done = call(extents)
             except Exception:  # a job never raises into the executor: the op failed
-                done = [False] * len(extents)
+                done = [ExtentStatus.FAILED] * len(extents)
             self._results.put((op.op_id, done))
 
         self.executor.submit(job)
         return op.op_id
 
-    def _apply(self, op_id: int, done: list[bool]) -> None:
+    def _apply(self, op_id: int, done: list[ExtentStatus]) -> None:
+        """Apply one op's per-extent results, item by item: an item whose every extent is DONE
+        completes (``PUSH_ACK`` / ``LOADED``); any other item failed (a put item is READY again,
+        a get item is freed and forgotten). A result list of the wrong length fails what it does
+        not cover."""
         op = self._ops.pop(op_id)
-        flags = iter(done)
-        ok = failed = 0
+        statuses = iter(done)
+        ok = failed = full = 0
         for item in op.items:
             entry = self._entries.get(item.media)
             if entry is None or entry.generation != item.generation:
                 raise InvariantViolation("I5", f"op {op_id}: stale offset for {item.media}")
-            good = all([next(flags, False) for _ in item.extents])
+            mine = [next(statuses, ExtentStatus.FAILED) for _ in item.extents]
+            good = all(status is ExtentStatus.DONE for status in mine)
             ok += good
             failed += not good
             if op.push:
+                full += ExtentStatus.FULL in mine
                 event = EntryEvent.PUSH_ACK if good else EntryEvent.PUSH_FAILED
                 self._entries[item.media] = attrs.evolve(
                     entry, state=EMBEDDING_ENTRY.next(entry.state, event)
@@ -410,6 +425,7 @@ class EmbeddingCache:
         self.counters = attrs.evolve(
             self.counters,
             failed=self.counters.failed + failed,
+            store_full=self.counters.store_full + full,
             pushed=self.counters.pushed + (ok if op.push else 0),
             loaded=self.counters.loaded + (0 if op.push else ok),
         )

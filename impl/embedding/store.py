@@ -4,31 +4,45 @@ hands its I/O jobs.
 Every call names *extents*: a store key and a host address range (inside the registered pool) to
 read from (``put``) or write into (``get``). The store reads a put's ranges at any time before the
 call returns and writes a get's ranges only during the call, so the cache keeps every range of a
-pending call pinned. Calls run on the worker thread; none raises for a store failure (a failed
-extent is ``False``).
+pending call pinned. Calls run on the worker thread; none raises for a store failure.
+
+Results are per extent, as a real batch call answers one code per key: a batch may finish with
+some extents :attr:`~ExtentStatus.DONE` and others failed (the store was full for the keys that did
+not fit, an object was missing, ...). The cache, not the store, decides what a failed extent means
+for its entry (an item whose *any* extent failed is failed).
 
 * :class:`MemoryEmbeddingStore`: over a :class:`~kvstrata.impl.storage.memory.MemoryStore` (the
-  in-process object layer of the memory backend), with a fault hook for tests.
+  in-process object layer of the memory backend), with fault hooks for tests.
 * :class:`MooncakeEmbeddingStore`: over a :class:`~kvstrata.impl.storage.mooncake.MooncakeClient`
-  (``batch_is_exist`` / ``batch_put_from`` / ``batch_get_into``, zero-copy from the pool).
+  (``batch_is_exist`` / ``batch_put_from`` / ``batch_get_into``, zero-copy from the pool); each
+  native code is mapped with :func:`~kvstrata.impl.storage.mooncake.classify`.
 """
 
 from __future__ import annotations
 
+import collections
 import ctypes
+import enum
 import itertools
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Protocol
 
 import attrs
 
 from kvstrata.impl.errors import StoreError
+from kvstrata.impl.storage.base import PutStatus
 from kvstrata.impl.storage.memory import MemoryStore
-from kvstrata.impl.storage.mooncake import MooncakeClient
+from kvstrata.impl.storage.mooncake import ErrorKind, MooncakeClient, classify
 from kvstrata.model.keys import StoreKey
 
-__all__ = ["EmbeddingStore", "Extent", "MemoryEmbeddingStore", "MooncakeEmbeddingStore"]
+__all__ = [
+    "EmbeddingStore",
+    "Extent",
+    "ExtentStatus",
+    "MemoryEmbeddingStore",
+    "MooncakeEmbeddingStore",
+]
 
 log = logging.getLogger("kvstrata.embedding")
 _OWNERS = itertools.count(1)
@@ -43,6 +57,19 @@ class Extent:
     nbytes: int
 
 
+class ExtentStatus(enum.Enum):
+    """What a batch call did with one extent."""
+
+    DONE = "done"
+    """put: stored, or already in the store (the first bytes stay); get: every byte read."""
+    FULL = "full"
+    """put: the store had no room for it (Mooncake -200)."""
+    MISSING = "missing"
+    """get: the object is not in the store (Mooncake -704, a replica gone)."""
+    FAILED = "failed"
+    """Anything else: unreachable store, short read, lease, transfer failure, bad arguments."""
+
+
 class EmbeddingStore(Protocol):
     """The object operations the embedding cache needs (see the module docstring)."""
 
@@ -52,20 +79,25 @@ class EmbeddingStore(Protocol):
 
     def exists(self, keys: Sequence[StoreKey]) -> list[bool]: ...
 
-    def put(self, extents: Sequence[Extent]) -> list[bool]: ...
+    def put(self, extents: Sequence[Extent]) -> list[ExtentStatus]: ...
 
-    def get(self, extents: Sequence[Extent]) -> list[bool]: ...
+    def get(self, extents: Sequence[Extent]) -> list[ExtentStatus]: ...
 
 
 class MemoryEmbeddingStore:
-    """In-process objects (shared by every adapter on the same :class:`MemoryStore`).
+    """In-process objects (shared by every adapter on the same :class:`MemoryStore`). Each object
+    of a put is written on its own, so with a capacity a batch may store some objects and answer
+    FULL for the others (LRU objects outside the batch are evicted first), as Mooncake does.
 
-    Test hook: ``fail_next`` (int) makes that many next ``put`` / ``get`` calls fail as a whole,
-    touching nothing. ``drop(keys)`` is the store's own eviction."""
+    Test hooks: ``fail_next`` (int) makes that many next ``put`` / ``get`` calls fail as a whole
+    (every extent FAILED), touching nothing. ``fail_keys`` (a set of keys, kept until cleared)
+    fails every extent of a ``put`` / ``get`` whose key is in it (not written; destination
+    untouched) while the call serves the others. ``drop(keys)`` is the store's own eviction."""
 
     def __init__(self, objects: MemoryStore | None = None) -> None:
         self.objects = objects if objects is not None else MemoryStore()
         self.fail_next = 0
+        self.fail_keys: set[StoreKey] = set()
         self._owner = next(_OWNERS)
 
     def register(self, ptr: int, nbytes: int) -> None:
@@ -75,11 +107,8 @@ class MemoryEmbeddingStore:
         """Nothing to unregister in process."""
 
     def exists(self, keys: Sequence[StoreKey]) -> list[bool]:
-        return [data is not None for data in self._peek(keys)]
-
-    def _peek(self, keys: Sequence[StoreKey]) -> list[bytes | None]:
         visible = set(self.objects.visible_keys())
-        return [None if key not in visible else b"" for key in keys]
+        return [key in visible for key in keys]
 
     def _failing(self) -> bool:
         if self.fail_next > 0:
@@ -87,31 +116,81 @@ class MemoryEmbeddingStore:
             return True
         return False
 
-    def put(self, extents: Sequence[Extent]) -> list[bool]:
+    def put(self, extents: Sequence[Extent]) -> list[ExtentStatus]:
         if self._failing():
-            return [False] * len(extents)
-        objects = [(e.key, ctypes.string_at(e.ptr, e.nbytes)) for e in extents]
-        status, _evicted = self.objects.write(objects, (), owner=self._owner, hold=False)
-        return [status.ok] * len(extents)
+            return [ExtentStatus.FAILED] * len(extents)
+        batch = [e.key for e in extents]
+        done = []
+        for extent in extents:
+            if extent.key in self.fail_keys:
+                done.append(ExtentStatus.FAILED)
+                continue
+            data = ctypes.string_at(extent.ptr, extent.nbytes)
+            status, _evicted = self.objects.write(
+                [(extent.key, data)], batch, owner=self._owner, hold=False
+            )
+            done.append(_PUT_STATUS.get(status, ExtentStatus.FAILED))
+        return done
 
-    def get(self, extents: Sequence[Extent]) -> list[bool]:
+    def get(self, extents: Sequence[Extent]) -> list[ExtentStatus]:
         if self._failing():
-            return [False] * len(extents)
+            return [ExtentStatus.FAILED] * len(extents)
         found = self.objects.read([e.key for e in extents])
         done = []
         for extent, data in zip(extents, found, strict=True):
-            ok = data is not None and len(data) == extent.nbytes
-            if ok and data is not None:
+            if extent.key in self.fail_keys:
+                done.append(ExtentStatus.FAILED)
+            elif data is None:
+                done.append(ExtentStatus.MISSING)
+            elif len(data) != extent.nbytes:
+                done.append(ExtentStatus.FAILED)  # Mooncake: -600, the slot is not the object
+            else:
                 ctypes.memmove(extent.ptr, data, extent.nbytes)
-            done.append(ok)
+                done.append(ExtentStatus.DONE)
         return done
 
     def drop(self, keys: Sequence[StoreKey]) -> int:
         return self.objects.drop(keys)
 
 
+_PUT_STATUS = {
+    PutStatus.STORED: ExtentStatus.DONE,
+    PutStatus.EXISTED: ExtentStatus.DONE,
+    PutStatus.FULL: ExtentStatus.FULL,
+}
+
+
+def status_of_put(code: int) -> ExtentStatus:
+    """One native ``batch_put_from`` code: 0 is stored (or already there), -200 full."""
+    if code == 0:
+        return ExtentStatus.DONE
+    return ExtentStatus.FULL if classify(code) is ErrorKind.FULL else ExtentStatus.FAILED
+
+
+def status_of_get(code: int, nbytes: int) -> ExtentStatus:
+    """One native ``batch_get_into`` code: the bytes read (exactly ``nbytes``), or negative
+    (-704 missing; -600 the slot is not the object's size; -703, -707, -800, -900, ...)."""
+    if code >= 0:
+        return ExtentStatus.DONE if code == nbytes else ExtentStatus.FAILED
+    return ExtentStatus.MISSING if classify(code) is ErrorKind.MISSING else ExtentStatus.FAILED
+
+
+def _log_failures(what: str, codes: Iterable[int]) -> None:
+    """One warning per failed call, with the count of each native code."""
+    bad = collections.Counter(code for code in codes if code < 0)
+    if bad:
+        summary = ", ".join(f"{count} x {code}" for code, count in sorted(bad.items()))
+        log.warning("embedding %s: %s", what, summary)
+
+
 class MooncakeEmbeddingStore:
-    """Embeddings in a Mooncake cluster through a ready :class:`MooncakeClient` (not owned)."""
+    """Embeddings in a Mooncake cluster through a ready :class:`MooncakeClient` (not owned).
+
+    Per-key codes (MOONCAKE.md §3.2, §3.3): a put answers 0 (stored, or the key existed: the master
+    skips it) or negative (-200 no room for this key: FULL); a get answers the bytes read (DONE
+    only when that is the extent's size) or negative (-704: MISSING; -600, -703, -707, -800,
+    -900: FAILED). A call that raises a :class:`StoreError` (client closed, ...) fails every
+    extent."""
 
     def __init__(self, client: MooncakeClient) -> None:
         self.client = client
@@ -129,22 +208,24 @@ class MooncakeEmbeddingStore:
             log.warning("embedding exists failed: %r", error)
             return [False] * len(keys)
 
-    def put(self, extents: Sequence[Extent]) -> list[bool]:
+    def put(self, extents: Sequence[Extent]) -> list[ExtentStatus]:
         try:
             codes = self.client.batch_put_from(
                 [e.key for e in extents], [e.ptr for e in extents], [e.nbytes for e in extents]
             )
         except StoreError as error:
             log.warning("embedding put failed: %r", error)
-            return [False] * len(extents)
-        return [rc == 0 for rc in codes]
+            return [ExtentStatus.FAILED] * len(extents)
+        _log_failures("put", codes)
+        return [status_of_put(code) for code in codes]
 
-    def get(self, extents: Sequence[Extent]) -> list[bool]:
+    def get(self, extents: Sequence[Extent]) -> list[ExtentStatus]:
         try:
             codes = self.client.batch_get_into(
                 [e.key for e in extents], [e.ptr for e in extents], [e.nbytes for e in extents]
             )
         except StoreError as error:
             log.warning("embedding get failed: %r", error)
-            return [False] * len(extents)
-        return [rc == e.nbytes for rc, e in zip(codes, extents, strict=True)]
+            return [ExtentStatus.FAILED] * len(extents)
+        _log_failures("get", codes)
+        return [status_of_get(code, e.nbytes) for code, e in zip(codes, extents, strict=True)]

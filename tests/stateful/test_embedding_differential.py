@@ -1,29 +1,43 @@
-"""The embedding cache implementation driven side by side with its model (SPEC §6, §7).
+"""The embedding cache implementation driven side by side with its model, two nodes over one shared
+store (SPEC §6, §7, §10).
 
-One :class:`EmbeddingCacheModel` over a :class:`StoreModel` and one :class:`EmbeddingCache` over a
-:class:`MemoryEmbeddingStore`, both stores warm with the same objects. I/O runs on a
-:class:`ManualExecutor`: ``complete_io`` / ``fail_io`` finish the oldest pending op on both sides
-(the implementation's executor is FIFO). Rules: insert / re-insert, prefetch, complete-io, fail-io,
-the store dropping an object, local eviction, get, exists and bad input.
+Two :class:`EmbeddingCacheModel` nodes over one :class:`StoreModel`, and two :class:`EmbeddingCache`
+nodes (each with its own pool, its own :class:`ManualExecutor` and its own
+:class:`MemoryEmbeddingStore` adapter) over one :class:`MemoryStore`; both stores start warm with the
+same objects (pushed by a node that is gone). Every rule picks a node and applies one operation to
+that node on both sides: insert / re-insert, prefetch (also steered toward objects the other node
+pushed), finish the node's oldest I/O (``finish_io``: ack or fail it as a whole; the implementation's
+executor is FIFO), ``partial_io`` (the oldest op answers item by item: a chosen subset of its items
+fails, and on the implementation side a chosen non-empty subset of each failed item's store objects
+fails while every other object is served), the store dropping an object, local eviction, get,
+exists and bad input.
 
-After every step: the same media are cached in the same states with the same used units, the same
-ops pend, and every request is ready on both sides or neither. Every ``get`` checks bytes: a hit
-on either side must be a hit on the other, and the tensor must equal, bit for bit, the embedding
-its media hash names. A push the model's store skipped (the key was visible) is an op on the
-implementation's side only if other keys of the batch were stored; the differential completes it
-with the model's op, and a batch made only of skipped keys is no op on either side.
+After every step, per node: the same media are cached in the same states with the same used units,
+the same ops pend, every request is ready on both sides or neither; and the store holds an
+embedding (every object of it) exactly when the model's store does. Every ``get`` checks bytes: a
+hit on either side must be a hit on the other, and the tensor must equal, bit for bit, the embedding
+its media hash names. This is what shows that what one node pushes (or pushes again after the store
+lost it) the other can load.
+
+Not driven here: a node inserting a media item whose push by the *other* node is still pending. The
+model reserves the key when the first push starts (the second node's item is ``store_skipped``),
+while an implementation node cannot see another node's put before its own put runs (with Mooncake
+its put then answers 0 without writing, MOONCAKE.md §3.4). ``insert_batch`` leaves such items out of
+the batch; the model's own machine (``test_embedding_stateful.py``) covers that interleaving.
 """
 
 from __future__ import annotations
 
+import attrs
 import hypothesis.strategies as st
 import pytest
 import torch
-from hypothesis import event, note
+from hypothesis import event, note, settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from kvstrata.impl.embedding import EmbeddingCache, EmbeddingPool, MemoryEmbeddingStore, PoolShape
 from kvstrata.impl.errors import CapacityError, MisuseError
+from kvstrata.impl.storage.memory import MemoryStore
 from kvstrata.impl.transfer import ManualExecutor
 from kvstrata.model.embedding import EmbeddingCacheModel, OpHandle, OpKind, Unit
 from kvstrata.model.keys import (
@@ -35,6 +49,7 @@ from kvstrata.model.keys import (
     StoreKey,
     content_hash,
 )
+from kvstrata.model.lifecycles import EntryState
 from kvstrata.model.store import StoreModel
 
 DIM = 4
@@ -44,7 +59,9 @@ KEYSPACE = KeySpace(
     shard=Shard.replicated(),
 )
 MEDIA = tuple(content_hash(f"media-{i}".encode()) for i in range(5))
+NODES = 2
 
+nodes = st.integers(0, NODES - 1)
 picks = st.lists(st.integers(0, len(MEDIA) - 1), min_size=1, max_size=3)
 
 
@@ -54,60 +71,120 @@ def embedding(media: PageHash, tokens: int) -> torch.Tensor:
     return torch.randn((tokens, DIM), generator=gen).to(torch.float16)
 
 
+@attrs.frozen
+class Pending:
+    """An op started on ``node``: the model's handle and the implementation's op id."""
+
+    node: int
+    handle: OpHandle
+    op: int
+
+
 class EmbeddingDifferential(RuleBasedStateMachine):
     @initialize(
         sizes=st.lists(st.integers(1, 3), min_size=len(MEDIA), max_size=len(MEDIA)),
         odd=st.lists(st.booleans(), min_size=len(MEDIA), max_size=len(MEDIA)),
-        capacity=st.integers(4, 6),
+        capacities=st.tuples(st.integers(4, 6), st.integers(4, 6)),
         warm=st.lists(st.booleans(), min_size=len(MEDIA), max_size=len(MEDIA)),
     )
-    def setup(self, sizes: list[int], odd: list[bool], capacity: int, warm: list[bool]) -> None:
+    def setup(
+        self, sizes: list[int], odd: list[bool], capacities: tuple[int, int], warm: list[bool]
+    ) -> None:
         self.size = dict(zip(MEDIA, sizes, strict=True))
         # the last unit of an odd item is half full: object sizes differ from unit sizes
         self.tokens = {m: UNIT_TOKENS * s - o for m, s, o in zip(MEDIA, sizes, odd, strict=True)}
-        self.model = EmbeddingCacheModel("a", capacity, KEYSPACE, StoreModel())
-        self.store = MemoryEmbeddingStore()
-        self.executor = ManualExecutor()
-        pool = EmbeddingPool(PoolShape(capacity, UNIT_TOKENS, DIM, torch.float16))
-        self.impl = EmbeddingCache(pool, self.store, KEYSPACE, executor=self.executor)
+        self.model_store = StoreModel()
+        self.objects = MemoryStore()
+        self.models = tuple(
+            EmbeddingCacheModel(name, capacity, KEYSPACE, self.model_store)
+            for name, capacity in zip("ab", capacities, strict=True)
+        )
+        self.stores = tuple(MemoryEmbeddingStore(self.objects) for _ in range(NODES))
+        self.executors = tuple(ManualExecutor() for _ in range(NODES))
+        self.impls = tuple(
+            EmbeddingCache(
+                EmbeddingPool(PoolShape(capacity, UNIT_TOKENS, DIM, torch.float16)),
+                store,
+                KEYSPACE,
+                executor=executor,
+            )
+            for capacity, store, executor in zip(
+                capacities, self.stores, self.executors, strict=True
+            )
+        )
         seeder = EmbeddingCache(
             EmbeddingPool(PoolShape(3, UNIT_TOKENS, DIM, torch.float16)),
-            self.store,
+            MemoryEmbeddingStore(self.objects),
             KEYSPACE,
             executor=ManualExecutor(),
         )
         for media, present in zip(MEDIA, warm, strict=True):
             if present:  # pushed by a node that is gone
-                key = self.model.key(media)
-                self.model.store.begin_put(key)
-                self.model.store.end_put(
+                key = self.models[0].key(media)
+                self.model_store.begin_put(key)
+                self.model_store.end_put(
                     key, tuple(Unit(media, i) for i in range(self.size[media]))
                 )
                 seeder.insert_batch([media], [embedding(media, self.tokens[media])])
                 seeder.close()
                 seeder.evict(3)
-        self.pending: list[tuple[OpHandle, int]] = []
-        self.requests: list[str] = []
+        self.pending: list[Pending] = []
+        self.requests: dict[str, int] = {}
+        self.pushed_by: dict[PageHash, int] = {}
+
+    # ------------------------------------------------------------------------------ helpers
 
     def batch(self, chosen: list[int]) -> list[PageHash]:
         return [MEDIA[i] for i in chosen]
 
-    def track(self, handle: OpHandle | None, op: int | None) -> None:
+    def track(self, node: int, handle: OpHandle | None, op: int | None) -> None:
         assert (handle is None) == (op is None), (handle, op)
         if handle is not None and op is not None:
-            self.pending.append((handle, op))
+            self.pending.append(Pending(node, handle, op))
 
     def impl_keys(self, media: PageHash) -> tuple[StoreKey, ...]:
-        return self.impl.object_keys(media, self.tokens[media])
+        return self.impls[0].object_keys(media, self.tokens[media])
+
+    def busy_nodes(self) -> list[int]:
+        return sorted({p.node for p in self.pending})
+
+    def remote(self, node: int) -> list[PageHash]:
+        """Media visible in the store that ``node`` does not hold."""
+        model = self.models[node]
+        return [
+            m for m in MEDIA if self.model_store.contains(model.key(m)) and model.entry(m) is None
+        ]
+
+    def oldest(self, data: st.DataObject) -> Pending:
+        """The oldest pending op of a node chosen by Hypothesis (each executor is FIFO)."""
+        node = data.draw(st.sampled_from(self.busy_nodes()), label="node")
+        op = next(p for p in self.pending if p.node == node)
+        self.pending.remove(op)
+        return op
+
+    def complete(self, op: Pending, failed: frozenset[PageHash]) -> None:
+        """Complete ``op`` on the model, item by item, after the implementation ran it."""
+        model = self.models[op.node]
+        media = model.op_media(op.handle)
+        if op.handle.kind is OpKind.PUSH:
+            model.ack_push(op.handle, failed)
+            for m in set(media) - failed:
+                self.pushed_by[m] = op.node
+        else:
+            model.ack_get(op.handle, failed)
 
     # ------------------------------------------------------------------------------ rules
 
-    @rule(chosen=picks)
-    def insert_batch(self, chosen: list[int]) -> None:
-        hashes = self.batch(chosen)
-        want = self.model.insert_batch(hashes, [self.size[m] for m in hashes])
-        got = self.impl.insert_batch(hashes, [embedding(m, self.tokens[m]) for m in hashes])
-        note(f"insert {hashes}: {want} / {got}")
+    @rule(node=nodes, chosen=picks)
+    def insert_batch(self, node: int, chosen: list[int]) -> None:
+        other = self.models[1 - node]
+        racing = {e.media for e in other.entries() if e.state is EntryState.PUSHING}
+        hashes = [m for m in self.batch(chosen) if m not in racing]  # see the module docstring
+        if not hashes:
+            return
+        want = self.models[node].insert_batch(hashes, [self.size[m] for m in hashes])
+        got = self.impls[node].insert_batch(hashes, [embedding(m, self.tokens[m]) for m in hashes])
+        note(f"node {node} insert {hashes}: {want} / {got}")
         assert (got.new, got.re_pushed, got.stored, got.store_skipped, got.busy) == (
             want.new,
             want.re_pushed,
@@ -118,74 +195,126 @@ class EmbeddingDifferential(RuleBasedStateMachine):
         assert got.skipped_no_space == want.skipped_no_space
         if want.re_pushed and want.stored > want.new:
             event("insert: local hit pushed again (store had lost it)")
-        self.track(want.op, got.op)
+        self.track(node, want.op, got.op)
 
-    @rule(chosen=picks)
-    def prefetch(self, chosen: list[int]) -> None:
+    @rule(node=nodes, chosen=picks)
+    def prefetch(self, node: int, chosen: list[int]) -> None:
         hashes = self.batch(chosen)
         request = f"r{len(self.requests)}"
-        self.requests.append(request)
-        want = self.model.prefetch(request, hashes, [self.size[m] for m in hashes])
-        got = self.impl.prefetch(request, hashes, [self.tokens[m] for m in hashes])
-        note(f"prefetch {hashes}: {want} / {got}")
+        self.requests[request] = node
+        want = self.models[node].prefetch(request, hashes, [self.size[m] for m in hashes])
+        got = self.impls[node].prefetch(request, hashes, [self.tokens[m] for m in hashes])
+        note(f"node {node} prefetch {request} {hashes}: {want} / {got}")
         assert (got.loading, got.local, got.missing, got.skipped_no_space) == (
             want.loading,
             want.local,
             want.missing,
             want.skipped_no_space,
         )
-        self.track(want.op, got.op)
+        if want.loading and any(self.pushed_by.get(m) == 1 - node for m in hashes):
+            event("prefetch: loads what the other node pushed")
+        self.track(node, want.op, got.op)
+
+    @precondition(lambda self: any(self.remote(node) for node in range(NODES)))
+    @rule(data=st.data())
+    def prefetch_remote(self, data: st.DataObject) -> None:
+        """Steer toward GETs: prefetch, on a node that lacks them, objects the store holds."""
+        node = data.draw(st.sampled_from([n for n in range(NODES) if self.remote(n)]), "node")
+        chosen = data.draw(
+            st.lists(st.sampled_from(self.remote(node)), min_size=1, max_size=3), label="media"
+        )
+        self.prefetch(node, [MEDIA.index(m) for m in chosen])
 
     @precondition(lambda self: self.pending)
-    @rule(fail=st.booleans())
-    def finish_io(self, fail: bool) -> None:
-        handle, _op = self.pending.pop(0)
+    @rule(data=st.data(), fail=st.booleans())
+    def finish_io(self, data: st.DataObject, fail: bool) -> None:
+        op = self.oldest(data)
+        store = self.stores[op.node]
         if fail:
-            self.store.fail_next = 1
-            event(f"io: {handle.kind.value} failed")
-        assert self.executor.run_next()
-        self.store.fail_next = 0
-        assert self.impl.poll() == 1
-        if handle.kind is OpKind.PUSH:
-            (self.model.fail_push if fail else self.model.ack_push)(handle)
-        else:
-            (self.model.fail_get if fail else self.model.ack_get)(handle)
+            store.fail_next = 1
+            event(f"io: {op.handle.kind.value} failed")
+        assert self.executors[op.node].run_next()
+        store.fail_next = 0
+        assert self.impls[op.node].poll() == 1
+        self.complete(op, frozenset(self.models[op.node].op_media(op.handle) if fail else ()))
+
+    @precondition(lambda self: self.pending)
+    @rule(data=st.data())
+    def partial_io(self, data: st.DataObject) -> None:
+        """The oldest op of a node answers item by item: the chosen items (at least one; not all
+        when there are several) fail, the others are served. On the implementation side a failed
+        item fails through a non-empty subset of its store objects (for a push: objects the store
+        does not hold yet, since a put of an existing key always succeeds), and each other object
+        of the batch is served."""
+        op = self.oldest(data)
+        media = self.models[op.node].op_media(op.handle)
+        # some but not all items (finish_io covers all or none); a single item fails
+        most = max(1, len(media) - 1)
+        failed = frozenset(
+            data.draw(st.sets(st.sampled_from(media), min_size=1, max_size=most), label="failed")
+        )
+        keys: set[StoreKey] = set()
+        for m in sorted(failed, key=lambda m: m.digest):
+            candidates = self.impl_keys(m)
+            if op.handle.kind is OpKind.PUSH:
+                visible = self.stores[op.node].exists(candidates)
+                candidates = tuple(k for k, v in zip(candidates, visible, strict=True) if not v)
+            keys |= data.draw(st.sets(st.sampled_from(candidates), min_size=1), label="objects")
+        store = self.stores[op.node]
+        store.fail_keys = keys
+        assert self.executors[op.node].run_next()
+        store.fail_keys = set()
+        assert self.impls[op.node].poll() == 1
+        self.complete(op, failed)
+        if failed and len(failed) < len(media):
+            event(f"io: {op.handle.kind.value} partially failed")
+        if any(len(self.impl_keys(m)) > 1 for m in failed):
+            event("io: a multi-object item failed")
 
     @rule(index=st.integers(0, len(MEDIA) - 1))
     def store_drops(self, index: int) -> None:
         media = MEDIA[index]
-        dropped = self.model.store.evict(self.model.key(media))
-        assert (self.store.drop(self.impl_keys(media)) > 0) == dropped
+        keys = self.impl_keys(media)
+        whole = all(self.stores[0].exists(keys))
+        dropped = self.model_store.evict(self.models[0].key(media))
+        self.stores[0].drop(keys)
+        assert whole == dropped
+        if dropped and any(
+            (e := model.entry(media)) is not None and e.state is EntryState.READY
+            for model in self.models
+        ):
+            event("store dropped an object a node still holds")
 
-    @rule(units=st.integers(0, 4))
-    def evict(self, units: int) -> None:
-        assert self.impl.evict(units) == self.model.evict(units)
+    @rule(node=nodes, units=st.integers(0, 4))
+    def evict(self, node: int, units: int) -> None:
+        assert self.impls[node].evict(units) == self.models[node].evict(units)
 
-    @rule(chosen=picks)
-    def get(self, chosen: list[int]) -> None:
+    @rule(node=nodes, chosen=picks)
+    def get(self, node: int, chosen: list[int]) -> None:
         hashes = self.batch(chosen)
         for media, want, got in zip(
-            hashes, self.model.get(hashes), self.impl.get(hashes), strict=True
+            hashes, self.models[node].get(hashes), self.impls[node].get(hashes), strict=True
         ):
-            assert (want is None) == (got is None), (media, want, got)
+            assert (want is None) == (got is None), (node, media, want, got)
             if got is not None:
                 assert torch.equal(
                     got.view(torch.int16), embedding(media, self.tokens[media]).view(torch.int16)
-                ), f"wrong bytes for {media}"
+                ), f"node {node}: wrong bytes for {media}"
                 event("get: hit, bytes checked")
 
-    @rule(chosen=picks)
-    def exists(self, chosen: list[int]) -> None:
+    @rule(node=nodes, chosen=picks)
+    def exists(self, node: int, chosen: list[int]) -> None:
         hashes = self.batch(chosen)
-        assert self.impl.exists(hashes, [self.tokens[m] for m in hashes]) == self.model.exists(
-            hashes
-        )
+        assert self.impls[node].exists(hashes, [self.tokens[m] for m in hashes]) == self.models[
+            node
+        ].exists(hashes)
 
     @rule(
+        node=nodes,
         index=st.integers(0, len(MEDIA) - 1),
         bad=st.sampled_from(["lengths", "dtype", "dim", "too_big", "rows"]),
     )
-    def bad_input(self, index: int, bad: str) -> None:
+    def bad_input(self, node: int, index: int, bad: str) -> None:
         media = MEDIA[index]
         tensor = embedding(media, self.tokens[media])
         hashes: list[PageHash] = [media]
@@ -204,35 +333,37 @@ class EmbeddingDifferential(RuleBasedStateMachine):
             tensors = [torch.zeros((0, DIM), dtype=torch.float16)]
         before = self.snapshot()
         with pytest.raises(error):
-            self.impl.insert_batch(hashes, tensors)
+            self.impls[node].insert_batch(hashes, tensors)
         assert self.snapshot() == before
 
     # ------------------------------------------------------------------------------ oracles
 
     def snapshot(self) -> tuple[object, ...]:
         return (
-            self.impl.entries(),
-            self.impl.pending_ops(),
-            self.impl.counters,
-            self.store.objects.visible_keys(),
+            tuple((i.entries(), i.pending_ops(), i.counters) for i in self.impls),
+            self.objects.visible_keys(),
         )
 
     @invariant()
     def same_state(self) -> None:
-        want = {e.media: (e.state, e.size) for e in self.model.entries()}
-        got = {e.media: (e.state, len(e.units)) for e in self.impl.entries()}
-        assert got == want
-        assert self.impl.used_units == self.model.used_units
-        assert len(self.impl.pending_ops()) == len(self.model.pending_ops()) == len(self.pending)
-        for request in self.requests:
-            assert self.impl.is_ready(request) == self.model.is_ready(request)
+        for node, (model, impl) in enumerate(zip(self.models, self.impls, strict=True)):
+            want = {e.media: (e.state, e.size) for e in model.entries()}
+            got = {e.media: (e.state, len(e.units)) for e in impl.entries()}
+            assert got == want, node
+            assert impl.used_units == model.used_units, node
+            ours = [p for p in self.pending if p.node == node]
+            assert impl.pending_ops() == tuple(p.op for p in ours), node
+            assert model.pending_ops() == tuple(p.handle for p in ours), node
+        for request, node in self.requests.items():
+            assert self.impls[node].is_ready(request) == self.models[node].is_ready(request)
 
     @invariant()
     def same_store(self) -> None:
         for media in MEDIA:
-            assert all(self.store.exists(self.impl_keys(media))) == self.model.store.contains(
-                self.model.key(media)
+            assert all(self.stores[0].exists(self.impl_keys(media))) == self.model_store.contains(
+                self.models[0].key(media)
             )
 
 
+EmbeddingDifferential.TestCase.settings = settings(settings(), stateful_step_count=100)
 TestEmbeddingDifferential = EmbeddingDifferential.TestCase

@@ -219,6 +219,31 @@ class EmbeddingMachine(RuleBasedStateMachine):
                 assert entry is not None and entry.state is EntryState.READY
         event(f"get: {outcome}")
 
+    @precondition(lambda self: bool(self.pending))
+    @rule(data=st.data())
+    def complete_partial(self, data: st.DataObject) -> None:
+        """A batch call answers item by item (one code per key): a chosen subset of a pending op's
+        items fails, the others complete normally."""
+        kinds = sorted({op.handle.kind for op in self.pending}, key=lambda kind: kind.value)
+        kind = data.draw(st.sampled_from(kinds), label="kind")
+        op = self.take(data, kind)
+        cache = self.nodes[op.node]
+        failed = data.draw(st.sets(st.sampled_from(op.media)), label="failed")
+        if kind is OpKind.PUSH:
+            assert cache.ack_push(op.handle, failed) == len(op.media) - len(failed)
+            for media in op.media:  # a failed push item is READY again, its write aborted
+                entry = cache.entry(media)
+                assert entry is not None and entry.state is EntryState.READY
+                assert self.store.contains(store_key(media)) is (media not in failed)
+        else:
+            lost = failed | {m for m in op.media if not self.store.contains(store_key(m))}
+            assert cache.ack_get(op.handle, failed) == len(op.media) - len(lost)
+            for media in op.media:  # a failed get item is freed and forgotten
+                state = None if (entry := cache.entry(media)) is None else entry.state
+                assert state is (None if media in lost else EntryState.READY), (media, state)
+        if failed and len(failed) < len(op.media):
+            event(f"{kind.value}: partial result (some items failed)")
+
     @rule(node=nodes, n_units=st.integers(0, 6))
     def evict(self, node: int, n_units: int) -> None:
         cache = self.nodes[node]

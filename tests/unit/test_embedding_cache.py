@@ -1,13 +1,22 @@
 """Unit tests of the embedding cache on the in-memory store: round trips, re-push of local hits,
-pins, failed I/O, the background thread, and bad input (a typed error, nothing changed)."""
+pins, failed I/O (whole batches and single items of a batch), the background thread, the mapping of
+Mooncake's per-key codes, and bad input (a typed error, nothing changed)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from kvstrata.impl.embedding import EmbeddingCache, EmbeddingPool, MemoryEmbeddingStore, PoolShape
+from kvstrata.impl.embedding import (
+    EmbeddingCache,
+    EmbeddingPool,
+    ExtentStatus,
+    MemoryEmbeddingStore,
+    PoolShape,
+)
+from kvstrata.impl.embedding.store import status_of_get, status_of_put
 from kvstrata.impl.errors import CapacityError, ConfigError, MisuseError
+from kvstrata.impl.storage.memory import MemoryStore
 from kvstrata.impl.transfer import ManualExecutor
 from kvstrata.model.keys import KeySpace, KVKind, ModelIdentity, PageHash, Shard, content_hash
 from kvstrata.model.lifecycles import EntryState
@@ -110,6 +119,79 @@ def test_failed_io_frees_loads_and_unpins_pushes() -> None:
     io_b.run_all()
     assert b.is_ready("r") and b.entry(A) is None and b.used_units == 0
     assert b.counters.failed == 1
+
+
+def test_a_partially_failed_put_completes_item_by_item() -> None:
+    store = MemoryEmbeddingStore()
+    a, io_a = node(store)
+    assert io_a is not None
+    a.insert_batch([A, B, C], [embedding(A, 5), embedding(B, 3), embedding(C, 2)])
+    store.fail_keys = {a.object_keys(A, 5)[1]}  # one of A's two objects fails: A failed
+    io_a.run_all()
+    store.fail_keys = set()
+    assert a.poll() == 1
+    assert [e.state for e in a.entries()] == [EntryState.READY] * 3
+    assert a.exists([A, B, C], [5, 3, 2]) == (False, True, True)
+    assert store.exists(a.object_keys(A, 5)) == [True, False]  # half of A: still a miss
+    assert (a.counters.pushed, a.counters.failed, a.counters.store_full) == (2, 1, 0)
+    assert same(a.get([A])[0], embedding(A, 5))  # the local copy is intact and readable
+    again = a.insert_batch([A, B, C], [embedding(A, 5), embedding(B, 3), embedding(C, 2)])
+    assert (again.re_pushed, again.stored, again.store_skipped) == (3, 1, 2)  # A again
+    io_a.run_all()
+    a.poll()
+    assert a.exists([A], [5]) == (True,)
+
+
+def test_a_partially_failed_get_frees_only_its_failed_items() -> None:
+    store = MemoryEmbeddingStore()
+    b_store = MemoryEmbeddingStore(store.objects)  # another client of the same objects
+    a, io_a = node(store)
+    b, io_b = node(b_store)
+    assert io_a is not None and io_b is not None
+    a.insert_batch([A, B], [embedding(A, 5), embedding(B, 3)])
+    io_a.run_all()
+    a.poll()
+    b.prefetch("r", [A, B], [5, 3])
+    b_store.fail_keys = {b.object_keys(A, 5)[0]}  # one of A's two objects cannot be read
+    io_b.run_all()
+    assert b.is_ready("r")
+    assert b.entry(A) is None and b.used_units == 1  # A failed: freed and forgotten
+    got = b.get([A, B])
+    assert got[0] is None and same(got[1], embedding(B, 3))
+    assert (b.counters.loaded, b.counters.failed) == (1, 1)
+
+
+def test_a_store_full_for_some_objects_stores_the_others() -> None:
+    objects = MemoryStore(capacity_bytes=2 * 4 * DIM * 2)  # two full units of bfloat16
+    store = MemoryEmbeddingStore(objects)
+    a, io_a = node(store)
+    assert io_a is not None
+    a.insert_batch([A, B, C], [embedding(A, 4), embedding(B, 4), embedding(C, 4)])
+    io_a.run_all()
+    a.poll()
+    assert a.exists([A, B, C], [4, 4, 4]) == (True, True, False)  # C did not fit
+    assert (a.counters.pushed, a.counters.failed, a.counters.store_full) == (2, 1, 1)
+    assert a.entry(C) is not None and a.entry(C).state is EntryState.READY  # type: ignore[union-attr]
+
+
+def test_mooncake_codes_map_per_key() -> None:
+    assert [status_of_put(code) for code in (0, -200, -600, -900, -703)] == [
+        ExtentStatus.DONE,
+        ExtentStatus.FULL,
+        ExtentStatus.FAILED,
+        ExtentStatus.FAILED,
+        ExtentStatus.FAILED,
+    ]
+    assert [status_of_get(code, 64) for code in (64, 32, 0, -704, -600, -707, -800, -900)] == [
+        ExtentStatus.DONE,
+        ExtentStatus.FAILED,  # a short read is not the object
+        ExtentStatus.FAILED,
+        ExtentStatus.MISSING,
+        ExtentStatus.FAILED,
+        ExtentStatus.FAILED,
+        ExtentStatus.FAILED,
+        ExtentStatus.FAILED,
+    ]
 
 
 def test_wait_with_the_background_thread() -> None:

@@ -129,6 +129,20 @@ def test_failed_push_leaves_entries_ready_and_nothing_in_the_store() -> None:
     assert (retry.re_pushed, retry.stored) == (2, 2)
 
 
+def test_a_partially_failed_push_completes_item_by_item() -> None:
+    cache = node()
+    report = cache.insert_batch([A, B, C], [1, 1, 1])
+    assert report.op is not None
+    assert cache.ack_push(report.op, failed=[B]) == 2  # the store refused B (e.g. -200)
+    assert state(cache, A) is state(cache, B) is state(cache, C) is EntryState.READY
+    assert cache.exists([A, B, C]) == (True, False, True)
+    assert cache.store.writing_keys() == frozenset()
+    assert (cache.stats.pushed, cache.stats.push_failed) == (2, 1)
+    assert cache.get([B]) == (units(B, 1),)  # a failed push leaves the local copy readable
+    retry = cache.insert_batch([A, B, C], [1, 1, 1])  # only B is pushed again
+    assert (retry.re_pushed, retry.stored, retry.store_skipped) == (3, 1, 2)
+
+
 # ------------------------------------------------------------------------------ prefetch / GET
 
 
@@ -200,6 +214,30 @@ def test_failed_get_batch_frees_everything() -> None:
     report = second.prefetch("r1", [A, B], [2, 1])
     assert report.op is not None and second.fail_get(report.op) == 2
     assert second.entries() == () and second.used_units == 0
+
+
+def test_a_partially_failed_get_frees_only_its_failed_items() -> None:
+    store = StoreModel()
+    first, second = node("a", store=store), node("b", store=store)
+    pushed(first, [A, B], [2, 1])
+    report = second.prefetch("r1", [A, B], [2, 1])
+    assert report.op is not None and second.ack_get(report.op, failed=[A]) == 1
+    assert second.entry(A) is None and state(second, B) is EntryState.READY
+    assert second.used_units == 1 and (second.stats.loaded, second.stats.load_failed) == (1, 1)
+    assert second.get([A, B]) == (None, units(B, 1))
+    assert second.exists([A]) == (True,)  # a failed read changes nothing in the store
+    assert second.is_ready("r1")
+
+
+def test_failed_items_must_belong_to_the_op() -> None:
+    cache = node()
+    report = cache.insert_batch([A], [1])
+    assert report.op is not None
+    before = frozen_copy(cache)
+    for bad in ([B], [A, B], [b"x" * 32], A):
+        with pytest.raises(MisuseError):
+            cache.ack_push(report.op, failed=bad)  # type: ignore[arg-type]
+    assert cache == before
 
 
 def test_a_get_of_the_wrong_size_is_a_miss() -> None:

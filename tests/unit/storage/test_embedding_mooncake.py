@@ -1,6 +1,13 @@
-"""The embedding cache on a real Mooncake master (the session's LocalCluster): node A inserts in
-this process, node B (another process) prefetches and gets the same tensors bit for bit; after the
-store loses an object A still holds, A's next insert_batch pushes it again and B gets it again."""
+"""The embedding cache on a real Mooncake master.
+
+On the session's LocalCluster: node A inserts in this process, node B (another process) prefetches
+and gets the same tensors bit for bit; after the store loses an object A still holds, A's next
+insert_batch pushes it again and B gets it again.
+
+On a cluster of its own with a 16 MiB segment: a batch larger than the store gets -200 for the
+objects that did not fit, and the cache completes it item by item (an item with any object refused
+failed; the others are stored), with no wrong bytes anywhere; the next insert pushes the failed
+items again."""
 
 from __future__ import annotations
 
@@ -12,7 +19,8 @@ import torch
 
 from kvstrata.impl.embedding import EmbeddingCache, EmbeddingPool, MooncakeEmbeddingStore, PoolShape
 from kvstrata.impl.storage.mooncake import LocalCluster, MooncakeClient
-from kvstrata.model.keys import KeySpace, KVKind, ModelIdentity, Shard, content_hash
+from kvstrata.model.keys import KeySpace, KVKind, ModelIdentity, PageHash, Shard, content_hash
+from kvstrata.model.lifecycles import EntryState
 
 PEER = """
 import json, sys
@@ -103,3 +111,58 @@ def test_two_processes_share_embeddings_and_a_lost_object_is_pushed_again(
         if peer.poll() is None:
             peer.kill()
             peer.wait()
+
+
+def _same(got: torch.Tensor | None, want: torch.Tensor) -> bool:
+    return got is not None and torch.equal(got.view(torch.int16), want.view(torch.int16))
+
+
+def test_a_batch_larger_than_the_store_completes_item_by_item() -> None:
+    dim, unit_tokens, tokens, count = 256, 1024, 3 * 1024, 12  # 3 objects of 512 KiB per item
+    keyspace = KeySpace(
+        ModelIdentity(name="clip", dtype="fp16", kind=KVKind.EMBEDDING, dim=dim),
+        shard=Shard.replicated(),
+    )
+    media: list[PageHash] = [content_hash(f"frame-{i}".encode()) for i in range(count)]
+    tensors = [
+        torch.randn((tokens, dim), generator=torch.Generator().manual_seed(i)).to(torch.float16)
+        for i in range(count)
+    ]
+    shape = PoolShape(3 * count, unit_tokens, dim, torch.float16)  # 18 MiB: more than the store
+    with LocalCluster(segment_size="16mib") as cluster, MooncakeClient(cluster.config) as client:
+        a = EmbeddingCache(EmbeddingPool(shape), MooncakeEmbeddingStore(client), keyspace)
+        b = EmbeddingCache(EmbeddingPool(shape), MooncakeEmbeddingStore(client), keyspace)
+        try:
+            first = a.insert_batch(media, tensors)
+            assert (first.new, first.stored) == (count, count)  # one batch put of 36 objects
+            assert a.flush()
+            counters = a.counters
+            assert counters.pushed + counters.failed == count
+            assert counters.store_full == counters.failed > 0 and counters.pushed > 0
+            assert all(entry.state is EntryState.READY for entry in a.entries())
+            assert all(_same(g, t) for g, t in zip(a.get(media), tensors, strict=True))
+            visible = a.exists(media, [tokens] * count)
+            assert 0 < sum(visible) <= counters.pushed  # a failed item is never visible
+
+            fetched = b.prefetch("r1", media, [tokens] * count)
+            assert fetched.loading == sum(visible)
+            assert b.wait("r1")
+            got = b.get(media)
+            assert all(g is None or _same(g, t) for g, t in zip(got, tensors, strict=True))
+            assert sum(g is not None for g in got) == b.counters.loaded > 0
+
+            # room again: A's next insert pushes the failed items again, and B can load them
+            failed = [m for m, seen in zip(media, visible, strict=True) if not seen]
+            assert client.remove_all(force=True) >= 0
+            again = a.insert_batch(failed, [tensors[media.index(m)] for m in failed])
+            assert (again.new, again.re_pushed, again.stored) == (0, len(failed), len(failed))
+            assert a.flush() and a.counters.pushed == counters.pushed + len(failed)
+            fetched = b.prefetch("r2", failed, [tokens] * len(failed))
+            assert fetched.loading == len(failed) and b.wait("r2")
+            assert all(
+                _same(g, tensors[media.index(m)])
+                for m, g in zip(failed, b.get(failed), strict=True)
+            )
+        finally:
+            a.close()
+            b.close()

@@ -1,0 +1,379 @@
+"""Embedding cache throughput through kvstrata against the raw Mooncake client, in one run (issue 7).
+
+Setup. One process starts a :class:`~kvstrata.impl.storage.mooncake.LocalCluster` (a ``mooncake_master``
+plus a storage node that owns the only segment) and opens two clients on it, neither with a segment of
+its own, so every byte crosses TCP loopback to the storage node on both sides of the comparison (the
+cluster, the raw client, the prefault and the store clearing are ``l3_throughput.py``'s helpers):
+
+- **raw**: ``mooncake.store.MooncakeDistributedStore`` called directly: ``batch_put_from`` of a batch
+  of embeddings from one registered buffer that already holds them, then ``batch_get_into`` into a
+  second registered buffer, with key strings of the cache's own form computed before the clock starts;
+- **kvstrata**: two :class:`~kvstrata.impl.embedding.EmbeddingCache` nodes on one
+  :class:`~kvstrata.impl.storage.mooncake.MooncakeClient`, each with its own pool and I/O thread.
+  *insert_batch* is node A's ``insert_batch(hashes, tensors)`` until ``flush()`` has applied the batch
+  put (copying the tensors into the pool, one ``batch_is_exist``, one ``batch_put_from``, applying the
+  per-key results); *prefetch* is node B's ``prefetch`` + ``wait`` + ``get`` of the same hashes (one
+  ``batch_is_exist``, one ``batch_get_into`` into the pool, then a copy of each tensor out of it).
+
+The pool's unit is one whole embedding, so both sides move exactly one store object per embedding.
+Shapes (float16): ``image`` 576 x 1024 (a ViT-L/14-336 image, 1.125 MiB) and ``small`` 64 x 1024
+(128 KiB); batches of 1, 8 and 32 embeddings. A cell moves ``items`` embeddings per side per
+repetition in ``items / batch`` calls: image 96 (108 MiB), small 384 (48 MiB); ``--quick`` moves a
+third of that in 2 repetitions (a CI smoke run).
+
+Method. Each repetition starts from an empty store (``remove_all(force=True)`` and a small primer
+put, untimed). Calls are interleaved: for call ``i`` the raw and the kvstrata call run one after the
+other, in an order that alternates with ``i``, so a burst of load from other processes on this shared
+machine falls on both alike; first every put, then every get. Puts always use fresh keys (a re-put of
+an existing key is a master-side no-op). One unrecorded warm-up repetition per cell checks bytes:
+every tensor node B gets must equal what node A inserted, bit for bit, and the raw destination buffer
+must equal the source. Reported per row: MB/s (1 MB = 1e6 bytes) from the median seconds over
+``--repeats`` repetitions, and kvstrata / raw as the median over repetitions of that repetition's
+``raw seconds / kvstrata seconds``.
+
+Exit status: 0 when everything ran; 1 when a store call failed or bytes came back wrong (one line on
+stderr); 2 when the cluster cannot be started here.
+
+Usage: python benchmarks/embedding_throughput.py [--quick] [--repeats N] [--batches 1,8,32]
+       [--shapes image,small] [--segment-mib M] [--threads 1] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import l3_throughput as l3  # the sibling benchmark: cluster, raw client, store clearing
+
+from kvstrata.impl.embedding import (
+    EmbeddingCache,
+    EmbeddingPool,
+    MooncakeEmbeddingStore,
+    PoolShape,
+)
+from kvstrata.impl.errors import KvStrataError
+from kvstrata.impl.storage.mooncake import LocalCluster, MooncakeClient
+from kvstrata.model.keys import KeySpace, KVKind, ModelIdentity, PageHash, Shard
+
+MIB = 1 << 20
+DTYPE = torch.float16
+SHAPES = {"image": (576, 1024), "small": (64, 1024)}
+ITEMS = {"image": 96, "small": 384}
+BATCHES = (1, 8, 32)
+WAIT_S = 120.0
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One shape and batch size: ``items`` embeddings per side per repetition."""
+
+    shape: str
+    tokens: int
+    dim: int
+    batch: int
+    items: int
+
+    @property
+    def item_bytes(self) -> int:
+        return self.tokens * self.dim * DTYPE.itemsize
+
+    @property
+    def calls(self) -> int:
+        return self.items // self.batch
+
+    @property
+    def total(self) -> int:
+        return self.calls * self.batch * self.item_bytes
+
+
+def keyspace_of(cell: Cell) -> KeySpace:
+    model = ModelIdentity(name="bench-emb", dtype="float16", kind=KVKind.EMBEDDING, dim=cell.dim)
+    return KeySpace(model, shard=Shard.replicated(), tag="bench")
+
+
+class Sides:
+    """Both sides of one cell: the raw buffers and keys, and the two cache nodes."""
+
+    def __init__(self, cell: Cell, client: MooncakeClient, raw: l3.RawStore) -> None:
+        self.cell, self.raw = cell, raw
+        gen = torch.Generator().manual_seed(cell.tokens * 7919 + cell.batch)
+        self.tensors = [
+            torch.randn((cell.tokens, cell.dim), generator=gen).to(DTYPE) for _ in range(cell.batch)
+        ]
+        self.src = torch.stack(self.tensors).contiguous()
+        self.dst = torch.zeros_like(self.src)
+        self.nbytes = self.src.numel() * self.src.element_size()
+        for buffer in (self.src, self.dst):
+            raw.register(buffer.data_ptr(), self.nbytes)
+        size = cell.item_bytes
+        self.src_ptrs = [self.src.data_ptr() + i * size for i in range(cell.batch)]
+        self.dst_ptrs = [self.dst.data_ptr() + i * size for i in range(cell.batch)]
+        self.sizes = [size] * cell.batch
+        shape = PoolShape(cell.batch, cell.tokens, cell.dim, DTYPE)  # one unit per embedding
+        keyspace = keyspace_of(cell)
+        self.a = EmbeddingCache(EmbeddingPool(shape), MooncakeEmbeddingStore(client), keyspace)
+        self.b = EmbeddingCache(EmbeddingPool(shape), MooncakeEmbeddingStore(client), keyspace)
+        self.raw_keys: list[list[str]] = []
+        self.media: list[list[PageHash]] = []
+        self.requests = 0
+
+    def begin(self, label: str) -> None:
+        """Fresh keys for one repetition (the raw ones have the cache's key form)."""
+        cell = self.cell
+        raw_media = l3.fresh_pages(f"{label}/raw", cell.calls * cell.batch)
+        media = l3.fresh_pages(f"{label}/emb", cell.calls * cell.batch)
+        self.raw_keys = [
+            [
+                self.a.object_keys(m, cell.tokens)[0].text
+                for m in l3.batches(raw_media, cell.batch)[c]
+            ]
+            for c in range(cell.calls)
+        ]
+        self.media = [list(chunk) for chunk in l3.batches(media, cell.batch)]
+
+    # ------------------------------------------------------------------------------ the four calls
+    def raw_put(self, call: int) -> None:
+        codes = self.raw.native.batch_put_from(self.raw_keys[call], self.src_ptrs, self.sizes)
+        if any(code != 0 for code in codes):
+            raise l3.BenchError(f"raw batch_put_from returned {list(codes)}")
+
+    def raw_get(self, call: int) -> None:
+        codes = self.raw.native.batch_get_into(self.raw_keys[call], self.dst_ptrs, self.sizes)
+        if any(code != self.cell.item_bytes for code in codes):
+            raise l3.BenchError(f"raw batch_get_into returned {list(codes)}")
+
+    def insert(self, call: int) -> None:
+        before = self.a.counters.pushed
+        result = self.a.insert_batch(self.media[call], self.tensors)
+        if not self.a.flush(WAIT_S):
+            raise l3.BenchError("insert_batch: the batch put did not complete")
+        if result.stored != self.cell.batch or self.a.counters.pushed - before != self.cell.batch:
+            raise l3.BenchError(f"insert_batch: {result}, counters {self.a.counters}")
+
+    def prefetch(self, call: int) -> list[torch.Tensor | None]:
+        request = f"r{self.requests}"
+        self.requests += 1
+        tokens = [self.cell.tokens] * self.cell.batch
+        result = self.b.prefetch(request, self.media[call], tokens)
+        if not self.b.wait(request, WAIT_S):
+            raise l3.BenchError("prefetch: the batch get did not complete")
+        got = list(self.b.get(self.media[call]))
+        self.b.release(request)
+        if result.loading != self.cell.batch or any(tensor is None for tensor in got):
+            raise l3.BenchError(f"prefetch: {result}, counters {self.b.counters}")
+        return got
+
+    def close(self) -> None:
+        self.a.close()
+        self.b.close()
+        for buffer in (self.src, self.dst):
+            self.raw.unregister(buffer.data_ptr())
+
+
+def repetition(sides: Sides, client: MooncakeClient, label: str, verify: bool) -> dict[str, float]:
+    """One repetition: every put (raw and insert_batch interleaved), then every get."""
+    l3.clear(client, sides.raw)
+    sides.begin(label)
+    seconds = {"raw_put": 0.0, "insert": 0.0, "raw_get": 0.0, "prefetch": 0.0}
+    for phase in (("raw_put", "insert"), ("raw_get", "prefetch")):
+        for call in range(sides.cell.calls):
+            order = phase if call % 2 == 0 else phase[::-1]
+            for name in order:
+                start = time.perf_counter()
+                got = getattr(sides, name)(call)
+                seconds[name] += time.perf_counter() - start
+                if verify and name == "prefetch":
+                    for tensor, want in zip(got, sides.tensors, strict=True):
+                        if not torch.equal(tensor.view(torch.int16), want.view(torch.int16)):
+                            raise l3.BenchError("prefetch: node B got other bytes than A inserted")
+            if verify and phase[0] == "raw_get":
+                if not torch.equal(sides.dst.view(torch.int16), sides.src.view(torch.int16)):
+                    raise l3.BenchError("raw batch_get_into: other bytes than were put")
+                sides.dst.zero_()
+    return seconds
+
+
+def run_cell(cell: Cell, client: MooncakeClient, raw: l3.RawStore, repeats: int) -> dict[str, Any]:
+    sides = Sides(cell, client, raw)
+    samples: dict[str, list[float]] = {"raw_put": [], "insert": [], "raw_get": [], "prefetch": []}
+    try:
+        repetition(sides, client, f"{cell.shape}/{cell.batch}/warm", verify=True)
+        for rep in range(repeats):
+            seconds = repetition(sides, client, f"{cell.shape}/{cell.batch}/{rep}", verify=False)
+            for name, value in seconds.items():
+                samples[name].append(value)
+        failed = sides.a.counters.failed + sides.b.counters.failed
+    finally:
+        sides.close()
+        l3.clear(client, raw)
+    if failed:
+        raise l3.BenchError(f"{failed} embeddings failed in the cache")
+
+    def mbps(name: str) -> float:
+        return cell.total / statistics.median(samples[name]) / 1e6
+
+    def ratio(raw_name: str, name: str) -> float:
+        return statistics.median(
+            r / k for r, k in zip(samples[raw_name], samples[name], strict=True)
+        )
+
+    return {
+        "shape": cell.shape,
+        "tokens": cell.tokens,
+        "dim": cell.dim,
+        "item_bytes": cell.item_bytes,
+        "batch": cell.batch,
+        "calls": cell.calls,
+        "bytes": cell.total,
+        "raw_put_mbps": mbps("raw_put"),
+        "insert_mbps": mbps("insert"),
+        "insert_ratio": ratio("raw_put", "insert"),
+        "raw_get_mbps": mbps("raw_get"),
+        "prefetch_mbps": mbps("prefetch"),
+        "prefetch_ratio": ratio("raw_get", "prefetch"),
+        "samples": samples,
+    }
+
+
+# ----------------------------------------------------------------------------------------------- main
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="a third of the bytes (CI smoke)")
+    parser.add_argument(
+        "--repeats", type=int, default=None, help="recorded repetitions (5; 2 quick)"
+    )
+    parser.add_argument("--batches", default="1,8,32", help="embeddings per batch call")
+    parser.add_argument("--shapes", default="image,small", help=f"of {','.join(SHAPES)}")
+    parser.add_argument("--segment-mib", type=int, default=512, help="storage node segment")
+    parser.add_argument("--threads", type=int, default=1, help="torch.set_num_threads")
+    parser.add_argument("--json", type=Path, default=None, help="write every number here")
+    args = parser.parse_args(argv)
+    try:
+        batches = [int(batch) for batch in args.batches.split(",")]
+        shapes = args.shapes.split(",")
+        if any(batch < 1 for batch in batches) or any(shape not in SHAPES for shape in shapes):
+            raise ValueError
+    except ValueError:
+        parser.error(f"--batches: ints >= 1; --shapes: of {sorted(SHAPES)}")
+    if args.repeats is None:
+        args.repeats = 2 if args.quick else 5
+    if args.repeats < 1:
+        parser.error("--repeats must be >= 1")
+    args.cells = []
+    for shape in shapes:
+        tokens, dim = SHAPES[shape]
+        items = ITEMS[shape] // (3 if args.quick else 1)
+        for batch in batches:
+            args.cells.append(Cell(shape, tokens, dim, batch, max(batch, items // batch * batch)))
+    largest = max(2 * cell.total for cell in args.cells) // MIB
+    if args.segment_mib < largest * 10 // 9 + 16:
+        parser.error(f"--segment-mib: at least {largest * 10 // 9 + 16} for these cells")
+    return args
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    torch.set_num_threads(args.threads)
+    os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
+    started = time.perf_counter()
+    load_start = os.getloadavg()
+    result: dict[str, Any] = {
+        "config": {
+            "dtype": "float16",
+            "repeats": args.repeats,
+            "quick": args.quick,
+            "segment_bytes": args.segment_mib * MIB,
+            "threads": args.threads,
+            "cpus": os.cpu_count(),
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "mooncake": l3._mooncake_version(),
+            "date": time.strftime("%Y-%m-%d"),
+        },
+        "cells": [],
+    }
+    try:
+        cluster = LocalCluster(segment_size=args.segment_mib * MIB).start()
+    except KvStrataError as error:
+        reason = str(error).splitlines()[0]
+        raise l3.SetupError(f"cannot start the local Mooncake cluster: {reason}") from None
+    client: MooncakeClient | None = None
+    raw: l3.RawStore | None = None
+    try:
+        client = MooncakeClient(cluster.config).setup()
+        raw = l3.RawStore(cluster.master_address, cluster.config.local_buffer_size)
+        l3.prefault(client, raw, args.segment_mib * MIB)
+        for cell in args.cells:
+            print(
+                f"cell {cell.shape} batch {cell.batch}: {cell.calls} calls ...",
+                file=sys.stderr,
+                flush=True,
+            )
+            result["cells"].append(run_cell(cell, client, raw, args.repeats))
+            gc.collect()
+    finally:
+        if raw is not None:
+            raw.close()
+        if client is not None:
+            client.close()
+        cluster.stop()
+    result["seconds"] = time.perf_counter() - started
+    result["loadavg"] = {"start": load_start, "end": os.getloadavg()}
+    return result
+
+
+def print_table(result: dict[str, Any]) -> None:
+    config = result["config"]
+    print(
+        f"float16 embeddings; median of {config['repeats']}; {result['seconds']:.0f} s; "
+        f"1-min load average {result['loadavg']['start'][0]:.2f} -> "
+        f"{result['loadavg']['end'][0]:.2f}"
+    )
+    print()
+    print(
+        "| embedding | batch x calls | raw put MB/s | insert_batch MB/s | ÷ raw "
+        "| raw get MB/s | prefetch+wait+get MB/s | ÷ raw |"
+    )
+    print("|---|---|---:|---:|---:|---:|---:|---:|")
+    for cell in result["cells"]:
+        size = cell["item_bytes"]
+        label = f"{cell['shape']} {cell['tokens']}x{cell['dim']} ({size / MIB:.3g} MiB)"
+        print(
+            f"| {label} | {cell['batch']} x {cell['calls']} | {cell['raw_put_mbps']:.0f} "
+            f"| {cell['insert_mbps']:.0f} | {cell['insert_ratio']:.2f} "
+            f"| {cell['raw_get_mbps']:.0f} | {cell['prefetch_mbps']:.0f} "
+            f"| {cell['prefetch_ratio']:.2f} |"
+        )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        result = run(args)
+    except l3.SetupError as error:
+        print(f"embedding_throughput: {error}", file=sys.stderr)
+        return 2
+    except (l3.BenchError, KvStrataError, OSError) as error:
+        print(f"embedding_throughput: failed: {str(error).splitlines()[0]}", file=sys.stderr)
+        return 1
+    print_table(result)
+    if args.json is not None:
+        args.json.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
