@@ -94,6 +94,22 @@ def imports_scratch(scratch: Path, env: dict[str, str]) -> bool:
     return probe.returncode == 0 and probe.stdout.strip().startswith(str(scratch))
 
 
+#: exceptions that mean a patch broke the code (or the test file) rather than re-introducing a bug
+#: the suite detects: a run failing with one of them is an ERROR, never a catch
+NOT_A_CATCH = ("ImportError", "ModuleNotFoundError", "SyntaxError", "IndentationError", "NameError")
+
+
+def not_a_catch(stdout: str) -> str | None:
+    """The line of pytest's output that shows a failure is no catch (see ``NOT_A_CATCH``): a
+    short-summary line or a traceback's exception line naming one of them; ``None`` if none does."""
+    for line in stdout.splitlines():
+        summary = line.startswith(("FAILED ", "ERROR "))
+        raised = line.startswith("E ") and line[1:].lstrip().startswith(NOT_A_CATCH)
+        if raised or (summary and any(f" - {name}" in line for name in NOT_A_CATCH)):
+            return line.strip()
+    return None
+
+
 def run_one(patch: Path) -> tuple[str, float, str]:
     start = time.monotonic()
     with tempfile.TemporaryDirectory(prefix=f"kvstrata-mutant-{patch.stem}-") as tmp:
@@ -114,6 +130,7 @@ def run_one(patch: Path) -> tuple[str, float, str]:
                 "not Mooncake",  # the real-store run of the L3 machine: the gate covers the same paths
                 "-x",
                 "-q",
+                "-rfE",
                 "--no-header",
                 "-p",
                 "no:cacheprovider",
@@ -126,6 +143,9 @@ def run_one(patch: Path) -> tuple[str, float, str]:
         )
     elapsed = time.monotonic() - start
     tail = "\n".join(result.stdout.strip().splitlines()[-3:])
+    broken = not_a_catch(result.stdout)
+    if broken:
+        return "ERROR", elapsed, f"the suite failed, but not on the bug: {broken}"
     if result.returncode == 1:
         return "caught", elapsed, tail
     if result.returncode == 0:
