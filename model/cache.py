@@ -14,6 +14,37 @@ Theory of operation
   advances lifecycles only through the tables of :mod:`kvstrata.model.lifecycles`, then (if
   ``config.check``) runs every invariant of :mod:`kvstrata.model.invariants`.
 * ``clock`` is the step counter: it advances once per public operation and orders LRU and timeouts.
+
+Side pools (SPEC §5, opt-in through ``CacheConfig.side_pools``)
+-----------------------------------------------------------------
+With no side pools every result, op id and check is what it was before side pools existed.
+
+* ``ALL_PAGES`` pools (sparse-attention indexer keys) share the KV page's indices on L1 and L2, so their
+  L1/L2 residency *is* the page's: nothing is tracked for them there. They differ only in L3, where the
+  store can evict an indexer object on its own: backup writes them with the KV objects of each page,
+  and L3 ``exists`` / prefetch go through :func:`~kvstrata.model.hybrid.hybrid_exists`, so a page
+  whose indexer object is missing is not a hit (I6).
+* ``TRAILING_PAGES`` pools (Mamba state: a temporal buffer plus conv buffers) hold one *state* per node
+  end, keyed by the page hash of the last page of the prefix it belongs to. On L1 and L2 a state (every
+  trailing pool's components together) takes one slot of its own pools (``device_states``,
+  ``host_states``), separate from the page pools. Like pages, states are kept **per page hash**
+  (``state_info``) with their own residency (``STATE_RESIDENCY``), never per node: a split cannot move
+  or lose a state, it only creates a new node end that has none. A state's content identity is
+  ``("state", page_hash)``.
+* A prefix is *usable in a tier* when every page's KV is valid in that tier and the state at its last
+  page is valid in that same tier. ``match`` reports the L1 prefix cut back to the deepest node end
+  usable on L1, then the L2 continuation: the nodes after that cut whose KV is valid on L2, cut back to
+  the deepest node end whose state is valid on L2. Reporting less is always allowed; reporting a
+  prefix that is not usable is an I6 violation (checked on every match).
+* A state moves with its node: write-through, stage, demote, delete and load-back carry the state of
+  the node's last page along with its pages, and host (or device) allocation for such a transfer is
+  atomic over pools (KV pages and the state slot: all or nothing). ``evict_state`` drops one state
+  from L1 or L2 without touching KV (the tree then reports less). A state is valid in a tier only
+  where its page is (accounting).
+* Design rationale: why states per page hash and not per node. Keeping the state on the node would
+  make every split decide which half keeps it and every pending op follow nodes again (the lost split).
+  Keyed by the page hash, a state cannot be lost or moved by a split, ops capture it at enqueue like
+  pages, and "state at the node end" is a checked fact (accounting), not a pointer to maintain.
 """
 
 from __future__ import annotations
@@ -25,7 +56,16 @@ from collections.abc import Hashable, Sequence
 import attrs
 
 from kvstrata.model.errors import CapacityError, MisuseError
-from kvstrata.model.invariants import check_cache
+from kvstrata.model.hybrid import (
+    HitPolicy,
+    SidePool,
+    check_side_pools,
+    check_usable,
+    hybrid_exists,
+    side_page_keys,
+    usable_prefix,
+)
+from kvstrata.model.invariants import check_cache, check_i6_reported
 from kvstrata.model.keys import (
     DEFAULT_NAMESPACE,
     KeySpace,
@@ -43,6 +83,7 @@ from kvstrata.model.lifecycles import (
     LOAD_OP,
     PAGE_RESIDENCY,
     PREFETCH_OP,
+    STATE_RESIDENCY,
     WRITE_OP,
     BackupEvent,
     BackupState,
@@ -52,6 +93,7 @@ from kvstrata.model.lifecycles import (
     PrefetchState,
     Residency,
     ResidencyEvent,
+    StateEvent,
 )
 from kvstrata.model.prefetch import PrefetchOp, PrefetchPolicy, PrefetchTimeout
 from kvstrata.model.slots import SlotPool
@@ -90,10 +132,23 @@ def _non_negative(_instance: object, attribute: attrs.Attribute[int], value: int
         raise MisuseError(f"{attribute.name} must be an int >= 0, got {value!r}")
 
 
+def _to_side_pools(value: object) -> tuple[SidePool, ...]:
+    if isinstance(value, SidePool):
+        raise MisuseError("side_pools is a sequence of SidePool values, got one SidePool")
+    if not isinstance(value, tuple | list):
+        raise MisuseError(f"side_pools must be a tuple of SidePool values, got {value!r}")
+    return tuple(value)
+
+
 @attrs.frozen
 class CacheConfig:
     """Sizes in pages, thresholds in tokens. ``host_pages == 0`` means no L2 (and so no L3);
-    ``keys is None`` means no L3."""
+    ``keys is None`` means no L3.
+
+    Side pools (SPEC §5) are opt-in: ``side_pools`` lists them (distinct names). A
+    ``TRAILING_PAGES`` pool needs state slots: ``device_states >= 1``, and ``host_states >= 1``
+    when there is an L2 (``host_states == 0`` without one); with no such pool both are 0.
+    """
 
     page_size: int = attrs.field(validator=_positive)
     device_pages: int = attrs.field(validator=_positive)
@@ -111,17 +166,38 @@ class CacheConfig:
     prefetch_timeout: PrefetchTimeout = attrs.field(factory=PrefetchTimeout)
     keys: KeySpace | None = None
     check: bool = True
+    side_pools: tuple[SidePool, ...] = attrs.field(default=(), converter=_to_side_pools)
+    device_states: int = attrs.field(default=0, validator=_non_negative)
+    host_states: int = attrs.field(default=0, validator=_non_negative)
 
     def __attrs_post_init__(self) -> None:
         if self.keys is not None and self.keys.model.page_size != self.page_size:
             raise MisuseError("the key space's page size differs from the cache's page size")
         if self.load_back_quota is not None and self.load_back_quota <= 0:
             raise MisuseError(f"load_back_quota must be > 0 or None, got {self.load_back_quota}")
+        check_side_pools(self.side_pools)
+        if not self.trailing_pools:
+            if self.device_states or self.host_states:
+                raise MisuseError("state slots need a TRAILING_PAGES side pool")
+        else:
+            if self.device_states < 1:
+                raise MisuseError("a TRAILING_PAGES side pool needs device_states >= 1")
+            if (self.host_pages > 0) != (self.host_states > 0):
+                raise MisuseError("host_states must be >= 1 with an L2 and 0 without one")
+
+    @property
+    def all_pages_pools(self) -> tuple[SidePool, ...]:
+        return tuple(p for p in self.side_pools if p.policy is HitPolicy.ALL_PAGES)
+
+    @property
+    def trailing_pools(self) -> tuple[SidePool, ...]:
+        return tuple(p for p in self.side_pools if p.policy is HitPolicy.TRAILING_PAGES)
 
 
 @attrs.define
 class PageInfo:
-    """Where one page's bytes are. ``host_pins`` counts backup ops still reading the host copy."""
+    """Where one page's bytes (or one state's, in ``CacheModel.state_info``) are. ``host_pins``
+    counts backup ops still reading the host copy."""
 
     residency: Residency
     device_slot: int | None = None
@@ -137,6 +213,7 @@ class CopyOp:
     node_id: int  # the node it locks while in flight; never used to find the pages it covers
     pages: tuple[PageHash, ...]
     state: OpState = OpState.PENDING
+    states: tuple[PageHash, ...] = ()  # trailing states it copies too (keyed by their page)
 
 
 @attrs.define
@@ -149,6 +226,7 @@ class BackupOp:
     state: BackupState = BackupState.QUEUED
     begun: tuple[StoreKey, ...] = ()
     attempts: int = 0
+    states: tuple[PageHash, ...] = ()  # trailing states to write (host state slots pinned)
 
 
 @attrs.frozen
@@ -160,6 +238,7 @@ class MatchResult:
     device_node: int  # deepest node of the L1 prefix (a root if none)
     host_node: int  # deepest node of the L2 continuation (== device_node if none)
     device_slots: tuple[int, ...]
+    device_state_slot: int | None = None  # L1 state slot at the end of the L1 prefix (side pools)
 
 
 @attrs.frozen
@@ -168,6 +247,7 @@ class InsertResult:
     new_pages: int  # pages the tree did not have (a new leaf)
     revived_pages: int  # host-only pages now valid on L1 again
     duplicate_pages: int  # fresh slots given back: the tree already held those pages on L1
+    state_kept: bool = False  # the state slot given to insert now holds the last page's state
 
 
 def _check_tokens(tokens: object) -> tuple[int, ...]:
@@ -197,11 +277,17 @@ class CacheModel:
     clock: int = attrs.field(init=False, default=0)
     scheduler_slots: set[int] = attrs.field(init=False, factory=set)
     _next_op: int = attrs.field(init=False, default=0)
+    device_state: SlotPool = attrs.field(init=False)
+    host_state: SlotPool = attrs.field(init=False)
+    state_info: dict[PageHash, PageInfo] = attrs.field(init=False, factory=dict)
+    scheduler_state_slots: set[int] = attrs.field(init=False, factory=set)
 
     def __attrs_post_init__(self) -> None:
         self.tree = RadixTree(self.config.page_size)
         self.device = SlotPool("L1", self.config.device_pages)
         self.host = SlotPool("L2", self.config.host_pages)
+        self.device_state = SlotPool("L1-state", self.config.device_states)
+        self.host_state = SlotPool("L2-state", self.config.host_states)
 
     # ----------------------------------------------------------------- helpers
     @property
@@ -249,6 +335,119 @@ class CacheModel:
         """The bytes of a KV page, as an identity: the page hash names its prefix exactly."""
         return page
 
+    # ----------------------------------------------------------------- side-pool helpers
+    @property
+    def has_states(self) -> bool:
+        """Whether a ``TRAILING_PAGES`` side pool (a Mamba state per node end) is configured."""
+        return bool(self.config.trailing_pools)
+
+    @staticmethod
+    def state_content(page: PageHash) -> Hashable:
+        """The bytes of the trailing state at the end of ``page``'s prefix, as an identity."""
+        return ("state", page)
+
+    @staticmethod
+    def _state_page(content: Hashable) -> PageHash:
+        """The page a state identity names (what a copy of the state would be keyed by)."""
+        assert isinstance(content, tuple) and content[0] == "state"
+        page = content[1]
+        assert isinstance(page, PageHash)
+        return page
+
+    def _state_of(self, page: PageHash | None) -> Residency | None:
+        info = None if page is None else self.state_info.get(page)
+        return None if info is None else info.residency
+
+    def _advance_state(self, page: PageHash, event: StateEvent) -> None:
+        info = self.state_info[page]
+        info.residency = STATE_RESIDENCY.next(info.residency, event)
+        if info.residency is Residency.GONE:
+            del self.state_info[page]
+
+    def _page_objects(
+        self, namespace: Namespace, page: PageHash
+    ) -> tuple[tuple[str, StoreKey], ...]:
+        """(component, key) of every store object of one page: the KV components, then every
+        ``ALL_PAGES`` side pool's, each key rendered once by the key space."""
+        keys = self.config.keys
+        assert keys is not None
+        out = tuple(zip(keys.model.components, self._page_keys(namespace, page), strict=True))
+        for pool in self.config.all_pages_pools:
+            out += tuple(
+                zip(pool.components, side_page_keys(keys, namespace, pool, page), strict=True)
+            )
+        return out
+
+    def _state_objects(
+        self, namespace: Namespace, page: PageHash
+    ) -> tuple[tuple[str, StoreKey], ...]:
+        """(component, key) of every store object of the state at the end of ``page``'s prefix:
+        every component of every ``TRAILING_PAGES`` pool, keyed by that (last) page's hash."""
+        keys = self.config.keys
+        assert keys is not None
+        out: tuple[tuple[str, StoreKey], ...] = ()
+        for pool in self.config.trailing_pools:
+            out += tuple(
+                zip(pool.components, side_page_keys(keys, namespace, pool, page), strict=True)
+            )
+        return out
+
+    def _l3_hit(self, namespace: Namespace, pages: Sequence[PageHash]) -> int:
+        """Leading pages of ``pages`` L3 can serve in every pool (SPEC §5; the KV hit without side
+        pools)."""
+        if not self.config.side_pools:
+            return self.store.exists_pages(self._page_keys(namespace, page) for page in pages)
+        keys = self.config.keys
+        assert keys is not None
+        return hybrid_exists(self.store, keys, namespace, pages, self.config.side_pools)
+
+    def _state_nodes(self) -> dict[PageHash, Node]:
+        """The node whose end each state sits at (accounting: every state sits at a node end)."""
+        return {
+            node.pages[-1]: node
+            for node in self.tree.non_root_nodes()
+            if node.pages[-1] in self.state_info
+        }
+
+    def _drop_state(self, page: PageHash, *, host: bool) -> None:
+        """Free one state's L1 (or L2) copy; the state is forgotten when no copy is left."""
+        info = self.state_info[page]
+        if host:
+            slot = info.host_slot
+            event = StateEvent.DROP_HOST if info.residency is Residency.BOTH else StateEvent.DELETE
+            info.host_slot = None
+            assert slot is not None
+            self.host_state.free([slot])
+        else:
+            slot = info.device_slot
+            event = StateEvent.DEMOTE if info.residency is Residency.BOTH else StateEvent.DELETE
+            info.device_slot = None
+            assert slot is not None
+            self.device_state.free([slot])
+        self._advance_state(page, event)
+
+    def _state_victims(self, *, host: bool) -> list[PageHash]:
+        """States that may lose their L1 (or L2) copy, least recently used node first: not in
+        flight, on an unlocked node, and (L2) not pinned by a backup."""
+        allowed = (Residency.BOTH, Residency.HOST) if host else (Residency.DEVICE, Residency.BOTH)
+        out = [
+            (node.last_access, node.node_id, page)
+            for page, node in self._state_nodes().items()
+            if not node.lock_ref
+            and self.state_info[page].residency in allowed
+            and not (host and self.state_info[page].host_pins)
+        ]
+        return [page for _access, _node, page in sorted(out)]
+
+    def _free_state_slot(self, *, host: bool) -> bool:
+        """Make sure one L1 (or L2) state slot is free, dropping the LRU state copy if needed."""
+        pool = self.host_state if host else self.device_state
+        if pool.free_count == 0:
+            victims = self._state_victims(host=host)
+            if victims:
+                self._drop_state(victims[0], host=host)
+        return pool.free_count > 0
+
     def _lock(self, node: Node, delta: int) -> None:
         for crossed in self.tree.add_lock(node, delta):
             device = len(crossed.pages) if self.residency_of(crossed) in DEVICE_VALID else 0
@@ -278,6 +477,15 @@ class CacheModel:
             out.extend(self.page_info[page].residency for page in node.pages)
         return tuple(out)
 
+    def state_residency(
+        self, tokens: Sequence[int], namespace: Namespace = DEFAULT_NAMESPACE
+    ) -> tuple[Residency | None, ...]:
+        """Residency of the trailing state at the end of each full page of ``tokens`` present in
+        the tree (``None``: no state there); no split, no LRU touch."""
+        tokens = _check_tokens(tokens)
+        walk = self.tree.walk(tokens, namespace, split=False)
+        return tuple(self._state_of(page) for node in walk.path for page in node.pages)
+
     def device_content(self, slots: Sequence[int]) -> tuple[Hashable, ...]:
         return tuple(self.device.read(slot) for slot in slots)
 
@@ -285,48 +493,83 @@ class CacheModel:
         return tuple(self.host.read(slot) for slot in slots)
 
     def l3_exists(self, tokens: Sequence[int], namespace: Namespace = DEFAULT_NAMESPACE) -> int:
-        """How many leading full pages of ``tokens`` the store holds completely (0 without L3)."""
+        """How many leading full pages of ``tokens`` the store holds completely (0 without L3);
+        with side pools, the usable prefix over every pool (SPEC §5, I6)."""
         tokens = _check_tokens(tokens)
         if not self.has_l3:
             return 0
         pages = chain_page_hashes(tokens, self.page_size, namespace)
-        return self.store.exists_pages(self._page_keys(namespace, page) for page in pages)
+        return self._l3_hit(namespace, pages)
 
     # ----------------------------------------------------------------- match
     def match(self, tokens: Sequence[int], namespace: Namespace = DEFAULT_NAMESPACE) -> MatchResult:
-        """Longest cached page-aligned prefix; splits a node the match ends inside."""
+        """Longest cached page-aligned prefix; splits a node the match ends inside.
+
+        With a ``TRAILING_PAGES`` side pool both parts are cut back to node ends whose state is
+        valid in the tier they are read from (L1 for the L1 prefix, L2 for the continuation)."""
         tokens = _check_tokens(tokens)
         self._tick()
         walk = self.tree.walk(tokens, namespace, split=True)
-        device_pages = host_pages = 0
-        device_node = host_node = walk.root
-        slots: list[int] = []
-        in_device = True
+        device: list[Node] = []
+        host: list[Node] = []
         for node in walk.path:
             node.last_access = self.clock
             node.hits += 1
             state = self.residency_of(node)
-            if in_device and state in DEVICE_VALID:
-                device_pages += len(node.pages)
-                device_node = host_node = node
-                slots.extend(self._device_slot(page) for page in node.pages)
+            if not host and state in DEVICE_VALID:
+                device.append(node)
                 continue
-            in_device = False
             if state not in HOST_VALID:
                 break
-            host_pages += len(node.pages)
-            host_node = node
+            host.append(node)
+        if self.has_states:
+            device, host = self._usable_by_state(device, host)
+        device_node = device[-1] if device else walk.root
+        host_node = host[-1] if host else device_node
+        device_pages = sum(len(node.pages) for node in device)
+        host_pages = sum(len(node.pages) for node in host)
+        slots = [self._device_slot(page) for node in device for page in node.pages]
+        state_slot = None
+        if self.has_states and device:
+            state_slot = self.state_info[device_node.pages[-1]].device_slot
+        if self.config.check:
+            path_pages = [page for node in walk.path for page in node.pages]
+            check_i6_reported(self, path_pages, device_pages, host_pages)
         if self.config.write_policy is WritePolicy.WRITE_THROUGH_SELECTIVE:
             for node in walk.path:
-                if (
-                    node.hits >= self.config.write_through_threshold
-                    and self.residency_of(node) is Residency.DEVICE
+                if node.hits >= self.config.write_through_threshold and (
+                    self.residency_of(node) is Residency.DEVICE or self._state_alone(node)
                 ):
                     self._write_through_chain(node)
         self._finish()
         return MatchResult(
-            device_pages, host_pages, device_node.node_id, host_node.node_id, tuple(slots)
+            device_pages,
+            host_pages,
+            device_node.node_id,
+            host_node.node_id,
+            tuple(slots),
+            state_slot,
         )
+
+    def _usable_by_state(
+        self, device: list[Node], host: list[Node]
+    ) -> tuple[list[Node], list[Node]]:
+        """Cut the L1 prefix back to the deepest node end whose state is valid on L1; the L2
+        continuation is then the nodes after that cut whose KV is valid on L2, cut back to the
+        deepest node end whose state is valid on L2. States sit at node ends only, so a node
+        that ends without one (a split-off prefix) is never the end of a reported prefix."""
+        cut = len(device)
+        while cut and self._state_of(device[cut - 1].pages[-1]) not in DEVICE_VALID:
+            cut -= 1
+        rest: list[Node] = []
+        for node in [*device[cut:], *host]:
+            if self.residency_of(node) not in HOST_VALID:
+                break
+            rest.append(node)
+        end = len(rest)
+        while end and self._state_of(rest[end - 1].pages[-1]) not in HOST_VALID:
+            end -= 1
+        return device[:cut], rest[:end]
 
     def _device_slot(self, page: PageHash) -> int:
         slot = self.page_info[page].device_slot
@@ -369,11 +612,44 @@ class CacheModel:
         self.device.free(slots)
         self._finish()
 
+    def alloc_device_state(self) -> int:
+        """The scheduler takes one fresh L1 state slot for the trailing state it is about to
+        compute (side pools only), dropping the least recently used unlocked L1 state copy if
+        none is free. Raises :class:`CapacityError` if still none (a dropped copy stays dropped).
+        The caller owns the slot until it hands it to :meth:`insert` or :meth:`free_device_state`."""
+        if not self.has_states:
+            raise MisuseError("no TRAILING_PAGES side pool: this cache keeps no states")
+        self._tick()
+        if not self._free_state_slot(host=False):
+            self._finish()
+            raise CapacityError("no L1 state slot is free and no L1 state can be dropped")
+        (slot,) = self.device_state.alloc(1)
+        self.scheduler_state_slots.add(slot)
+        self._finish()
+        return slot
+
+    def write_device_state(self, slot: int, content: Hashable) -> None:
+        """The model computed a trailing state into a slot the scheduler owns (its content
+        identity is :meth:`state_content` of the last full page of the request)."""
+        if slot not in self.scheduler_state_slots:
+            raise MisuseError(f"L1 state slot {slot} is not held by the scheduler")
+        self.device_state.write(slot, content)
+
+    def free_device_state(self, slot: int) -> None:
+        """The scheduler gives back a state slot it took with :meth:`alloc_device_state`."""
+        if slot not in self.scheduler_state_slots:
+            raise MisuseError(f"L1 state slot {slot} is not held by the scheduler")
+        self._tick()
+        self.scheduler_state_slots.discard(slot)
+        self.device_state.free([slot])
+        self._finish()
+
     def insert(
         self,
         tokens: Sequence[int],
         namespace: Namespace = DEFAULT_NAMESPACE,
         device_slots: Sequence[int] = (),
+        state_slot: int | None = None,
     ) -> InsertResult:
         """Cache the KV of ``tokens`` (whole pages; a trailing partial page is ignored).
 
@@ -385,12 +661,22 @@ class CacheModel:
         does not have form a new leaf. Below a node that is still loading back to L1 nothing is
         revived or added (those slots go back too): if that load failed, L1 pages would hang under
         a host-only parent (I3). Invalid slots raise :class:`MisuseError`, nothing changed.
+
+        ``state_slot`` (side pools with a ``TRAILING_PAGES`` pool only) is an L1 state slot from
+        :meth:`alloc_device_state` holding the state at the end of the last full page. It becomes
+        that page's L1 state (the page is then a node end) unless the page already has one on
+        L1 or nothing was cached below a loading node; then it is given back (``state_kept``).
         """
         tokens = _check_tokens(tokens)
         total = len(tokens) // self.page_size
         slots = tuple(device_slots)
         if len(slots) != total or len(set(slots)) != total:
             raise MisuseError(f"{total} distinct L1 slots needed for {total} pages, got {slots}")
+        if state_slot is not None:
+            if state_slot not in self.scheduler_state_slots:
+                raise MisuseError(f"L1 state slot {state_slot} is not held by the scheduler")
+            if total == 0:
+                raise MisuseError("a state belongs to the end of a full page; tokens have none")
         walk = self.tree.walk(tokens, namespace, split=False)
         cached = [
             self.page_info[page].device_slot if self.residency_of(node) in DEVICE_VALID else None
@@ -439,10 +725,32 @@ class CacheModel:
                 self._advance_page(page, ResidencyEvent.INSERT)
             self._count_device(leaf, +1)
             deepest = leaf
-            if self.config.write_policy is WritePolicy.WRITE_THROUGH:
-                self._write_through_chain(leaf)
+        kept = False
+        if state_slot is not None:
+            self.scheduler_state_slots.discard(state_slot)
+            kept = not loading and self._attach_state(deepest, state_slot)
+            if not kept:
+                self.device_state.free([state_slot])
+        if (new_pages or kept) and self.config.write_policy is WritePolicy.WRITE_THROUGH:
+            self._write_through_chain(deepest)
         self._finish()
-        return InsertResult(deepest.node_id, new_pages, revived, len(duplicates))
+        return InsertResult(deepest.node_id, new_pages, revived, len(duplicates), kept)
+
+    def _attach_state(self, node: Node, slot: int) -> bool:
+        """Make ``slot`` the L1 state at the end of ``node`` (whose pages are valid on L1); False
+        if that end already has a state on L1 (or one being loaded there)."""
+        page = node.pages[-1]
+        assert self.residency_of(node) in DEVICE_VALID
+        state = self._state_of(page)
+        if state is None:
+            self.state_info[page] = PageInfo(Residency.NEW, device_slot=slot)
+            self._advance_state(page, StateEvent.INSERT)
+            return True
+        if state is Residency.HOST:
+            self.state_info[page].device_slot = slot
+            self._advance_state(page, StateEvent.REVIVE)
+            return True
+        return False
 
     def _revive(self, node: Node, slots: Sequence[int]) -> None:
         for page, slot in zip(node.pages, slots, strict=True):
@@ -466,10 +774,45 @@ class CacheModel:
                 return
             self._lock(current, +1)
             self._advance(current, ResidencyEvent.WRITE_START)
-            self.write_ops.append(CopyOp(self._op_id(), current.node_id, current.pages))
+            states = self._moving_state(current)
+            for page in states:
+                self._advance_state(page, StateEvent.WRITE_START)
+            self.write_ops.append(
+                CopyOp(self._op_id(), current.node_id, current.pages, states=states)
+            )
+        if self._state_alone(node):
+            self._write_state_through(node)
+
+    def _state_alone(self, node: Node) -> bool:
+        """Whether ``node``'s end state is on L1 only while its KV has (or is getting) an L2
+        copy: a state attached after the node was written through."""
+        return (
+            not node.is_root
+            and self.residency_of(node) in (Residency.BOTH, Residency.WRITING)
+            and bool(self._moving_state(node))
+        )
+
+    def _write_state_through(self, node: Node) -> None:
+        """A state-only write-through (queued behind the node's own, FIFO), if L2 has room."""
+        self.tree.add_lock(node, +1)
+        room = self._free_state_slot(host=True)
+        self.tree.add_lock(node, -1)
+        if not room:
+            return
+        (page,) = self._moving_state(node)
+        (self.state_info[page].host_slot,) = self.host_state.alloc(1)
+        self._lock(node, +1)
+        self._advance_state(page, StateEvent.WRITE_START)
+        self.write_ops.append(CopyOp(self._op_id(), node.node_id, (), states=(page,)))
+
+    def _moving_state(self, node: Node) -> tuple[PageHash, ...]:
+        """The state that moves L1 -> L2 with ``node`` (its end state, if on L1 only)."""
+        page = node.pages[-1]
+        return (page,) if self._state_of(page) is Residency.DEVICE else ()
 
     def _alloc_host_for(self, node: Node) -> bool:
-        """Give every page of ``node`` a host slot (evicting L2 if needed); False if impossible."""
+        """Give every page of ``node`` a host slot, and its L1-only end state a host state slot
+        (evicting L2 if needed); all or nothing: False, nothing allocated, if impossible."""
         needed = len(node.pages)
         if needed > self.host.free_count:
             self.tree.add_lock(node, +1)
@@ -477,6 +820,14 @@ class CacheModel:
             self.tree.add_lock(node, -1)
         if needed > self.host.free_count:
             return False
+        states = self._moving_state(node)
+        if states:
+            self.tree.add_lock(node, +1)
+            room = self._free_state_slot(host=True)
+            self.tree.add_lock(node, -1)
+            if not room:
+                return False
+            (self.state_info[states[0]].host_slot,) = self.host_state.alloc(1)
         for page, slot in zip(node.pages, self.host.alloc(needed), strict=True):
             self.page_info[page].host_slot = slot
         return True
@@ -495,12 +846,24 @@ class CacheModel:
             assert info.device_slot is not None and info.host_slot is not None
             self.host.write(info.host_slot, self.device.read(info.device_slot))
             self._advance_page(page, ResidencyEvent.WRITE_ACK)
+        for page in op.states:
+            self._copy_state(page, to_host=True)
+            self._advance_state(page, StateEvent.WRITE_ACK)
         self._lock(self.tree.node(op.node_id), -1)
         node = self.tree.node(op.node_id)
         if self.has_l3:
-            self._enqueue_backup(node.namespace, op.pages)
+            self._enqueue_backup(node.namespace, op.pages, op.states)
         self._finish()
         return len(op.pages)
+
+    def _copy_state(self, page: PageHash, *, to_host: bool) -> None:
+        """Copy one state between its L1 and L2 slots (reading the source: I5/I7)."""
+        info = self.state_info[page]
+        assert info.device_slot is not None and info.host_slot is not None
+        if to_host:
+            self.host_state.write(info.host_slot, self.device_state.read(info.device_slot))
+        else:
+            self.device_state.write(info.device_slot, self.host_state.read(info.host_slot))
 
     def fail_write(self) -> int:
         """A write-through copy failed. Every pending write-through fails with it (a later op may
@@ -524,16 +887,29 @@ class CacheModel:
                 info.host_slot = None
                 self._advance_page(page, ResidencyEvent.WRITE_FAIL)
             self.host.free(slots)
+            for page in op.states:
+                info = self.state_info[page]
+                assert info.host_slot is not None
+                self.host_state.free([info.host_slot])
+                info.host_slot = None
+                self._advance_state(page, StateEvent.WRITE_FAIL)
             self._lock(self.tree.node(op.node_id), -1)
             pages += len(op.pages)
         self._finish()
         return pages
 
     # ----------------------------------------------------------------- backup (L2 -> L3)
-    def _enqueue_backup(self, namespace: Namespace, pages: tuple[PageHash, ...]) -> None:
+    def _enqueue_backup(
+        self,
+        namespace: Namespace,
+        pages: tuple[PageHash, ...],
+        states: tuple[PageHash, ...] = (),
+    ) -> None:
         for page in pages:
             self.page_info[page].host_pins += 1
-        self.backup_ops.append(BackupOp(self._op_id(), namespace, pages))
+        for page in states:
+            self.state_info[page].host_pins += 1
+        self.backup_ops.append(BackupOp(self._op_id(), namespace, pages, states=states))
 
     def _backup_op(self, state: BackupState) -> BackupOp:
         for op in self.backup_ops:
@@ -548,7 +924,11 @@ class CacheModel:
         self._tick()
         begun: list[StoreKey] = []
         for page in op.pages:
-            for key in self._page_keys(op.namespace, page):
+            for _component, key in self._page_objects(op.namespace, page):
+                if self.store.begin_put(key):
+                    begun.append(key)
+        for page in op.states:
+            for _component, key in self._state_objects(op.namespace, page):
                 if self.store.begin_put(key):
                     begun.append(key)
         op.begun = tuple(begun)
@@ -564,35 +944,46 @@ class CacheModel:
         invisible if that writer has not finished or failed; such pages are queued again rather
         than reported as backed up (I2, I4). Returns the number of pages now durable in L3."""
         op = self._backup_op(BackupState.IN_FLIGHT)
-        keys = self.config.keys
-        assert keys is not None
         begun = set(op.begun)
+        page_objects = [self._page_objects(op.namespace, p) for p in op.pages]
+        state_objects = [self._state_objects(op.namespace, p) for p in op.states]
         visible_after = [
-            all(
-                key in begun or self.store.contains(key) for key in self._page_keys(op.namespace, p)
-            )
-            for p in op.pages
+            all(key in begun or self.store.contains(key) for _c, key in objects)
+            for objects in page_objects
         ]
-        event = BackupEvent.ACK if all(visible_after) else BackupEvent.RETRY
+        states_after = [
+            all(key in begun or self.store.contains(key) for _c, key in objects)
+            for objects in state_objects
+        ]
+        event = BackupEvent.ACK if all(visible_after + states_after) else BackupEvent.RETRY
         state = BACKUP_OP.next(op.state, event)
         self._tick()
-        for page in op.pages:
+        for page, objects in zip(op.pages, page_objects, strict=True):
             info = self.page_info[page]
             assert info.host_slot is not None
             content = self.host.read(info.host_slot)
-            for component, key in zip(
-                keys.model.components, self._page_keys(op.namespace, page), strict=True
-            ):
+            for component, key in objects:
                 if key in begun:
                     self.store.end_put(key, (content, component))
+        for page, objects in zip(op.states, state_objects, strict=True):
+            info = self.state_info[page]
+            assert info.host_slot is not None
+            named = self._state_page(self.host_state.read(info.host_slot))
+            for component, key in objects:
+                if key in begun:
+                    self.store.end_put(key, (named, component))
         done = [page for page, ok in zip(op.pages, visible_after, strict=True) if ok]
         for page in done:
             self.page_info[page].host_pins -= 1
+        for page, ok in zip(op.states, states_after, strict=True):
+            if ok:
+                self.state_info[page].host_pins -= 1
         op.state = state
         op.begun = ()
         self.backup_ops.remove(op)
         if state is BackupState.QUEUED:
             op.pages = tuple(p for p, ok in zip(op.pages, visible_after, strict=True) if not ok)
+            op.states = tuple(p for p, ok in zip(op.states, states_after, strict=True) if not ok)
             self.backup_ops.append(op)
         self._finish()
         return len(done)
@@ -614,6 +1005,8 @@ class CacheModel:
 
     def store_evict(self, key: StoreKey) -> bool:
         """The store drops one object on its own (eviction, owner gone)."""
+        if not isinstance(key, StoreKey):
+            raise MisuseError(f"the store takes StoreKey values only, got {type(key).__name__}")
         self._tick()
         dropped = self.store.evict(key)
         self._finish()
@@ -683,6 +1076,8 @@ class CacheModel:
             state = self.residency_of(node)
             if state is Residency.BOTH:
                 self._advance(node, ResidencyEvent.DEMOTE)
+                if self._state_of(node.pages[-1]) in (Residency.DEVICE, Residency.BOTH):
+                    self._drop_state(node.pages[-1], host=False)
             elif self.config.write_policy is WritePolicy.WRITE_BACK and self._stage(node):
                 pass
             else:
@@ -706,11 +1101,24 @@ class CacheModel:
             assert info.device_slot is not None and info.host_slot is not None
             self.host.write(info.host_slot, self.device.read(info.device_slot))
         self._advance(node, ResidencyEvent.STAGE)
+        states = self._moving_state(node)
+        for page in states:
+            self._copy_state(page, to_host=True)
+            info = self.state_info[page]
+            assert info.device_slot is not None
+            self.device_state.free([info.device_slot])
+            info.device_slot = None
+            self._advance_state(page, StateEvent.STAGE)
         if self.has_l3:
-            self._enqueue_backup(node.namespace, node.pages)
+            self._enqueue_backup(node.namespace, node.pages, states)
         return True
 
     def _forget(self, node: Node) -> None:
+        """Drop a deleted node: its page records, and the state at its end with its slot."""
+        page = node.pages[-1]
+        info = self.state_info.get(page)
+        if info is not None:
+            self._drop_state(page, host=info.residency is Residency.HOST)
         for page in node.pages:
             del self.page_info[page]
         self.tree.remove_leaf(node)
@@ -732,8 +1140,41 @@ class CacheModel:
             and not node.lock_ref
             and self.residency_of(node) is Residency.HOST
             and all(self.page_info[page].host_pins == 0 for page in node.pages)
+            and not self._state_pinned(node)
         ]
         return sorted(out, key=lambda n: (n.last_access, n.node_id))
+
+    def _state_pinned(self, node: Node) -> bool:
+        """Whether a backup still reads the L2 copy of the state at ``node``'s end."""
+        info = self.state_info.get(node.pages[-1])
+        return info is not None and info.host_pins > 0
+
+    def evict_state(self, node_id: int, *, host: bool = False) -> None:
+        """Drop the trailing state at the end of ``node_id`` from L1 (or, with ``host``, from L2)
+        without touching its KV; the tree then reports less, never wrong (side pools only).
+
+        The state must have a copy in that tier that is not being copied (not ``WRITING`` or
+        ``LOADING``), its node must be unlocked, and an L2 copy must not be pinned by a backup;
+        otherwise :class:`MisuseError`, nothing changed."""
+        node = self.tree.node(node_id)
+        if not self.has_states:
+            raise MisuseError("no TRAILING_PAGES side pool: this cache keeps no states")
+        if node.is_root:
+            raise MisuseError("the root holds no state")
+        page = node.pages[-1]
+        info = self.state_info.get(page)
+        tier = "L2" if host else "L1"
+        allowed = (Residency.BOTH, Residency.HOST) if host else (Residency.DEVICE, Residency.BOTH)
+        if info is None or info.residency not in allowed:
+            state = "none" if info is None else info.residency.value
+            raise MisuseError(f"node {node_id} has no idle {tier} state to drop (state: {state})")
+        if node.lock_ref:
+            raise MisuseError(f"node {node_id} is locked: its state is in use")
+        if host and info.host_pins:
+            raise MisuseError(f"the L2 state of node {node_id} is pinned by a backup")
+        self._tick()
+        self._drop_state(page, host=host)
+        self._finish()
 
     def _evict_host(self, pages: int) -> int:
         freed = 0
@@ -752,7 +1193,12 @@ class CacheModel:
     # ----------------------------------------------------------------- load-back (L2 -> L1)
     def load_back(self, node_id: int) -> int | None:
         """Start loading the host-only chain that ends at ``node_id`` back to L1, all or nothing.
-        Returns the op id, or ``None`` if skipped (below the threshold, over the quota, no room)."""
+        Returns the op id, or ``None`` if skipped (below the threshold, over the quota, no room).
+
+        With a ``TRAILING_PAGES`` side pool the state at ``node_id``'s end comes along if it is on
+        L2 only (states at other node ends of the chain stay where they are); the L1 state slot
+        is part of the all-or-nothing allocation. A state-only load (its node's KV already on L1)
+        moves no KV, so the threshold and the quota, which bound KV pages, do not apply to it."""
         node = self.tree.node(node_id)
         self._tick()
         chain: list[Node] = []
@@ -763,17 +1209,24 @@ class CacheModel:
         chain.reverse()
         pages = sum(len(n.pages) for n in chain)
         quota = self.config.load_back_quota
-        if (
-            not chain
-            or pages * self.page_size < self.config.load_back_threshold
-            or (quota is not None and pages > quota)
+        states = (
+            (node.pages[-1],)
+            if not node.is_root and self._state_of(node.pages[-1]) is Residency.HOST
+            else ()
+        )
+        if (not chain and not states) or (
+            chain
+            and (
+                pages * self.page_size < self.config.load_back_threshold
+                or (quota is not None and pages > quota)
+            )
         ):
             self._finish()
             return None
         self._lock(node, +1)
         if pages > self.device.free_count:
             self._evict_device(pages - self.device.free_count)
-        if pages > self.device.free_count:
+        if pages > self.device.free_count or (states and not self._free_state_slot(host=False)):
             self._lock(node, -1)
             self._finish()
             return None
@@ -782,8 +1235,11 @@ class CacheModel:
             for page, slot in zip(current.pages, slots, strict=True):
                 self.page_info[page].device_slot = slot
             self._advance(current, ResidencyEvent.LOAD_START)
+        for page in states:
+            (self.state_info[page].device_slot,) = self.device_state.alloc(1)
+            self._advance_state(page, StateEvent.LOAD_START)
         covered = tuple(page for current in chain for page in current.pages)
-        op = CopyOp(self._op_id(), node.node_id, covered)
+        op = CopyOp(self._op_id(), node.node_id, covered, states=states)
         self.load_ops.append(op)
         self._finish()
         return op.op_id
@@ -803,6 +1259,9 @@ class CacheModel:
             assert info.device_slot is not None and info.host_slot is not None
             self.device.write(info.device_slot, self.host.read(info.host_slot))
             self._advance_page(page, ResidencyEvent.LOAD_ACK)
+        for page in op.states:
+            self._copy_state(page, to_host=False)
+            self._advance_state(page, StateEvent.LOAD_ACK)
         for current in self.tree.ancestors(node):
             if current.pages[0] in op.pages:
                 self._count_device(current, +1)
@@ -831,6 +1290,12 @@ class CacheModel:
                 info.device_slot = None
                 self._advance_page(page, ResidencyEvent.LOAD_FAIL)
             self.device.free(slots)
+            for page in op.states:
+                info = self.state_info[page]
+                assert info.device_slot is not None
+                self.device_state.free([info.device_slot])
+                info.device_slot = None
+                self._advance_state(page, StateEvent.LOAD_FAIL)
             self._lock(self.tree.node(op.node_id), -1)
             pages += len(op.pages)
         self._finish()
@@ -864,16 +1329,28 @@ class CacheModel:
         if remaining == 0 or remaining * self.page_size < self.config.prefetch_threshold:
             return None
         pages = chain_page_hashes(rest, self.page_size, namespace, anchor.last_page)
-        hit = self.store.exists_pages(self._page_keys(namespace, page) for page in pages)
+        hit = self._l3_hit(namespace, pages)
         if hit == 0 or self.prefetch_reserved() + hit > self.config.host_pages // 2:
             return None
+        if self.config.check and self.config.side_pools:
+            assert self.config.keys is not None
+            check_usable(
+                self.store, self.config.keys, namespace, pages, self.config.side_pools, prefix=hit
+            )
         if hit > self.host.free_count:
             self.tree.add_lock(anchor, +1)
             self._evict_host(hit - self.host.free_count)
             self.tree.add_lock(anchor, -1)
         if hit > self.host.free_count:
             return None
+        if self.has_states:
+            self.tree.add_lock(anchor, +1)
+            room = self._free_state_slot(host=True)
+            self.tree.add_lock(anchor, -1)
+            if not room:
+                return None
         slots = self.host.alloc(hit)
+        state_slot = self.host_state.alloc(1)[0] if self.has_states else None
         if not anchor.is_root:
             self._lock(anchor, +1)
         op = PrefetchOp(
@@ -885,6 +1362,7 @@ class CacheModel:
             pages=pages[:hit],
             host_slots=slots,
             started=self.clock,
+            state_slot=state_slot,
         )
         self.prefetch_ops[op.op_id] = op
         return op
@@ -897,7 +1375,13 @@ class CacheModel:
 
     def prefetch_arrive(self, op_id: int, pages: int = 1) -> int:
         """Up to ``pages`` more pages of op ``op_id`` are read from the store, in order. A page whose
-        objects are not all in the store any more ends the op there (the rest is a miss)."""
+        objects are not all in the store any more ends the op there (the rest is a miss).
+
+        Each page's read covers its KV and every ``ALL_PAGES`` side object (one batch). With a
+        ``TRAILING_PAGES`` pool, once the KV range is known (every page arrived or the rest is a
+        miss) the state is read: that of the last arrived page, or of the deepest arrived page
+        whose state is still in the store (the pages after it are dropped: usable only up to a
+        state, I6)."""
         op = self._prefetch_op(op_id)
         PREFETCH_OP.next(op.state, PrefetchEvent.ARRIVE)
         if pages <= 0:
@@ -908,7 +1392,7 @@ class CacheModel:
                 break
             index = op.arrived
             page = op.pages[index]
-            keys = self._page_keys(op.namespace, page)
+            keys = [key for _component, key in self._page_objects(op.namespace, page)]
             contents = [self.store.get(key) for key in keys]
             if any(content is None for content in contents):
                 op.limit = index
@@ -918,9 +1402,32 @@ class CacheModel:
             self.host.write(op.host_slots[index], first[0])
             op.arrived += 1
         if op.arrived >= op.limit:
+            if op.state_slot is not None:
+                self._read_state(op)
             op.state = PREFETCH_OP.next(op.state, PrefetchEvent.COMPLETE)
         self._finish()
         return op.arrived
+
+    def _read_state(self, op: PrefetchOp) -> None:
+        """The KV range of ``op`` is known: read the state of its deepest arrived page that has
+        one in the store into the op's state slot, and drop the arrived pages after it."""
+        assert op.state_slot is not None
+
+        def probe(index: int) -> bool:
+            objects = self._state_objects(op.namespace, op.pages[index])
+            return all(self.store.contains(key) for _component, key in objects)
+
+        usable = usable_prefix(op.arrived, [(HitPolicy.TRAILING_PAGES, probe)])
+        op.arrived = op.limit = usable
+        if usable:
+            page = op.pages[usable - 1]
+            contents = [
+                self.store.get(key) for _component, key in self._state_objects(op.namespace, page)
+            ]
+            first = contents[0]
+            assert isinstance(first, tuple) and None not in contents
+            self.host_state.write(op.state_slot, self.state_content(first[0]))
+            op.state_page = page
 
     def prefetch_ready(self, op_id: int) -> bool:
         """Whether the scheduler stops waiting for ``op_id`` now, under the configured policy."""
@@ -951,6 +1458,8 @@ class CacheModel:
         if not anchor.is_root:
             self._lock(anchor, -1)
         added = self._commit_pages(op)
+        if op.state_page is not None and not op.state_released:
+            self._commit_state(op)
         op.released = op.arrived
         op.state = state
         self._settle(op)
@@ -980,6 +1489,19 @@ class CacheModel:
         self.host.free(spare)
         return added
 
+    def _commit_state(self, op: PrefetchOp) -> None:
+        """The state read by ``op`` becomes the L2 state at the end of its last arrived page if
+        that page is in the tree, valid on L2 and without a state; else its slot is freed."""
+        page, slot = op.state_page, op.state_slot
+        assert page is not None and slot is not None
+        info = self.page_info.get(page)
+        if info is not None and info.residency in HOST_VALID and page not in self.state_info:
+            self.state_info[page] = PageInfo(Residency.NEW, host_slot=slot)
+            self._advance_state(page, StateEvent.COMMIT_PREFETCH)
+        else:
+            self.host_state.free([slot])
+        op.state_released = True
+
     def prefetch_abort(self, op_id: int) -> None:
         """The request went away: release everything the op reserved (in-flight slots after drain)."""
         op = self._prefetch_op(op_id)
@@ -1007,6 +1529,9 @@ class CacheModel:
         if op.state is PrefetchState.DONE:
             self.host.free(op.host_slots[op.released :])
             op.released = len(op.host_slots)
+            if op.held_state_slot is not None:
+                self.host_state.free([op.held_state_slot])
+                op.state_released = True
             del self.prefetch_ops[op.op_id]
 
     # ----------------------------------------------------------------- misc

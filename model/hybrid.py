@@ -39,6 +39,10 @@ every key through the :class:`~kvstrata.model.keys.KeySpace` (never by string co
 I1); an object still being written is invisible to the store and so never counts (I2).
 :func:`check_usable` raises ``InvariantViolation("I6", ...)`` for a prefix some pool cannot
 serve.
+
+:class:`~kvstrata.model.cache.CacheModel` carries side pools on every tier (``CacheConfig.side_pools``):
+its L3 ``exists`` and prefetch go through :func:`hybrid_exists`, its backups render side keys through
+:func:`side_page_keys`, and :func:`check_side_pools` validates its configuration.
 """
 
 from __future__ import annotations
@@ -58,6 +62,7 @@ __all__ = [
     "HitPolicy",
     "Probe",
     "SidePool",
+    "check_side_pools",
     "check_usable",
     "hybrid_exists",
     "is_usable",
@@ -215,7 +220,9 @@ def side_page_keys(
     )
 
 
-def _check_side_pools(side_pools: Sequence[SidePool]) -> None:
+def check_side_pools(side_pools: Sequence[SidePool]) -> None:
+    """Raise :class:`MisuseError` unless ``side_pools`` are :class:`SidePool` values with distinct
+    names (what every function taking a set of side pools, and ``CacheConfig``, accepts)."""
     for pool in side_pools:
         if not isinstance(pool, SidePool):
             raise MisuseError(f"side pools are SidePool values, got {type(pool).__name__}")
@@ -253,7 +260,7 @@ def hybrid_exists(
     probe, never concatenated) and never beyond the KV hit. Objects still being written are
     invisible (I2).
     """
-    _check_side_pools(side_pools)
+    check_side_pools(side_pools)
     kv_hit = store.exists_pages(
         keys.page_keys(namespace, page_hash, KV_POOL) for page_hash in page_hashes
     )
@@ -281,7 +288,7 @@ def check_usable(
     every pool: every KV component visible for pages ``< prefix``, and each side pool usable under
     its policy.
     """
-    _check_side_pools(side_pools)
+    check_side_pools(side_pools)
     _check_count("prefix", prefix)
     if prefix > len(page_hashes):
         raise InvariantViolation(

@@ -8,11 +8,11 @@ invariant, with the bug it prevents in its docstring.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, NoReturn
 
 from kvstrata.model.errors import InvariantViolation, KeyParseError
-from kvstrata.model.keys import parse_store_key, render_store_key
+from kvstrata.model.keys import PageHash, parse_store_key, render_store_key
 from kvstrata.model.lifecycles import (
     DEVICE_CLAIMED,
     DEVICE_VALID,
@@ -35,6 +35,8 @@ __all__ = [
     "check_i3_host_anchored",
     "check_i4_coverage",
     "check_i5_slots",
+    "check_i6_reported",
+    "check_i6_states",
     "check_i7_contents",
     "check_i8_hashes",
 ]
@@ -116,8 +118,25 @@ def check_i4_coverage(cache: CacheModel) -> None:
         if page not in cache.page_info:
             _fail("I4", f"an op covers {page}, which is no longer cached")
     for op in cache.backup_ops:
-        if not op.pages:
+        if not op.pages and not op.states:
             _fail("I4", f"backup op {op.op_id} covers nothing")
+    s_writing = Counter(page for op in cache.write_ops for page in op.states)
+    s_loading = Counter(page for op in cache.load_ops for page in op.states)
+    s_backing = Counter(
+        page for op in cache.backup_ops if op.state is not BackupState.DONE for page in op.states
+    )
+    for page, info in cache.state_info.items():
+        expect_w = 1 if info.residency is Residency.WRITING else 0
+        expect_l = 1 if info.residency is Residency.LOADING else 0
+        if (s_writing.get(page, 0), s_loading.get(page, 0)) != (expect_w, expect_l):
+            _fail("I4", f"state of {page} is {info.residency.value} but ops cover it otherwise")
+        if s_backing.get(page, 0) != info.host_pins:
+            _fail(
+                "I4", f"state of {page} has {info.host_pins} pins, {s_backing.get(page, 0)} backups"
+            )
+    for page in [*s_writing, *s_loading, *s_backing]:
+        if page not in cache.state_info:
+            _fail("I4", f"an op covers the state of {page}, which is no longer cached")
 
 
 def check_i5_slots(cache: CacheModel) -> None:
@@ -141,7 +160,26 @@ def check_i5_slots(cache: CacheModel) -> None:
             host[slot] += 1
     for slot in cache.scheduler_slots:
         device[slot] += 1
-    for name, counts, pool in (("L1", device, cache.device), ("L2", host, cache.host)):
+    device_state: Counter[int] = Counter(cache.scheduler_state_slots)
+    host_state: Counter[int] = Counter()
+    for page, info in cache.state_info.items():
+        if (info.device_slot is not None) != (info.residency in DEVICE_CLAIMED):
+            _fail("I5", f"state of {page} is {info.residency.value}, L1 slot {info.device_slot}")
+        if (info.host_slot is not None) != (info.residency in HOST_CLAIMED):
+            _fail("I5", f"state of {page} is {info.residency.value}, L2 slot {info.host_slot}")
+        if info.device_slot is not None:
+            device_state[info.device_slot] += 1
+        if info.host_slot is not None:
+            host_state[info.host_slot] += 1
+    for op in cache.prefetch_ops.values():
+        if op.held_state_slot is not None:
+            host_state[op.held_state_slot] += 1
+    for name, counts, pool in (
+        ("L1", device, cache.device),
+        ("L2", host, cache.host),
+        ("L1-state", device_state, cache.device_state),
+        ("L2-state", host_state, cache.host_state),
+    ):
         shared = [slot for slot, n in counts.items() if n > 1]
         if shared:
             _fail("I5", f"{name} slots referenced twice: {shared}")
@@ -168,6 +206,71 @@ def check_i7_contents(cache: CacheModel) -> None:
         for index in range(op.released, op.arrived):
             if cache.host.read(op.host_slots[index]) != op.pages[index]:
                 _fail("I7", f"prefetch {op.op_id} page {index} holds another page")
+        slot = op.held_state_slot
+        if (
+            slot is not None
+            and op.state_page is not None
+            and cache.host_state.read(slot) != cache.state_content(op.state_page)
+        ):
+            _fail("I7", f"prefetch {op.op_id} state slot {slot} holds another state")
+    for page, info in cache.state_info.items():
+        expected = cache.state_content(page)
+        if info.residency in DEVICE_VALID:
+            assert info.device_slot is not None
+            if cache.device_state.read(info.device_slot) != expected:
+                _fail("I7", f"L1 state slot {info.device_slot} of {page} holds another state")
+        if info.residency in HOST_VALID:
+            assert info.host_slot is not None
+            if cache.host_state.read(info.host_slot) != expected:
+                _fail("I7", f"L2 state slot {info.host_slot} of {page} holds another state")
+
+
+def check_i6_states(cache: CacheModel) -> None:
+    """I6 (tree): what ``match`` relies on to report only usable prefixes. Every state sits at the
+    end of a node (a split never moves one: the new node end simply has none; a state attached to
+    another page of its node would name a prefix no match ends at), and a state is valid (or holds
+    a slot) in a tier only where its page is (a state on L1 whose KV is not would make an L1 prefix
+    look usable). No state exists without a ``TRAILING_PAGES`` pool."""
+    if cache.state_info and not cache.has_states:
+        _fail("I6", "states cached without a TRAILING_PAGES side pool")
+    ends = {node.pages[-1] for node in cache.tree.non_root_nodes()}
+    for page, info in cache.state_info.items():
+        if page not in ends:
+            _fail("I6", f"state of {page} is not at a node end")
+        page_state = cache.page_info[page].residency
+        for group in (DEVICE_VALID, DEVICE_CLAIMED, HOST_VALID, HOST_CLAIMED):
+            if info.residency in group and page_state not in group:
+                _fail(
+                    "I6", f"state of {page} is {info.residency.value}, its page {page_state.value}"
+                )
+
+
+def check_i6_reported(
+    cache: CacheModel, pages: Sequence[PageHash], device_pages: int, host_pages: int
+) -> None:
+    """I6 (tree): a prefix ``match`` reports over ``pages`` (the page hashes along its path) is
+    usable in every pool of the tier it is read from: the first ``device_pages`` pages are valid on
+    L1 and, with a ``TRAILING_PAGES`` pool, so is the state at the last of them; the next
+    ``host_pages`` are valid on L2 and so is the state at the last of them. ``ALL_PAGES`` pools
+    share the KV page's slots on L1/L2, so the KV check covers them (prevents reporting a prefix
+    whose Mamba state was evicted or never existed, e.g. after a split)."""
+    if device_pages + host_pages > len(pages):
+        _fail("I6", f"reported {device_pages}+{host_pages} pages of a {len(pages)}-page path")
+    reported = (
+        (DEVICE_VALID, pages[:device_pages], "L1"),
+        (HOST_VALID, pages[device_pages : device_pages + host_pages], "L2"),
+    )
+    for valid, part, tier in reported:
+        for page in part:
+            info = cache.page_info.get(page)
+            if info is None or info.residency not in valid:
+                _fail("I6", f"reported {page} as usable on {tier}, it is not there")
+        if part and cache.has_states:
+            state = cache.state_info.get(part[-1])
+            if state is None or state.residency not in valid:
+                _fail(
+                    "I6", f"reported an {tier} prefix ending at {part[-1]} without its state there"
+                )
 
 
 def check_i8_hashes(cache: CacheModel) -> None:
@@ -238,6 +341,7 @@ ALL_CHECKS: tuple[Callable[[CacheModel], None], ...] = (
     check_i3_host_anchored,
     check_i4_coverage,
     check_i5_slots,
+    check_i6_states,
     check_i7_contents,
     check_i8_hashes,
     check_accounting,

@@ -18,6 +18,7 @@ __all__ = [
     "LOAD_OP",
     "PAGE_RESIDENCY",
     "PREFETCH_OP",
+    "STATE_RESIDENCY",
     "WRITE_OP",
     "DEVICE_CLAIMED",
     "DEVICE_VALID",
@@ -33,6 +34,7 @@ __all__ = [
     "PrefetchState",
     "Residency",
     "ResidencyEvent",
+    "StateEvent",
 ]
 
 
@@ -179,6 +181,53 @@ PAGE_RESIDENCY: Lifecycle[Residency, ResidencyEvent] = Lifecycle(
 )
 
 
+class StateEvent(enum.Enum):
+    """Events of one Mamba / linear-attention state (a ``TRAILING_PAGES`` side pool, SPEC §5).
+
+    The state of a node end lives in its own L1 and L2 slot pools and moves with its page's KV,
+    so it shares the page events; ``DROP_HOST`` (``evict_state`` on L2 of a state also on L1) is
+    its own: a page never loses its L2 copy while keeping L1."""
+
+    INSERT = "insert"  # the scheduler hands a freshly computed state to insert
+    COMMIT_PREFETCH = "commit_prefetch"
+    WRITE_START = "write_start"
+    WRITE_ACK = "write_ack"
+    WRITE_FAIL = "write_fail"
+    DEMOTE = "demote"  # L1 copy freed, L2 copy kept (L1 eviction or evict_state on L1)
+    STAGE = "stage"
+    REVIVE = "revive"  # a fresh L1 state for a state that is on L2 only
+    LOAD_START = "load_start"
+    LOAD_ACK = "load_ack"
+    LOAD_FAIL = "load_fail"
+    DROP_HOST = "drop_host"  # evict_state on L2 of a state also on L1: L1 copy kept
+    DELETE = "delete"
+
+
+#: The residency of one state (same states as a page; see ``docs/model.md`` for how it follows its
+#: page: a state is valid in a tier only where its page is).
+STATE_RESIDENCY: Lifecycle[Residency, StateEvent] = Lifecycle(
+    name="state residency",
+    initial=Residency.NEW,
+    table={
+        (Residency.NEW, StateEvent.INSERT): Residency.DEVICE,
+        (Residency.NEW, StateEvent.COMMIT_PREFETCH): Residency.HOST,
+        (Residency.DEVICE, StateEvent.WRITE_START): Residency.WRITING,
+        (Residency.WRITING, StateEvent.WRITE_ACK): Residency.BOTH,
+        (Residency.WRITING, StateEvent.WRITE_FAIL): Residency.DEVICE,
+        (Residency.BOTH, StateEvent.DEMOTE): Residency.HOST,
+        (Residency.DEVICE, StateEvent.STAGE): Residency.HOST,
+        (Residency.HOST, StateEvent.REVIVE): Residency.BOTH,
+        (Residency.HOST, StateEvent.LOAD_START): Residency.LOADING,
+        (Residency.LOADING, StateEvent.LOAD_ACK): Residency.BOTH,
+        (Residency.LOADING, StateEvent.LOAD_FAIL): Residency.HOST,
+        (Residency.BOTH, StateEvent.DROP_HOST): Residency.DEVICE,
+        (Residency.DEVICE, StateEvent.DELETE): Residency.GONE,
+        (Residency.HOST, StateEvent.DELETE): Residency.GONE,
+    },
+    final={Residency.GONE},
+)
+
+
 class EntryState(enum.Enum):
     """One embedding entry of the multimodal cache (SPEC §6)."""
 
@@ -231,5 +280,6 @@ ALL_LIFECYCLES: tuple[Lifecycle, ...] = (  # type: ignore[type-arg]
     BACKUP_OP,
     PREFETCH_OP,
     PAGE_RESIDENCY,
+    STATE_RESIDENCY,
     EMBEDDING_ENTRY,
 )

@@ -4,6 +4,13 @@ A prefetch op reserves host slots for exactly the pages the store reported as pr
 order, and is then committed (arrived pages become host-only nodes) or aborted. Slots that a read may
 still be writing are never freed before the I/O side confirms (:attr:`PrefetchState.CANCELLING` until
 ``drain``): freeing them earlier is a stale-offset bug (I5/I7).
+
+With a ``TRAILING_PAGES`` side pool (a Mamba state) the op also reserves one L2 *state* slot. The state
+is read only after the KV range is known (every reserved page arrived, or the store lost one): it is the
+state of the last page that arrived, or, if that one is gone from the store, of the deepest arrived page
+whose state is still there (the arrived pages after it are dropped: a prefix is usable only up to a
+state, I6). The state slot follows the same rule as the page slots: held until commit takes it, or until
+the op is ``DONE``.
 """
 
 from __future__ import annotations
@@ -53,6 +60,9 @@ class PrefetchOp:
     arrived: int = 0
     limit: int = attrs.field()
     released: int = 0  # slots [released:] are still held by the op
+    state_slot: int | None = None  # the L2 state slot reserved for the trailing state, if any
+    state_page: PageHash | None = None  # set once the state of that page was read into state_slot
+    state_released: bool = False  # the state slot was taken by commit or freed
 
     @limit.default
     def _limit_default(self) -> int:
@@ -61,3 +71,8 @@ class PrefetchOp:
     @property
     def held_slots(self) -> tuple[int, ...]:
         return self.host_slots[self.released :]
+
+    @property
+    def held_state_slot(self) -> int | None:
+        """The L2 state slot the op still holds (``None`` if it has none or gave it up)."""
+        return None if self.state_released else self.state_slot

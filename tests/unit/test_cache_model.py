@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import pytest
 
-from kvstrata.model.cache import CacheConfig, CacheModel, WritePolicy
+from kvstrata.model.cache import CacheConfig, CacheModel, InsertResult, WritePolicy
 from kvstrata.model.errors import CapacityError, MisuseError
+from kvstrata.model.hybrid import HitPolicy, SidePool
 from kvstrata.model.keys import (
     DEFAULT_NAMESPACE,
     KeySpace,
     KVKind,
     ModelIdentity,
     Namespace,
+    PageHash,
     chain_page_hashes,
 )
 from kvstrata.model.lifecycles import PrefetchState, Residency
@@ -210,3 +212,259 @@ def test_bad_input_is_rejected_without_change() -> None:
         cache.alloc_device(1)
     with pytest.raises(MisuseError):
         CacheConfig(page_size=0, device_pages=1)
+
+
+# ----------------------------------------------------------------- hybrid side pools (SPEC §5)
+INDEXER = SidePool("indexer", HitPolicy.ALL_PAGES, ("idx",))
+MAMBA = SidePool("mamba", HitPolicy.TRAILING_PAGES, ("conv0", "temporal"))
+
+
+def make_hybrid(store: StoreModel | None = None, **overrides: object) -> CacheModel:
+    config: dict[str, object] = {
+        "side_pools": (INDEXER, MAMBA),
+        "device_states": 2,
+        "host_states": 2,
+    }
+    config.update(overrides)
+    return make(store, **config)
+
+
+def hybrid_request(
+    cache: CacheModel, tokens: tuple[int, ...], *, state: bool = True
+) -> InsertResult:
+    """The scheduler protocol with a trailing state computed at the end of the last page."""
+    result = cache.match(tokens)
+    pages = chain_page_hashes(tokens, cache.page_size, DEFAULT_NAMESPACE)
+    fresh = cache.alloc_device(len(pages) - result.device_pages)
+    for slot, page in zip(fresh, pages[result.device_pages :], strict=True):
+        cache.write_device(slot, page)
+    state_slot = None
+    if state:
+        state_slot = cache.alloc_device_state()
+        cache.write_device_state(state_slot, cache.state_content(pages[-1]))
+    return cache.insert(tokens, DEFAULT_NAMESPACE, result.device_slots + fresh, state_slot)
+
+
+def hybrid_snapshot(cache: CacheModel) -> tuple[object, ...]:
+    return (
+        repr(cache.page_info),
+        repr(cache.state_info),
+        repr(cache.tree.nodes),
+        cache.clock,
+        cache.device_state.allocated(),
+        cache.host_state.allocated(),
+        cache.store.visible_items(),
+    )
+
+
+def test_side_pool_config_is_validated() -> None:
+    with pytest.raises(MisuseError, match="TRAILING_PAGES"):
+        make(device_states=1)  # states without a Mamba pool
+    with pytest.raises(MisuseError, match="device_states"):
+        make(side_pools=(MAMBA,), host_states=1)
+    with pytest.raises(MisuseError, match="host_states"):
+        make(side_pools=(MAMBA,), device_states=1)  # an L2 but no L2 state slot
+    with pytest.raises(MisuseError, match="distinct"):
+        make(side_pools=(INDEXER, INDEXER))
+    with pytest.raises(MisuseError, match="sequence"):
+        make(side_pools=INDEXER)
+    indexer_only = make(side_pools=[INDEXER])
+    assert indexer_only.config.side_pools == (INDEXER,)
+    assert not indexer_only.has_states
+    with pytest.raises(MisuseError):
+        indexer_only.alloc_device_state()
+
+
+def test_a_state_sits_at_a_node_end_and_a_split_reports_less() -> None:
+    cache = make_hybrid(device_states=3)
+    assert hybrid_request(cache, (1, 2, 3, 4)).state_kept
+    full = cache.match((1, 2, 3, 4))
+    assert (full.device_pages, full.host_pages) == (4, 0)
+    assert full.device_state_slot is not None
+    assert cache.device_state.read(full.device_state_slot) == ("state", pages_of((1, 2, 3, 4))[3])
+    # the match splits the node after page 2: the new node end has no state, so nothing is usable
+    half = cache.match((1, 2))
+    assert (half.device_pages, half.host_pages, half.device_state_slot) == (0, 0, None)
+    assert cache.state_residency((1, 2, 3, 4)) == (None, None, None, W)
+    assert cache.match((1, 2, 3, 4)).device_pages == 4  # the split moved nothing
+    # a request that ends at the split brings its own state; a second copy is given back
+    assert hybrid_request(cache, (1, 2)).state_kept
+    assert cache.match((1, 2, 3)).device_pages == 2
+    drain(cache)  # the state-only write-through of (1, 2)'s state, then its backup
+    assert cache.state_residency((1, 2)) == (None, B)
+    assert cache.l3_exists((1, 2)) == 2
+    assert not hybrid_request(cache, (1, 2)).state_kept
+    assert cache.device_state.used_count == 2
+
+
+def test_dropped_state_reports_less_and_a_state_only_load_back_restores_it() -> None:
+    cache = make_hybrid()
+    hybrid_request(cache, (1, 2, 3))
+    drain(cache)
+    assert cache.state_residency((1, 2, 3))[-1] is B
+    leaf = cache.match((1, 2, 3)).device_node
+    cache.evict_state(leaf)  # L1 copy dropped, L2 copy kept: readable from L2 only
+    result = cache.match((1, 2, 3))
+    assert (result.device_pages, result.host_pages, result.host_node) == (0, 3, leaf)
+    op = cache.load_back(result.host_node)
+    assert op is not None and cache.load_ops[-1].pages == () and cache.load_ops[-1].states
+    assert cache.match((1, 2, 3)).device_pages == 0  # not usable on L1 before the ack
+    cache.ack_load()
+    assert cache.match((1, 2, 3)).device_pages == 3
+    cache.evict_state(leaf, host=True)  # now drop the L2 copy: L1 stays usable
+    assert cache.state_residency((1, 2, 3))[-1] is D
+    assert cache.match((1, 2, 3)).device_pages == 3
+    cache.evict_state(leaf)  # and the L1 copy: the state is gone
+    assert cache.state_residency((1, 2, 3))[-1] is None
+    assert cache.device_state.used_count == cache.host_state.used_count == 0
+
+
+def test_evict_state_misuse_is_rejected_without_change() -> None:
+    cache = make_hybrid()
+    hybrid_request(cache, (1, 2, 3))
+    leaf = cache.match((1, 2, 3)).device_node
+    cache.ack_write()  # the backup is queued and pins the L2 state copy
+    before = hybrid_snapshot(cache)
+    with pytest.raises(MisuseError, match="pinned"):
+        cache.evict_state(leaf, host=True)
+    cache.match((1, 9))  # splits: a node end without a state
+    stateless = cache.tree.walk((1,), DEFAULT_NAMESPACE, split=False).last.node_id
+    before = hybrid_snapshot(cache)
+    with pytest.raises(MisuseError, match="no idle"):
+        cache.evict_state(stateless)
+    with pytest.raises(MisuseError):
+        cache.evict_state(10**6)
+    with pytest.raises(MisuseError):
+        cache.evict_state(cache.tree.root(DEFAULT_NAMESPACE).node_id)
+    cache.lock(leaf)
+    before = hybrid_snapshot(cache)
+    with pytest.raises(MisuseError, match="locked"):
+        cache.evict_state(leaf)
+    assert hybrid_snapshot(cache) == before
+    plain = make()
+    request(plain, (1,))
+    with pytest.raises(MisuseError, match="keeps no states"):
+        plain.evict_state(plain.match((1,)).device_node)
+
+
+def test_state_slot_misuse_is_rejected_without_change() -> None:
+    cache = make_hybrid()
+    slot = cache.alloc_device_state()
+    before = hybrid_snapshot(cache)
+    with pytest.raises(MisuseError, match="not held"):
+        cache.insert((1,), DEFAULT_NAMESPACE, cache.alloc_device(1), state_slot=slot + 1)
+    cache.free_device(tuple(cache.scheduler_slots))
+    before = hybrid_snapshot(cache)
+    with pytest.raises(MisuseError, match="full page"):
+        cache.insert((), DEFAULT_NAMESPACE, (), state_slot=slot)
+    with pytest.raises(MisuseError):
+        cache.write_device_state(slot + 1, ("state", None))
+    with pytest.raises(MisuseError):
+        cache.free_device_state(slot + 1)
+    assert hybrid_snapshot(cache) == before
+    cache.free_device_state(slot)
+    assert cache.device_state.used_count == 0
+
+
+def test_l1_state_slots_are_reused_least_recently_used_first() -> None:
+    cache = make_hybrid(device_states=1, write_policy=WritePolicy.WRITE_THROUGH_SELECTIVE)
+    hybrid_request(cache, (1,))
+    hybrid_request(cache, (2,))  # takes the only L1 state slot from (1,)'s state (L1 only: gone)
+    assert cache.state_residency((1,)) == (None,)
+    assert cache.match((1,)).device_pages == 0
+    assert cache.match((2,)).device_pages == 1
+    cache.lock(cache.match((2,)).device_node)
+    with pytest.raises(CapacityError):
+        cache.alloc_device_state()  # the only state is in use
+
+
+def test_write_through_is_all_or_nothing_over_pools() -> None:
+    cache = make_hybrid(device_states=3, host_states=1)
+    hybrid_request(cache, (1,))
+    cache.ack_write()  # the backup pins the only L2 state slot
+    host_used = cache.host.used_count
+    hybrid_request(cache, (2,))
+    assert cache.residency((2,)) == (D,)  # no L2 state slot: no L2 page either
+    assert cache.host.used_count == host_used and not cache.write_ops
+    drain(cache)
+    hybrid_request(cache, (3,))  # (1,)'s L2 state is unpinned now and can be dropped
+    assert cache.residency((3,)) == (W,)
+    assert cache.state_residency((1,)) == (D,)
+
+
+def test_l1_eviction_demotes_or_deletes_states_with_their_pages() -> None:
+    cache = make_hybrid(device_pages=2)
+    hybrid_request(cache, (1, 2))
+    drain(cache)
+    cache.evict_device(2)
+    assert cache.residency((1, 2)) == (H, H)
+    assert cache.state_residency((1, 2)) == (None, H)
+    result = cache.match((1, 2))
+    assert (result.device_pages, result.host_pages) == (0, 2)
+    cache.evict_host(2)
+    assert cache.residency((1, 2)) == ()
+    assert cache.host_state.used_count == 0
+
+
+def pages_of(tokens: tuple[int, ...]) -> tuple[PageHash, ...]:
+    return chain_page_hashes(tokens, 1, DEFAULT_NAMESPACE)
+
+
+def test_backup_writes_every_pool_and_a_missing_side_object_is_a_miss() -> None:
+    cache = make_hybrid()
+    hybrid_request(cache, (1, 2, 3, 4))
+    hybrid_request(cache, (1, 2))  # a second state, at page 2
+    drain(cache)
+    pages = pages_of((1, 2, 3, 4))
+    for index, page in enumerate(pages):
+        assert cache.store.contains(KEYS.key(DEFAULT_NAMESPACE, "indexer", "idx", page))
+        has_state = index in (1, 3)
+        for component in ("conv0", "temporal"):
+            key = KEYS.key(DEFAULT_NAMESPACE, "mamba", component, page)
+            assert cache.store.contains(key) is has_state
+    assert cache.l3_exists((1, 2, 3, 4)) == 4
+    cache.store_evict(KEYS.key(DEFAULT_NAMESPACE, "indexer", "idx", pages[2]))
+    assert cache.l3_exists((1, 2, 3, 4)) == 2  # usable only up to the state before the hole
+    cache.store_evict(KEYS.key(DEFAULT_NAMESPACE, "mamba", "temporal", pages[1]))
+    assert cache.l3_exists((1, 2, 3, 4)) == 0
+
+
+def test_prefetch_reads_the_state_after_the_kv_range_and_commits_it_on_l2() -> None:
+    source = make_hybrid()
+    hybrid_request(source, (1, 2, 3, 4))
+    hybrid_request(source, (1, 2))
+    drain(source)
+    target = make_hybrid(source.store)
+    op_id = target.prefetch((1, 2, 3, 4))
+    assert op_id is not None
+    op = target.prefetch_ops[op_id]
+    assert len(op.pages) == 4 and op.state_slot is not None
+    # the state of the last page vanishes after the reservation: the read falls back to page 2
+    source.store_evict(KEYS.key(DEFAULT_NAMESPACE, "mamba", "conv0", pages_of((1, 2, 3, 4))[3]))
+    assert target.prefetch_arrive(op_id, 4) == 2
+    assert op.state_page == pages_of((1, 2))[1] and op.state is PrefetchState.COMPLETE
+    assert target.prefetch_commit(op_id) == 2
+    assert target.residency((1, 2, 3, 4)) == (H, H)
+    assert target.state_residency((1, 2)) == (None, H)
+    result = target.match((1, 2, 3, 4))
+    assert (result.device_pages, result.host_pages) == (0, 2)
+    assert target.host.used_count == 2 and target.host_state.used_count == 1
+    assert target.load_back(result.host_node) is not None
+    target.ack_load()
+    assert target.match((1, 2)).device_pages == 2
+
+
+def test_prefetch_never_reserves_a_page_whose_indexer_object_is_missing() -> None:
+    source = make_hybrid()
+    hybrid_request(source, (1, 2))
+    hybrid_request(source, (1, 2, 3, 4))
+    drain(source)
+    source.store_evict(KEYS.key(DEFAULT_NAMESPACE, "indexer", "idx", pages_of((1, 2, 3))[2]))
+    target = make_hybrid(source.store)
+    op_id = target.prefetch((1, 2, 3, 4))
+    assert op_id is not None
+    assert len(target.prefetch_ops[op_id].pages) == 2  # KV hit 4, usable 2
+    target.prefetch_abort(op_id)  # still loading: the slots stay held until the drain
+    assert target.host.used_count == 2 and target.host_state.used_count == 1
+    target.prefetch_drain(op_id)
+    assert target.host.used_count == target.host_state.used_count == 0

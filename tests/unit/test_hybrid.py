@@ -15,6 +15,7 @@ from kvstrata.model.hybrid import (
     HitPolicy,
     Probe,
     SidePool,
+    check_side_pools,
     check_usable,
     hybrid_exists,
     is_usable,
@@ -423,3 +424,12 @@ def test_check_usable_ignores_in_flight_objects() -> None:
 def test_probe_type_is_a_callable_alias() -> None:
     probe: Probe = RecordingProbe([True])
     assert probe(0)
+
+
+def test_check_side_pools_is_public_and_validates() -> None:
+    indexer = SidePool("indexer", HitPolicy.ALL_PAGES, ("idx",))
+    check_side_pools([indexer])
+    with pytest.raises(MisuseError, match="distinct"):
+        check_side_pools([indexer, indexer])
+    with pytest.raises(MisuseError, match="SidePool"):
+        check_side_pools(["indexer"])  # type: ignore[list-item]
