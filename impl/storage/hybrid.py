@@ -9,9 +9,10 @@ ends, in a slot of its own). Every side key is rendered once by
 
 ``exists`` answers the **usable prefix** the model's :func:`~kvstrata.model.hybrid.hybrid_exists`
 defines, with the same policy code (:func:`~kvstrata.model.hybrid.usable_prefix`): the KV hit first
-(one backend ``exists``), then one presence batch per ``ALL_PAGES`` pool over the pages below the KV
-hit, then one per ``TRAILING_PAGES`` pool below the cap the others left. No side key of a page at or
-beyond the KV hit is ever asked (SPEC §5), and each key asked is rendered exactly once.
+(one backend ``exists``), then the side objects of the pages below the KV hit, every side pool in
+one presence batch (:func:`~kvstrata.impl.storage.side.present_all`: one more round trip on Mooncake,
+whatever the number of side pools). No side key of a page at or beyond the KV hit is ever asked
+(SPEC §5), and each key asked is rendered exactly once.
 
 ``put`` writes the KV pages, then the ``ALL_PAGES`` objects of the pages whose KV is in the store, and
 the states asked for; a page is ``STORED``/``EXISTED`` only when its KV and every ``ALL_PAGES`` object
@@ -30,7 +31,7 @@ from kvstrata.impl.errors import MisuseError
 from kvstrata.impl.pools.host import HostKVPool
 from kvstrata.impl.pools.side import SideBuffer
 from kvstrata.impl.storage.base import GetStatus, PutStatus, StorageBackend
-from kvstrata.impl.storage.side import EntryKeys, SideIO, side_io
+from kvstrata.impl.storage.side import EntryKeys, SideIO, present_all, side_io
 from kvstrata.model.hybrid import HitPolicy, Probe, side_page_keys, usable_prefix
 from kvstrata.model.keys import Namespace, PageHash
 
@@ -157,18 +158,16 @@ class HybridStorage:
         kv_hit = self.backend.exists(namespace, pages)
         if kv_hit == 0 or not self.side:
             return HybridHit(kv_hit, kv_hit)
-        cap = kv_hit
-        probes: list[tuple[HitPolicy, Probe]] = []
-        for name in self._paged():
-            found = self._side_io(name).present(self._keys(namespace, name, pages[:cap]))
-            probes.append((HitPolicy.ALL_PAGES, found.__getitem__))
-            cap = min(cap, found.index(False) if False in found else cap)
-        for name in self._trailing():
-            if cap == 0:
-                break
-            found = self._side_io(name).present(self._keys(namespace, name, pages[:cap]))
-            probes.append((HitPolicy.TRAILING_PAGES, found.__getitem__))
-        return HybridHit(kv_hit, usable_prefix(kv_hit, probes) if cap else 0)
+        below = pages[:kv_hit]
+        names = [*self._paged(), *self._trailing()]  # ALL_PAGES first, as usable_prefix takes them
+        found = present_all(
+            [(self._side_io(name), self._keys(namespace, name, below)) for name in names]
+        )
+        probes: list[tuple[HitPolicy, Probe]] = [
+            (self.side[name].spec.policy, answers.__getitem__)
+            for name, answers in zip(names, found, strict=True)
+        ]
+        return HybridHit(kv_hit, usable_prefix(kv_hit, probes))
 
     # ---------------------------------------------------------------------------------------- put
     def put(

@@ -36,7 +36,7 @@ from kvstrata.impl.storage.mooncake.slabs import RPC_FAIL
 from kvstrata.impl.storage.objects import ObjectBackend, Op
 from kvstrata.model.keys import StoreKey
 
-__all__ = ["MooncakeSideIO", "ObjectSideIO", "SideIO", "side_io"]
+__all__ = ["MooncakeSideIO", "ObjectSideIO", "SideIO", "present_all", "side_io"]
 
 EntryKeys = tuple[StoreKey, ...]
 """The store keys of one entry's components, in component order."""
@@ -228,3 +228,36 @@ def side_io(backend: object, buffer: SideBuffer) -> SideIO:
     if isinstance(backend, ObjectBackend):
         return ObjectSideIO(backend, buffer)
     raise MisuseError(f"side_io: no side-object support for {type(backend).__name__}")
+
+
+def present_all(asks: Sequence[tuple[SideIO, Sequence[EntryKeys]]]) -> list[list[bool]]:
+    """:meth:`SideIO.present` for several pools at once: one answer list per ``(io, keys)``. Pools
+    on the same Mooncake backend are asked in **one** ``batch_is_exist`` (one round trip for every
+    side pool instead of one each); others pool by pool."""
+    answers: list[list[bool] | None] = [None] * len(asks)
+    shared: dict[int, list[int]] = {}
+    for index, (io, _keys) in enumerate(asks):
+        if isinstance(io, MooncakeSideIO):
+            shared.setdefault(id(io.backend), []).append(index)
+        else:
+            answers[index] = io.present(asks[index][1])
+    for indices in shared.values():
+        flat: list[StoreKey] = []
+        for index in indices:
+            io, keys = asks[index]
+            _check(io.buffer, keys, None)
+            flat += [key for entry_keys in keys for key in entry_keys]
+        first = asks[indices[0]][0]
+        assert isinstance(first, MooncakeSideIO)
+        codes = first.backend._is_exist(flat) if flat else []
+        first.backend._count_errors("exists", codes)
+        offset = 0
+        for index in indices:
+            io, keys = asks[index]
+            width = len(io.buffer.spec.components)
+            answers[index] = [
+                all(code == 1 for code in codes[offset + i * width : offset + (i + 1) * width])
+                for i in range(len(keys))
+            ]
+            offset += width * len(keys)
+    return [answer if answer is not None else [] for answer in answers]

@@ -214,19 +214,19 @@ def test_exists_renders_each_side_key_once_and_never_past_the_kv_hit(
         return side_page_keys(keys, ns, pool, page)  # type: ignore[arg-type]
 
     asked: list[StoreKey] = []
-    for io in node.storage._io.values():
-        present = io.present
-        monkeypatch.setattr(
-            io,
-            "present",
-            lambda keys, present=present: asked.extend(k for e in keys for k in e) or present(keys),
-        )
+    present_all = hybrid_module.present_all
+
+    def recording(asks: list[tuple[object, list[tuple[StoreKey, ...]]]]) -> list[list[bool]]:
+        asked.extend(key for _io, keys in asks for entry in keys for key in entry)
+        return present_all(asks)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(hybrid_module, "present_all", recording)
     monkeypatch.setattr(hybrid_module, "side_page_keys", counting)
     hit = node.storage.exists(NS, PAGES)
     assert (hit.kv, hit.usable) == (4, 4)
     assert len(rendered) == len(set(rendered))  # every (pool, page) rendered once
     assert {page for _, page in rendered} <= set(PAGES[:4])  # never at or past the KV hit
-    assert len(asked) == len(set(asked))
+    assert len(asked) == len(set(asked)) == 4 * (1 + len(MAMBA.components))
     for key in asked:
         parts = parse_store_key(key)  # every key parses back: rendered once, by the schema
         assert parts.pool in ("indexer", "mamba")
