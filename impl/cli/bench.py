@@ -49,7 +49,7 @@ BENCHMARKS: tuple[Benchmark, ...] = (
         "tests/mutants/run.py",
         (),
         None,
-        "mutant catch rate (about 6 minutes; skipped with --quick)",
+        "mutant catch rate (several minutes; skipped with --quick)",
     ),
     Benchmark(
         "copy",
@@ -78,6 +78,13 @@ BENCHMARKS: tuple[Benchmark, ...] = (
         ("--json", "{out}/embedding.json"),
         ("--quick", "--json", "{out}/embedding.json"),
         "embedding cache insert_batch / prefetch throughput against the raw Mooncake client",
+    ),
+    Benchmark(
+        "hybrid",
+        "benchmarks/hybrid_throughput.py",
+        ("--json", "{out}/hybrid.json"),
+        ("--quick", "--json", "{out}/hybrid.json"),
+        "hybrid page sets (KV, indexer, Mamba state) through L3 against the raw Mooncake client",
     ),
     Benchmark(
         "replay",
