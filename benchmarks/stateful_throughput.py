@@ -21,7 +21,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, run_state_mach
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))  # the machines import tests/support (pytest's pythonpath)
-NEEDS_A_STORE = ("MooncakeL3",)  # runs only inside pytest, which starts its Mooncake cluster
+NEEDS_A_STORE = ("MooncakeL3", "MooncakeHybridL3")  # run only inside pytest (it starts Mooncake)
 
 
 def machines() -> list[type[RuleBasedStateMachine]]:
