@@ -12,8 +12,9 @@ from typing import Any, TypeVar
 
 import attrs
 
-from kvstrata.impl.errors import ConfigError
+from kvstrata.impl.errors import ConfigError, MisuseError
 from kvstrata.model.cache import WritePolicy
+from kvstrata.model.hybrid import HitPolicy, SidePool, check_side_pools
 from kvstrata.model.prefetch import PrefetchPolicy
 
 __all__ = ["RadixCacheConfig", "StorageConfig", "enum_converter"]
@@ -68,6 +69,19 @@ def _write_policy(value: object) -> WritePolicy:
     return converted
 
 
+def _side_pools(value: object) -> tuple[SidePool, ...]:
+    if isinstance(value, SidePool):
+        raise ConfigError("side_pools: expected a sequence of SidePool values, got one SidePool")
+    if not isinstance(value, tuple | list):
+        raise ConfigError(f"side_pools: expected a tuple of SidePool values, got {value!r}")
+    pools = tuple(value)
+    try:
+        check_side_pools(pools)
+    except MisuseError as error:
+        raise ConfigError(f"side_pools: {error}") from None
+    return pools
+
+
 @attrs.frozen
 class RadixCacheConfig:
     """The radix cache's policies. Sizes of the pools are the pools' own configuration.
@@ -76,6 +90,12 @@ class RadixCacheConfig:
     pages at insert; L3 needs it for its store keys. Off, the cache never hashes (L1/L2 only) and
     ``page_hashes()`` refuses. ``fingerprint_seed``: makes the keys of the page fingerprints the tree
     matches by reproducible (tests); None draws secret keys per cache (:mod:`kvstrata.impl.fingerprint`).
+
+    Side pools (SPEC §5) are opt-in, as in the model's ``CacheConfig``: ``side_pools`` lists them
+    (distinct names). A ``TRAILING_PAGES`` pool (Mamba state, one per node end) needs state slots:
+    ``device_states >= 1`` on L1 and, when the cache has an L2, ``host_states >= 1`` (0 without
+    one: checked when the cache is built, since the pools are not part of this config); with no
+    such pool both must be 0. ``ALL_PAGES`` pools (indexer keys) share the KV page indices.
     """
 
     page_size: int = attrs.field(validator=_positive)
@@ -87,6 +107,30 @@ class RadixCacheConfig:
     load_back_quota: int | None = attrs.field(default=None, validator=_optional_positive)  # pages
     page_hashes: bool = attrs.field(default=True, validator=_bool)
     fingerprint_seed: int | None = attrs.field(default=None, validator=_optional_seed)
+    side_pools: tuple[SidePool, ...] = attrs.field(default=(), converter=_side_pools)
+    device_states: int = attrs.field(default=0, validator=_non_negative)
+    host_states: int = attrs.field(default=0, validator=_non_negative)
+
+    def __attrs_post_init__(self) -> None:
+        if not self.trailing_pools:
+            if self.device_states or self.host_states:
+                raise ConfigError(
+                    f"device_states/host_states: state slots need a TRAILING_PAGES side pool, "
+                    f"got {self.device_states}/{self.host_states} with none"
+                )
+        elif self.device_states < 1:
+            raise ConfigError(
+                f"device_states: a TRAILING_PAGES side pool needs an int >= 1, "
+                f"got {self.device_states}"
+            )
+
+    @property
+    def all_pages_pools(self) -> tuple[SidePool, ...]:
+        return tuple(p for p in self.side_pools if p.policy is HitPolicy.ALL_PAGES)
+
+    @property
+    def trailing_pools(self) -> tuple[SidePool, ...]:
+        return tuple(p for p in self.side_pools if p.policy is HitPolicy.TRAILING_PAGES)
 
 
 def _prefetch_policy(value: object) -> PrefetchPolicy:

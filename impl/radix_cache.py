@@ -17,6 +17,29 @@ Theory of operation
   identical to the model's.
 * Bad input raises a typed error (:mod:`kvstrata.impl.errors`) before anything changes.
 
+Side pools (SPEC §5, opt-in through ``RadixCacheConfig.side_pools``)
+-------------------------------------------------------------------
+With no side pools nothing below runs (one ``if self._states`` per call) and every result, node id, op
+id and page index is what it was before side pools existed.
+
+* ``ALL_PAGES`` pools (indexer keys) share the KV page indices on L1 and L2: their residency *is* the
+  page's and nothing is tracked; their bytes follow every KV page copy because the copy function
+  :meth:`HierarchicalRadixCache.build` installs is :func:`~kvstrata.impl.pools.group.copy_between`.
+* ``TRAILING_PAGES`` pools (Mamba state) hold one *state* per node end in state slots of their own
+  (``device_states`` on L1, ``host_states`` on L2; one slot indexes the same entry of every trailing
+  pool). A state is a :class:`StateInfo` keyed by the node whose **end** it sits at, with its own
+  residency advanced only through the model's ``STATE_RESIDENCY`` table. A split keeps the node
+  object on the suffix, which keeps the node end, so a split can neither move nor lose a state: the
+  new prefix node simply has none (the model keys states by the last page's hash: the same fact).
+* The semantics mirror :class:`kvstrata.model.cache.CacheModel` rule for rule (the hybrid differential
+  compares them step by step): ``match_prefix`` cuts the L1 prefix back to the deepest node end whose
+  state is valid on L1 and the L2 continuation to the deepest node end whose state is valid on L2;
+  write-through, stage, demote, delete and load-back carry the node end's state with its pages (host
+  or device allocation atomic over pages and the state slot); a state attached to a node already on
+  L2 gets a state-only write-through; ``evict_state`` drops one copy. A copy op fixes its state
+  transfer (:class:`~kvstrata.impl.transfer.PoolTransfer` per trailing pool) and the node whose end
+  it serves at enqueue (I4).
+
 Indices are page indices (one per ``page_size`` tokens), never token indices.
 
 What a node stores
@@ -60,11 +83,21 @@ from kvstrata.impl.fingerprint import (
 )
 from kvstrata.impl.l3 import L3Tier
 from kvstrata.impl.metrics import CacheStats
-from kvstrata.impl.pools import KVPool, copy_pages
+from kvstrata.impl.pools import KVPool, PageAllocator, copy_pages
+from kvstrata.impl.pools.group import PoolGroup, copy_between
 from kvstrata.impl.pools.host import HostKVPool
+from kvstrata.impl.pools.side import SideBuffer, SideSpec, copy_entries
 from kvstrata.impl.storage.base import StorageBackend
-from kvstrata.impl.transfer import Completion, Direction, Executor, TransferController
+from kvstrata.impl.transfer import (
+    Completion,
+    Direction,
+    Executor,
+    PoolTransfer,
+    SideCopyFunction,
+    TransferController,
+)
 from kvstrata.model.cache import WritePolicy
+from kvstrata.model.hybrid import HitPolicy
 from kvstrata.model.keys import DEFAULT_NAMESPACE, Namespace, PageHash
 from kvstrata.model.lifecycles import (
     DEVICE_CLAIMED,
@@ -73,11 +106,13 @@ from kvstrata.model.lifecycles import (
     HOST_VALID,
     LOAD_OP,
     PAGE_RESIDENCY,
+    STATE_RESIDENCY,
     WRITE_OP,
     OpEvent,
     OpState,
     Residency,
     ResidencyEvent,
+    StateEvent,
 )
 
 __all__ = [
@@ -87,6 +122,7 @@ __all__ = [
     "InsertResult",
     "MatchResult",
     "Node",
+    "StateInfo",
 ]
 
 Pages = npt.NDArray[np.int64]
@@ -98,6 +134,8 @@ _HOST_CLAIMED_T = tuple(HOST_CLAIMED)
 _EMPTY: Pages = np.zeros(0, dtype=np.int64)
 _MAX_TOKEN = 2**32 - 1
 _UINT32 = np.dtype("<u4")
+_L1_STATE = (Residency.DEVICE, Residency.BOTH)  # states whose L1 copy may be dropped
+_L2_STATE = (Residency.BOTH, Residency.HOST)  # states whose L2 copy may be dropped
 
 
 class Allocator(Protocol):
@@ -189,15 +227,36 @@ class Node:
         )
 
 
+class StateInfo:
+    """The trailing (Mamba) state at one node end (side pools, SPEC §5): its residency, advanced only
+    through ``STATE_RESIDENCY``, and its L1 / L2 state slots. Invariants (as the model's): a slot is
+    held in a tier exactly where the residency claims one (``device`` for DEVICE / WRITING / BOTH /
+    LOADING, ``host`` for WRITING / BOTH / HOST / LOADING), and the state is valid in a tier only where
+    its node's pages are."""
+
+    __slots__ = ("device", "host", "residency")
+
+    def __init__(self, residency: Residency, *, device: int | None = None) -> None:
+        self.residency = residency
+        self.device = device
+        self.host: int | None = None
+
+    def __repr__(self) -> str:
+        return f"StateInfo({self.residency.value}, device={self.device}, host={self.host})"
+
+
 @attrs.define(eq=False)
 class CopyOp:
-    """A pending L1 <-> L2 copy. ``nodes`` are the nodes covering its pages (grown by splits)."""
+    """A pending L1 <-> L2 copy. ``nodes`` are the nodes covering its pages (grown by splits);
+    ``state_node`` is the node whose end state it moves too (fixed at enqueue: a split keeps the
+    node end on that node object). A state-only write-through or load has no ``nodes``."""
 
     op_id: int
     direction: Direction
     node: Node  # the node it locks while in flight
     nodes: list[Node]
     state: OpState = OpState.PENDING
+    state_node: Node | None = None
 
 
 @attrs.frozen
@@ -206,6 +265,7 @@ class MatchResult:
     device_node: Node  # deepest node of the L1 prefix (a root if none)
     host_pages: int  # pages of the L2-only continuation
     host_node: Node  # deepest node of that continuation (== device_node if none)
+    device_state_slot: int | None = None  # L1 state slot at the end of the L1 prefix (side pools)
 
     @property
     def device_pages(self) -> int:
@@ -218,6 +278,7 @@ class InsertResult:
     new_pages: int
     revived_pages: int
     duplicate_pages: int
+    state_kept: bool = False  # the state slot given to insert now holds the last page's state
 
 
 @attrs.frozen
@@ -286,6 +347,38 @@ def _valid_device(node: Node) -> Pages:
     return np.full(node.num_pages, -1, dtype=np.int64)
 
 
+class _LockstepSlots:
+    """State slots of several ``TRAILING_PAGES`` pools of one tier as one allocator: slot ``s`` is
+    entry ``s`` of every pool. Invariant: the pools' allocators see the same calls, so (lowest
+    first) they hand out the same slots and hold the same free counts."""
+
+    def __init__(self, allocators: Sequence[PageAllocator]) -> None:
+        self._allocators = tuple(allocators)
+
+    @property
+    def free_count(self) -> int:
+        return self._allocators[0].free_count
+
+    @property
+    def num_pages(self) -> int:
+        return self._allocators[0].num_pages
+
+    def alloc(self, n: int, /) -> npt.NDArray[np.integer[Any]]:
+        out = [allocator.alloc(n) for allocator in self._allocators]
+        assert all(np.array_equal(out[0], other) for other in out[1:]), "state pools diverged"
+        return out[0]
+
+    def free(self, pages: npt.NDArray[np.int64], /) -> None:
+        for allocator in self._allocators:
+            allocator.free(pages)
+
+
+def _state_allocator(group: PoolGroup) -> Allocator:
+    """One allocator over the state slots of every ``TRAILING_PAGES`` pool of ``group``."""
+    allocators = [buffer.allocator for buffer in group.stateful if buffer.allocator is not None]
+    return allocators[0] if len(allocators) == 1 else _LockstepSlots(allocators)
+
+
 class HierarchicalRadixCache:
     """L1/L2 radix cache. See the module docstring for the protocol and its invariants."""
 
@@ -296,11 +389,37 @@ class HierarchicalRadixCache:
         host: Allocator | None = None,
         transfer: TransferController | None = None,
         copy_now: Callable[[Direction, Pages, Pages], int] | None = None,
+        *,
+        device_states: Allocator | None = None,
+        host_states: Allocator | None = None,
+        side_copy_now: SideCopyFunction | None = None,
     ) -> None:
         if (host is None) != (transfer is None):
             raise MisuseError("an L2 pool needs a transfer controller and vice versa")
         if config.write_policy is WritePolicy.WRITE_BACK and host is not None and copy_now is None:
             raise MisuseError("write_back needs a blocking copy function (copy_now)")
+        self._states = bool(config.trailing_pools)  # the one check guarding all state work
+        if self._states:
+            if (host is not None) != (config.host_states > 0):
+                raise ConfigError(
+                    f"host_states: a TRAILING_PAGES side pool needs an int >= 1 with an L2 and 0 "
+                    f"without one, got {config.host_states} "
+                    f"({'with' if host is not None else 'without'} an L2)"
+                )
+            if device_states is None:
+                device_states = PageAllocator(config.device_states, "L1 states")
+            if host is not None and host_states is None:
+                host_states = PageAllocator(config.host_states, "L2 states")
+        elif device_states is not None or host_states is not None:
+            raise MisuseError("state slot allocators need a TRAILING_PAGES side pool in the config")
+        self._device_states = device_states
+        self._host_states = host_states
+        self._side_copy_now = side_copy_now
+        self._state_pools = tuple(pool.name for pool in config.trailing_pools)
+        self._state_info: dict[Node, StateInfo] = {}  # node -> the state at its end
+        self._held_states: set[int] = set()  # L1 state slots the scheduler owns
+        self.device_group: PoolGroup | None = None  # set by build() with side pools
+        self.host_group: PoolGroup | None = None
         self.config = config
         self.page_size = config.page_size
         self._device = device
@@ -340,18 +459,53 @@ class HierarchicalRadixCache:
         storage: StorageBackend | None = None,
         storage_config: StorageConfig | None = None,
         storage_executor: Executor | None = None,
+        side_specs: Sequence[SideSpec] = (),
     ) -> HierarchicalRadixCache:
         """A cache over real pools: copies run on ``executor`` (a worker thread by default). With a
         ``storage`` backend (which needs a page-first host pool) L2 is backed up to L3 and
         prefetched from it; store I/O runs on ``storage_executor`` (another worker thread by
-        default)."""
+        default).
+
+        Side pools: ``side_specs`` gives the shapes of ``config.side_pools`` (one spec per pool, in
+        the same order). The cache allocates their buffers next to each KV pool: an ``ALL_PAGES``
+        buffer of one entry per KV page, a ``TRAILING_PAGES`` one of ``device_states`` /
+        ``host_states`` slots. ``device_group`` / ``host_group`` hold them (the scheduler writes a
+        request's indexer keys at its KV pages and its state at the slot from
+        ``alloc_device_state``). Every L1 <-> L2 copy moves the indexer entries of its pages and the
+        state slots it carries in the same batch. L3 with side pools is not built yet."""
         if device_pool.shape.page_size != config.page_size:
             raise ConfigError("the device pool's page size differs from the cache's page_size")
+        specs = tuple(side_specs)
+        if tuple(getattr(spec, "pool", None) for spec in specs) != config.side_pools:
+            raise ConfigError(
+                f"side_specs: expected one SideSpec per side pool of the config "
+                f"{[p.name for p in config.side_pools]}, got {specs!r}"
+            )
+        if specs and storage is not None:
+            raise ConfigError(
+                "side pools with an L3 storage backend: backup and prefetch of indexer objects and "
+                "Mamba states are not implemented yet (L1/L2 only)"
+            )
+        if specs and host_pool is None and config.host_states:
+            raise ConfigError(
+                f"host_states: expected 0 without a host pool, got {config.host_states}"
+            )
+        if specs and host_pool is not None and config.trailing_pools and config.host_states < 1:
+            raise ConfigError(
+                f"host_states: a TRAILING_PAGES side pool with a host pool needs an int >= 1, "
+                f"got {config.host_states}"
+            )
+        device_group = cls._side_group(specs, device_pool, config.device_states, host=False)
         if host_pool is None:
             if storage is not None:
                 raise ConfigError("an L3 storage backend needs a host pool (L2) to stage pages")
-            alone = cls(config, device_pool.allocator)
+            alone = cls(
+                config,
+                device_pool.allocator,
+                device_states=_state_allocator(device_group) if config.trailing_pools else None,
+            )
             alone.page_nbytes = device_pool.shape.bytes_per_page
+            alone.device_group = device_group if specs else None
             return alone
         if storage is not None:
             if not isinstance(host_pool, HostKVPool):
@@ -364,6 +518,9 @@ class HierarchicalRadixCache:
             if not config.page_hashes:
                 raise ConfigError("an L3 storage backend needs page_hashes=True (its keys)")
             storage.attach(host_pool)
+
+        if specs:
+            return cls._build_hybrid(config, device_group, host_pool, executor)
 
         def copy(direction: Direction, src: Pages, dst: Pages) -> int:
             if direction is Direction.WRITE:
@@ -381,6 +538,69 @@ class HierarchicalRadixCache:
                 storage_executor,
                 page_nbytes=host_pool.shape.bytes_per_page,
             )
+        return cache
+
+    @staticmethod
+    def _side_group(
+        specs: tuple[SideSpec, ...], pool: KVPool, states: int, *, host: bool
+    ) -> PoolGroup:
+        """``pool`` with a buffer per side spec: one entry per KV page (``ALL_PAGES``) or
+        ``states`` slots (``TRAILING_PAGES``)."""
+        buffers = [
+            SideBuffer(
+                spec,
+                pool.num_pages if spec.policy is HitPolicy.ALL_PAGES else states,
+                host=host,
+                device=None if host else pool.device,
+                pin_memory=None if host else False,
+            )
+            for spec in specs
+        ]
+        return PoolGroup(pool, buffers)
+
+    @classmethod
+    def _build_hybrid(
+        cls,
+        config: RadixCacheConfig,
+        device_group: PoolGroup,
+        host_pool: KVPool,
+        executor: Executor | None,
+    ) -> HierarchicalRadixCache:
+        """``build`` with side pools and an L2: KV copies carry the ``ALL_PAGES`` entries of their
+        pages (:func:`copy_between`), state slots travel as :class:`PoolTransfer` s."""
+        specs = tuple(buffer.spec for buffer in device_group.side.values())
+        host_group = cls._side_group(specs, host_pool, config.host_states, host=True)
+
+        def copy(direction: Direction, src: Pages, dst: Pages) -> int:
+            if direction is Direction.WRITE:
+                return copy_between(device_group, host_group, src, dst)
+            return copy_between(host_group, device_group, src, dst)
+
+        def side_copy(direction: Direction, transfer: PoolTransfer) -> int:
+            source, target = (
+                (device_group, host_group)
+                if direction is Direction.WRITE
+                else (host_group, device_group)
+            )
+            buffer = source.side[transfer.pool]
+            copy_entries(buffer, transfer.src, target.side[transfer.pool], transfer.dst)
+            return buffer.spec.bytes_per_entry * len(transfer.src)
+
+        transfer = TransferController(copy, executor, side_copy)
+        trailing = bool(config.trailing_pools)
+        cache = cls(
+            config,
+            device_group.kv.allocator,
+            host_pool.allocator,
+            transfer,
+            copy,
+            device_states=_state_allocator(device_group) if trailing else None,
+            host_states=_state_allocator(host_group) if trailing else None,
+            side_copy_now=side_copy,
+        )
+        cache.page_nbytes = device_group.kv.shape.bytes_per_page
+        cache.device_group = device_group
+        cache.host_group = host_group
         return cache
 
     @property
@@ -411,6 +631,21 @@ class HierarchicalRadixCache:
     @property
     def host_free(self) -> int:
         return 0 if self._host is None else self._host.free_count
+
+    @property
+    def has_states(self) -> bool:
+        """Whether a ``TRAILING_PAGES`` side pool (a Mamba state per node end) is configured."""
+        return self._states
+
+    @property
+    def device_states_free(self) -> int:
+        """Free L1 state slots (0 without a ``TRAILING_PAGES`` pool)."""
+        return 0 if self._device_states is None else self._device_states.free_count
+
+    @property
+    def host_states_free(self) -> int:
+        """Free L2 state slots (0 without a ``TRAILING_PAGES`` pool or without L2)."""
+        return 0 if self._host_states is None else self._host_states.free_count
 
     def _tick(self) -> None:
         self.clock += 1
@@ -489,6 +724,185 @@ class HierarchicalRadixCache:
     def _finish(self) -> None:
         if self._transfer is not None:
             self._transfer.flush()
+
+    # ------------------------------------------------------------------ side-pool states
+    def _state_of(self, node: Node) -> Residency | None:
+        """The residency of the state at ``node``'s end (``None``: it has none)."""
+        info = self._state_info.get(node)
+        return None if info is None else info.residency
+
+    def _advance_state(self, node: Node, info: StateInfo, event: StateEvent) -> None:
+        info.residency = STATE_RESIDENCY.next(info.residency, event)
+        if info.residency is Residency.GONE:
+            del self._state_info[node]
+
+    def _alloc_state(self, *, host: bool) -> int:
+        pool = self._host_states if host else self._device_states
+        assert pool is not None
+        return int(pool.alloc(1)[0])
+
+    def _free_state(self, slot: int, *, host: bool) -> None:
+        pool = self._host_states if host else self._device_states
+        assert pool is not None
+        pool.free(np.array([slot], dtype=np.int64))
+
+    def _state_transfers(self, src: int, dst: int) -> tuple[PoolTransfer, ...]:
+        """One state's copy, as one :class:`PoolTransfer` per trailing pool (fixed at enqueue)."""
+        return tuple(PoolTransfer(name, [src], [dst]) for name in self._state_pools)
+
+    def _drop_state(self, node: Node, *, host: bool) -> None:
+        """Free the L1 (or L2) copy of the state at ``node``'s end; forgotten when none is left."""
+        info = self._state_info[node]
+        if host:
+            slot, info.host = info.host, None
+            event = StateEvent.DROP_HOST if info.residency is Residency.BOTH else StateEvent.DELETE
+        else:
+            slot, info.device = info.device, None
+            event = StateEvent.DEMOTE if info.residency is Residency.BOTH else StateEvent.DELETE
+        assert slot is not None
+        self._free_state(slot, host=host)
+        self._advance_state(node, info, event)
+
+    def _forget_state(self, node: Node) -> None:
+        """``node`` is being deleted: the state at its end goes with it."""
+        info = self._state_info.get(node)
+        if info is not None:
+            self._drop_state(node, host=info.residency is Residency.HOST)
+
+    def _state_victim(self, *, host: bool) -> Node | None:
+        """The least recently used node whose end state may lose its L1 (or L2) copy: not in
+        flight, on an unlocked node (the model's ``_state_victims`` order)."""
+        allowed = _L2_STATE if host else _L1_STATE
+        best: tuple[int, int] | None = None
+        victim = None
+        for node, info in self._state_info.items():
+            if node.lock_ref or info.residency not in allowed:
+                continue
+            key = (node.last_access, node.id)
+            if best is None or key < best:
+                best, victim = key, node
+        return victim
+
+    def _free_state_slot(self, *, host: bool) -> bool:
+        """Make sure one L1 (or L2) state slot is free, dropping the LRU state copy if needed."""
+        pool = self._host_states if host else self._device_states
+        assert pool is not None
+        if pool.free_count == 0:
+            victim = self._state_victim(host=host)
+            if victim is not None:
+                self._drop_state(victim, host=host)
+        return pool.free_count > 0
+
+    def _moving_state(self, node: Node) -> StateInfo | None:
+        """The state that moves L1 -> L2 with ``node``: its end state, if on L1 only."""
+        info = self._state_info.get(node)
+        return info if info is not None and info.residency is Residency.DEVICE else None
+
+    def _state_alone(self, node: Node) -> bool:
+        """Whether ``node``'s end state is on L1 only while its KV has (or is getting) an L2 copy:
+        a state attached after the node was written through."""
+        return (
+            not node.is_root
+            and node.state in (Residency.BOTH, Residency.WRITING)
+            and self._moving_state(node) is not None
+        )
+
+    def _attach_state(self, node: Node, slot: int) -> bool:
+        """Make ``slot`` the L1 state at the end of ``node`` (whose pages are valid on L1); False if
+        that end already has a state on L1 (or one being loaded there)."""
+        assert node.state in _DEVICE_VALID_T
+        info = self._state_info.get(node)
+        if info is None:
+            info = self._state_info[node] = StateInfo(Residency.NEW, device=slot)
+            self._advance_state(node, info, StateEvent.INSERT)
+            return True
+        if info.residency is Residency.HOST:
+            info.device = slot
+            self._advance_state(node, info, StateEvent.REVIVE)
+            return True
+        return False
+
+    def _usable_by_state(
+        self, device: list[Node], host: list[Node]
+    ) -> tuple[list[Node], list[Node]]:
+        """Cut the L1 prefix back to the deepest node end whose state is valid on L1; the L2
+        continuation is then the nodes after that cut whose KV is valid on L2, cut back to the
+        deepest node end whose state is valid on L2 (the model's rule, I6)."""
+        cut = len(device)
+        while cut and self._state_of(device[cut - 1]) not in _DEVICE_VALID_T:
+            cut -= 1
+        rest: list[Node] = []
+        for node in [*device[cut:], *host]:
+            if node.state not in _HOST_VALID_T:
+                break
+            rest.append(node)
+        end = len(rest)
+        while end and self._state_of(rest[end - 1]) not in _HOST_VALID_T:
+            end -= 1
+        return device[:cut], rest[:end]
+
+    def _require_states(self) -> None:
+        if not self._states:
+            raise MisuseError("no TRAILING_PAGES side pool: this cache keeps no states")
+
+    def alloc_device_state(self) -> int:
+        """One fresh L1 state slot for the trailing state a request is about to compute, dropping
+        the least recently used unlocked L1 state copy if none is free. :class:`CapacityError` if
+        still none (a dropped copy stays dropped). The caller owns the slot until ``insert``
+        (``state_slot=``) or :meth:`free_device_state`; it writes the state into entry ``slot`` of
+        every trailing pool of ``device_group``."""
+        self._require_states()
+        self._tick()
+        if not self._free_state_slot(host=False):
+            self._finish()
+            raise CapacityError("no L1 state slot is free and no L1 state can be dropped")
+        slot = self._alloc_state(host=False)
+        self._held_states.add(slot)
+        self._finish()
+        return slot
+
+    def free_device_state(self, slot: int) -> None:
+        """Give back a state slot taken with :meth:`alloc_device_state` (a request that went away)."""
+        if slot not in self._held_states:
+            raise MisuseError(f"L1 state slot {slot!r} is not held by the scheduler")
+        self._tick()
+        self._held_states.discard(slot)
+        self._free_state(slot, host=False)
+        self._finish()
+
+    def held_state_slots(self) -> frozenset[int]:
+        """L1 state slots the scheduler took and has not handed back yet."""
+        return frozenset(self._held_states)
+
+    def evict_state(self, node: Node, *, host: bool = False) -> None:
+        """Drop the state at ``node``'s end from L1 (or, with ``host``, from L2) without touching its
+        KV; matches then report less, never wrong. :class:`MisuseError`, nothing changed, unless the
+        state has an idle copy in that tier (not being copied) and the node is unlocked."""
+        self._require_states()
+        self._check_node(node)
+        info = self._state_info.get(node)
+        tier = "L2" if host else "L1"
+        if info is None or info.residency not in (_L2_STATE if host else _L1_STATE):
+            state = "none" if info is None else info.residency.value
+            raise MisuseError(f"{node!r} has no idle {tier} state to drop (state: {state})")
+        if node.lock_ref:
+            raise MisuseError(f"{node!r} is locked: its state is in use")
+        self._tick()
+        self._drop_state(node, host=host)
+        self._finish()
+
+    def state_residency(
+        self,
+        tokens: Sequence[int] | npt.NDArray[np.integer],
+        extra_key: str | Namespace | None = None,
+    ) -> tuple[Residency | None, ...]:
+        """Residency of the state at the end of each full page of ``tokens`` in the tree (``None``:
+        no state there); no split, no LRU touch."""
+        out: list[Residency | None] = []
+        for node in self._cached_path(tokens, extra_key):
+            out.extend([None] * (node.num_pages - 1))
+            out.append(self._state_of(node))
+        return tuple(out)
 
     # ------------------------------------------------------------------ the tree
     def _descend(
@@ -688,6 +1102,21 @@ class HierarchicalRadixCache:
             host_pages += node.num_pages
             host_node = node
         self._touch(path if reached == len(path) else path[:reached])
+        state_slot = None
+        if self._states:  # cut both parts back to node ends with a usable state
+            device_nodes = path[: len(device)]
+            host_nodes = []
+            for node in path[len(device) :]:
+                if node.state not in _HOST_VALID_T:
+                    break
+                host_nodes.append(node)
+            device_nodes, host_nodes = self._usable_by_state(device_nodes, host_nodes)
+            device = [node.device for node in device_nodes]  # type: ignore[misc]
+            device_node = device_nodes[-1] if device_nodes else root
+            host_node = host_nodes[-1] if host_nodes else device_node
+            host_pages = sum(node.num_pages for node in host_nodes)
+            if device_nodes:
+                state_slot = self._state_info[device_node].device
         indices = np.concatenate(device) if device else _EMPTY
         self._memo = _MatchMemo(
             fps,
@@ -699,9 +1128,8 @@ class HierarchicalRadixCache:
         )
         if self.config.write_policy is WritePolicy.WRITE_THROUGH_SELECTIVE:
             for node in path:
-                if (
-                    node.hits >= self.config.write_through_threshold
-                    and node.state is Residency.DEVICE
+                if node.hits >= self.config.write_through_threshold and (
+                    node.state is Residency.DEVICE or (self._states and self._state_alone(node))
                 ):
                     self._write_through_chain(node)
         self._finish()
@@ -709,7 +1137,7 @@ class HierarchicalRadixCache:
         stats.match_tokens += len(query)
         stats.l1_hit_tokens += len(indices) * self.page_size
         stats.l2_hit_tokens += host_pages * self.page_size
-        return MatchResult(indices, device_node, host_pages, host_node)
+        return MatchResult(indices, device_node, host_pages, host_node, state_slot)
 
     # ------------------------------------------------------------------ allocation and insert
     def alloc_device(self, pages: int) -> Pages:
@@ -767,19 +1195,31 @@ class HierarchicalRadixCache:
         tokens: Sequence[int] | npt.NDArray[np.integer],
         device_indices: Sequence[int] | Pages,
         extra_key: str | Namespace | None = None,
+        state_slot: int | None = None,
     ) -> InsertResult:
         """Cache the KV of ``tokens`` (whole pages; a trailing partial page is ignored).
 
         ``device_indices`` has one L1 page per full page: the cached pages ``match_prefix`` returned
         for the L1 prefix, pages from :meth:`alloc_device` (holding the computed KV) for the rest.
         The cache owns all of them afterwards: pages it already holds on L1 give their fresh page
-        back, host-only pages are revived with it, new pages form a new leaf."""
+        back, host-only pages are revived with it, new pages form a new leaf.
+
+        ``state_slot`` (a ``TRAILING_PAGES`` pool only): an L1 state slot from
+        :meth:`alloc_device_state` holding the state at the end of the last full page. It becomes
+        that page's L1 state (the page is then a node end) unless the page already has one on L1
+        (or loading), or nothing was cached below a loading node: then it is given back
+        (``state_kept`` False). A slot the scheduler does not hold is a :class:`MisuseError`."""
         query = _as_tokens(tokens)
         namespace = self.namespace_of(extra_key)
         total = len(query) // self.page_size
         given = self._page_array(device_indices, "device_indices")
         if len(given) != total:
             raise MisuseError(f"{total} L1 pages needed for {total} pages, got {len(given)}")
+        if state_slot is not None:
+            if state_slot not in self._held_states:
+                raise MisuseError(f"L1 state slot {state_slot!r} is not held by the scheduler")
+            if total == 0:
+                raise MisuseError("a state belongs to the end of a full page; tokens have none")
         fps = self._fingerprint(query)
         memo = self._memo
         if (
@@ -818,10 +1258,16 @@ class HierarchicalRadixCache:
             leaf.device = given[matched:].copy()
             self._count_device(leaf, +1)
             deepest = leaf
-            if self.config.write_policy is WritePolicy.WRITE_THROUGH:
-                self._write_through_chain(leaf)
+        kept = False
+        if state_slot is not None:
+            self._held_states.discard(state_slot)
+            kept = not loading and self._attach_state(deepest, state_slot)
+            if not kept:
+                self._free_state(state_slot, host=False)
+        if (new_pages or kept) and self.config.write_policy is WritePolicy.WRITE_THROUGH:
+            self._write_through_chain(deepest)
         self._finish()
-        return InsertResult(deepest, new_pages, revived, spare)
+        return InsertResult(deepest, new_pages, revived, spare, kept)
 
     def _check_given(
         self, path: list[Node], given: Pages, devices: Pages | None
@@ -899,12 +1345,44 @@ class HierarchicalRadixCache:
             self._lock(current, +1)
             self._advance(current, ResidencyEvent.WRITE_START)
             op = CopyOp(self._new_op(), Direction.WRITE, current, [current])
+            side: tuple[PoolTransfer, ...] = ()
+            if self._states:
+                info = self._moving_state(current)
+                if info is not None:  # its host slot came with the pages (_alloc_host_for)
+                    assert info.device is not None and info.host is not None
+                    self._advance_state(current, info, StateEvent.WRITE_START)
+                    op.state_node = current
+                    side = self._state_transfers(info.device, info.host)
             current.write_op = op
             self.write_ops.append(op)
             assert current.device is not None
-            self._transfer.enqueue(Direction.WRITE, op.op_id, current.device, host)
+            self._transfer.enqueue(Direction.WRITE, op.op_id, current.device, host, side)
+        if self._states and self._state_alone(node):
+            self._write_state_through(node)
+
+    def _write_state_through(self, node: Node) -> None:
+        """A state-only write-through of ``node``'s end state (queued FIFO behind the node's own
+        write-through), if L2 has a state slot (dropping the LRU idle L2 state copy if needed)."""
+        assert self._transfer is not None
+        self._raw_lock(node, +1)
+        room = self._free_state_slot(host=True)
+        self._raw_lock(node, -1)
+        if not room:
+            return
+        info = self._state_info[node]
+        assert info.device is not None
+        info.host = self._alloc_state(host=True)
+        self._lock(node, +1)
+        self._advance_state(node, info, StateEvent.WRITE_START)
+        op = CopyOp(self._new_op(), Direction.WRITE, node, [], state_node=node)
+        self.write_ops.append(op)
+        self._transfer.enqueue(
+            Direction.WRITE, op.op_id, _EMPTY, _EMPTY, self._state_transfers(info.device, info.host)
+        )
 
     def _alloc_host_for(self, node: Node) -> Pages | None:
+        """Host pages for every page of ``node`` and, with states, a host state slot for its L1-only
+        end state (set on its :class:`StateInfo`), evicting L2 if needed: all or nothing."""
         assert self._host is not None
         needed = node.num_pages
         if needed > self._host.free_count:
@@ -913,6 +1391,15 @@ class HierarchicalRadixCache:
             self._raw_lock(node, -1)
         if needed > self._host.free_count:
             return None
+        if self._states:
+            info = self._moving_state(node)
+            if info is not None:
+                self._raw_lock(node, +1)
+                room = self._free_state_slot(host=True)
+                self._raw_lock(node, -1)
+                if not room:
+                    return None
+                info.host = self._alloc_state(host=True)
         return np.asarray(self._host.alloc(needed), dtype=np.int64)
 
     # ------------------------------------------------------------------ locks
@@ -978,8 +1465,12 @@ class HierarchicalRadixCache:
             parent = node.parent
             if node.state is Residency.BOTH:
                 self._advance(node, ResidencyEvent.DEMOTE)
+                if self._states and self._state_of(node) in _L1_STATE:
+                    self._drop_state(node, host=False)
             elif not (self.config.write_policy is WritePolicy.WRITE_BACK and self._stage(node)):
                 self._advance(node, ResidencyEvent.DELETE)
+                if self._states:
+                    self._forget_state(node)
                 self._remove_leaf(node)
             node.device = None
             self._device.free(released)
@@ -1011,13 +1502,27 @@ class HierarchicalRadixCache:
         if host is None:
             return False
         assert self._copy_now is not None and node.device is not None
+        info = self._moving_state(node) if self._states else None
         try:
             self._copy_now(Direction.WRITE, node.device, host)
+            if info is not None:
+                assert self._side_copy_now is not None
+                assert info.device is not None and info.host is not None
+                for transfer in self._state_transfers(info.device, info.host):
+                    self._side_copy_now(Direction.WRITE, transfer)
         except Exception:  # a failed staging copy: the node is dropped instead (smaller cache)
             self._host.free(host)
+            if info is not None and info.host is not None:
+                self._free_state(info.host, host=True)
+                info.host = None
             return False
         node.host = host
         self._advance(node, ResidencyEvent.STAGE)
+        if info is not None:
+            assert info.device is not None
+            self._free_state(info.device, host=False)
+            info.device = None
+            self._advance_state(node, info, StateEvent.STAGE)
         if self._l3 is not None:
             self._l3.enqueue_backup(node.namespace, [node])
         return True
@@ -1052,6 +1557,8 @@ class HierarchicalRadixCache:
             released = node.host
             parent = node.parent
             self._advance(node, ResidencyEvent.DELETE)
+            if self._states:
+                self._forget_state(node)
             self._remove_leaf(node)
             node.host = None
             self._host.free(released)
@@ -1063,7 +1570,11 @@ class HierarchicalRadixCache:
     # ------------------------------------------------------------------ load-back
     def load_back(self, node: Node) -> int | None:
         """Start loading the host-only chain ending at ``node`` back to L1, all or nothing. Returns
-        the op id, or ``None`` when skipped (below the threshold, over the quota, no L1 room)."""
+        the op id, or ``None`` when skipped (below the threshold, over the quota, no L1 room).
+
+        With a ``TRAILING_PAGES`` pool the state at ``node``'s end comes along if it is on L2 only
+        (its L1 state slot is part of the all-or-nothing allocation). A state-only load (the node's
+        KV already on L1) moves no KV, so the threshold and the quota do not apply to it."""
         self._check_node(node)
         self._tick()
         chain = []
@@ -1074,17 +1585,29 @@ class HierarchicalRadixCache:
         chain.reverse()
         pages = sum(n.num_pages for n in chain)
         quota = self.config.load_back_quota
+        info = None
+        if self._states:
+            info = self._state_info.get(node)
+            if info is not None and info.residency is not Residency.HOST:
+                info = None
         if (
-            not chain
+            (not chain and info is None)
             or self._transfer is None
-            or pages * self.page_size < self.config.load_back_threshold
-            or (quota is not None and pages > quota)
+            or (
+                chain
+                and (
+                    pages * self.page_size < self.config.load_back_threshold
+                    or (quota is not None and pages > quota)
+                )
+            )
         ):
             return None
         self._lock(node, +1)
         if pages > self._device.free_count:
             self._evict_device(pages - self._device.free_count)
-        if pages > self._device.free_count:
+        if pages > self._device.free_count or (
+            info is not None and not self._free_state_slot(host=False)
+        ):
             self._lock(node, -1)
             self._finish()
             return None
@@ -1098,9 +1621,20 @@ class HierarchicalRadixCache:
             targets.append(current.device)
             current.load_op = op
             self._advance(current, ResidencyEvent.LOAD_START)
+        side: tuple[PoolTransfer, ...] = ()
+        if info is not None:
+            assert info.host is not None
+            info.device = self._alloc_state(host=False)
+            self._advance_state(node, info, StateEvent.LOAD_START)
+            op.state_node = node
+            side = self._state_transfers(info.host, info.device)
         self.load_ops.append(op)
         self._transfer.enqueue(
-            Direction.LOAD, op.op_id, np.concatenate(sources), np.concatenate(targets)
+            Direction.LOAD,
+            op.op_id,
+            np.concatenate(sources) if sources else _EMPTY,
+            np.concatenate(targets) if targets else _EMPTY,
+            side,
         )
         self._finish()
         return op.op_id
@@ -1157,8 +1691,13 @@ class HierarchicalRadixCache:
                 self._advance(node, ResidencyEvent.LOAD_ACK)
                 node.load_op = None
                 self._count_device(node, +1)
+        if op.state_node is not None:
+            write = op.direction is Direction.WRITE
+            event = StateEvent.WRITE_ACK if write else StateEvent.LOAD_ACK
+            self._advance_state(op.state_node, self._state_info[op.state_node], event)
         self._lock(op.node, -1)
-        self._refresh_leaves(op.nodes)
+        if op.nodes:
+            self._refresh_leaves(op.nodes)
         if op.direction is Direction.WRITE and self._l3 is not None:
             self._l3.enqueue_backup(op.node.namespace, op.nodes)
 
@@ -1178,8 +1717,21 @@ class HierarchicalRadixCache:
                 node.device = None
                 node.load_op = None
                 self._advance(node, ResidencyEvent.LOAD_FAIL)
+        if op.state_node is not None:
+            info = self._state_info[op.state_node]
+            if op.direction is Direction.WRITE:
+                assert info.host is not None
+                self._free_state(info.host, host=True)
+                info.host = None
+                self._advance_state(op.state_node, info, StateEvent.WRITE_FAIL)
+            else:
+                assert info.device is not None
+                self._free_state(info.device, host=False)
+                info.device = None
+                self._advance_state(op.state_node, info, StateEvent.LOAD_FAIL)
         self._lock(op.node, -1)
-        self._refresh_leaves(op.nodes)
+        if op.nodes:
+            self._refresh_leaves(op.nodes)
 
     # ------------------------------------------------------------------ prefetch (L3 -> L2)
     def prefetch(
@@ -1276,6 +1828,12 @@ class HierarchicalRadixCache:
             if node.host is not None and self._host is not None:
                 self._host.free(node.host)
             node.state = Residency.GONE
+        for info in self._state_info.values():
+            if info.device is not None:
+                self._free_state(info.device, host=False)
+            if info.host is not None:
+                self._free_state(info.host, host=True)
+        self._state_info.clear()
         self.roots.clear()
         self.evictable_pages = self.protected_pages = 0
         self._version += 1

@@ -27,10 +27,12 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from kvstrata.impl.config import RadixCacheConfig
 from kvstrata.impl.errors import CapacityError, MisuseError
 from kvstrata.impl.pools import DeviceKVPool, HostKVPool, HostLayout, KVShape
+from kvstrata.impl.pools.side import SideBuffer, SideSpec, indexer_spec, mamba_spec
 from kvstrata.impl.radix_cache import HierarchicalRadixCache, Node
-from kvstrata.impl.transfer import Direction, ManualExecutor
+from kvstrata.impl.transfer import Direction, ManualExecutor, PoolTransfer
 from kvstrata.model.cache import CacheConfig, CacheModel, WritePolicy
 from kvstrata.model.keys import DEFAULT_NAMESPACE, KVKind, Namespace, PageHash, chain_page_hashes
+from kvstrata.model.lifecycles import Residency
 
 T = TypeVar("T")
 NAMESPACES = (DEFAULT_NAMESPACE, Namespace(extra_key="lora-1"))
@@ -134,6 +136,7 @@ class DifferentialMachine(RuleBasedStateMachine):
                 load_back_quota=quota,
                 page_hashes=self.hashes,
                 fingerprint_seed=0,  # reproducible runs; the keys are secret in production
+                **self.impl_extras(),
             ),
             self.device_pool,
             self.host_pool,
@@ -151,6 +154,16 @@ class DifferentialMachine(RuleBasedStateMachine):
                 return real_copy(direction, src, dst)
 
             transfer._copy = copy
+            real_side = transfer._side_copy
+            if real_side is not None:
+
+                def side_copy(direction: Direction, part: PoolTransfer) -> int:
+                    if self.flaky.fail_next:
+                        self.flaky.fail_next = False
+                        raise RuntimeError("injected side-pool copy failure")
+                    return real_side(direction, part)
+
+                transfer._side_copy = side_copy
         self.page_size = page_size
         self.known: list[tuple[int, ...]] = []
         self.seen: set[tuple[Namespace, tuple[int, ...]]] = set()
@@ -165,6 +178,10 @@ class DifferentialMachine(RuleBasedStateMachine):
         self, data: st.DataObject, kind: KVKind, page_size: int, host_pages: int
     ) -> dict[str, Any]:
         """Extra ``CacheConfig`` fields (none here)."""
+        return {}
+
+    def impl_extras(self) -> dict[str, Any]:
+        """Extra ``RadixCacheConfig`` fields (none here)."""
         return {}
 
     def model_store(self) -> dict[str, Any]:
@@ -221,6 +238,18 @@ class DifferentialMachine(RuleBasedStateMachine):
     # ------------------------------------------------------------ scheduler rules
     @rule(data=st.data())
     def request(self, data: st.DataObject) -> None:
+        self.do_request(data, with_state=False)
+
+    def write_fresh(self, slots: np.ndarray, pages: tuple[PageHash, ...]) -> None:
+        """The scheduler computed the KV of ``pages`` into its fresh L1 ``slots``."""
+        kv = torch.cat([kv_for(self.shape, p) for p in pages], dim=2)
+        self.device_pool.write_pages(slots, kv)
+
+    def take_state(self, page: PageHash) -> tuple[int | None, int | None]:
+        """Hybrid machines: an L1 state slot from both, holding the state after ``page``."""
+        raise NotImplementedError
+
+    def do_request(self, data: st.DataObject, *, with_state: bool) -> None:
         tokens, ns = self.draw_tokens(data)
         expected, actual = self.both_match(tokens, ns)
         pages = chain_page_hashes(tokens, self.page_size, ns)
@@ -238,16 +267,34 @@ class DifferentialMachine(RuleBasedStateMachine):
             for slot, page in zip(model_fresh, pages[expected.device_pages :], strict=True):  # type: ignore[attr-defined]
                 self.model.write_device(slot, page)
             if need:
-                kv = torch.cat([kv_for(self.shape, p) for p in pages[-need:]], dim=2)
-                self.device_pool.write_pages(impl_fresh, kv)
+                self.write_fresh(impl_fresh, pages[-need:])
+            model_state = impl_state = None
+            if with_state and pages:
+                model_state, impl_state = self.take_state(pages[-1])
             prefix = list(expected.device_slots)  # type: ignore[attr-defined]
-            want = self.model.insert(tokens, ns, prefix + list(model_fresh))
-            got = self.impl.insert(tokens, prefix + impl_fresh.tolist(), ns)
-            assert (got.node.id, got.new_pages, got.revived_pages, got.duplicate_pages) == (
+            if model_state is None:
+                want = self.model.insert(tokens, ns, prefix + list(model_fresh))
+                got = self.impl.insert(tokens, prefix + impl_fresh.tolist(), ns)
+            else:
+                want = self.model.insert(
+                    tokens, ns, prefix + list(model_fresh), state_slot=model_state
+                )
+                got = self.impl.insert(
+                    tokens, prefix + impl_fresh.tolist(), ns, state_slot=impl_state
+                )
+                event("insert with a state" + (" (kept)" if want.state_kept else " (given back)"))
+            assert (
+                got.node.id,
+                got.new_pages,
+                got.revived_pages,
+                got.duplicate_pages,
+                got.state_kept,
+            ) == (
                 want.node_id,
                 want.new_pages,
                 want.revived_pages,
                 want.duplicate_pages,
+                want.state_kept,
             )
             if got.revived_pages:
                 event("insert revived host-only pages")
@@ -407,3 +454,294 @@ class DifferentialMachine(RuleBasedStateMachine):
     def teardown(self) -> None:
         if self.ready:
             self.executor.jobs.clear()
+
+
+# ---------------------------------------------------------------------------------------------------
+# Hybrid models (SPEC §5): an indexer pool (ALL_PAGES) and a Mamba state pool (TRAILING_PAGES)
+INDEXER = "indexer"
+MAMBA = "mamba"
+
+
+def side_bytes(spec: SideSpec, page: PageHash) -> tuple[torch.Tensor, ...]:
+    """One entry of side pool ``spec`` for ``page``: per component, bytes derived from the pool's
+    name and the page hash only, shaped ``[1, *shape]`` (the indexer keys of that page, or the state
+    at the end of that page's prefix)."""
+    out = []
+    for component, shape, dtype in zip(spec.components, spec.shapes, spec.dtypes, strict=True):
+        count = int(np.prod(shape)) * dtype.itemsize
+        seed = f"{spec.name}/{component}/".encode() + page.digest
+        raw = torch.frombuffer(bytearray(hashlib.shake_256(seed).digest(count)), dtype=torch.uint8)
+        out.append(raw.view(dtype).reshape(1, *shape))
+    return tuple(out)
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+
+
+class HybridDifferentialMachine(DifferentialMachine):
+    """The differential machine with one ``ALL_PAGES`` indexer pool and one ``TRAILING_PAGES`` Mamba
+    pool (two components) and 2-3 state slots per tier. Adds requests that insert a state, state
+    eviction (L1/L2, misuse included) and state-slot misuse; compares, after every step, the state
+    residency of every page seen and the free state slots per tier, and on every match the state
+    slot and the bytes: the L1 state a match reports is the state of its last page, every L1
+    indexer entry of a matched page is that page's (so every side-pool copy is proven)."""
+
+    def model_extras(
+        self, data: st.DataObject, kind: KVKind, page_size: int, host_pages: int
+    ) -> dict[str, Any]:
+        self.specs = (
+            indexer_spec(layers=2, page_size=page_size, dim=2, dtype=torch.float16),
+            mamba_spec(layers=2, conv=[(3,)], temporal=(2, 2), dtype=torch.float16),
+        )
+        self.device_states = data.draw(st.integers(2, 3), label="device_states")
+        self.host_states = data.draw(st.integers(2, 3), label="host_states") if host_pages else 0
+        return self.state_fields()
+
+    def state_fields(self) -> dict[str, Any]:
+        return {
+            "side_pools": tuple(spec.pool for spec in self.specs),
+            "device_states": self.device_states,
+            "host_states": self.host_states,
+        }
+
+    def impl_extras(self) -> dict[str, Any]:
+        return self.state_fields()
+
+    def storage(self) -> dict[str, Any]:
+        return {"side_specs": self.specs}
+
+    # ------------------------------------------------------------ helpers
+    def side(self, name: str) -> SideBuffer:
+        assert self.impl.device_group is not None
+        return self.impl.device_group.side[name]
+
+    def write_fresh(self, slots: np.ndarray, pages: tuple[PageHash, ...]) -> None:
+        super().write_fresh(slots, pages)
+        indexer = self.side(INDEXER)
+        parts = [side_bytes(indexer.spec, page) for page in pages]
+        indexer.write(slots, [torch.cat(column) for column in zip(*parts, strict=True)])
+
+    def take_state(self, page: PageHash) -> tuple[int | None, int | None]:
+        model_slot = try_alloc(lambda _: self.model.alloc_device_state(), 1)
+        impl_slot = try_alloc(lambda _: self.impl.alloc_device_state(), 1)
+        assert model_slot == impl_slot, (model_slot, impl_slot)
+        if model_slot is None or impl_slot is None:
+            event("no L1 state slot: request inserted without a state")
+            return None, None
+        self.model.write_device_state(model_slot, self.model.state_content(page))
+        mamba = self.side(MAMBA)
+        mamba.write([impl_slot], side_bytes(mamba.spec, page))
+        return model_slot, impl_slot
+
+    def both_match(self, tokens: tuple[int, ...], ns: Namespace) -> tuple[object, object]:
+        expected, actual = super().both_match(tokens, ns)
+        got = actual.device_state_slot  # type: ignore[attr-defined]
+        assert got == expected.device_state_slot, (got, expected)  # type: ignore[attr-defined]
+        device_pages = actual.device_pages  # type: ignore[attr-defined]
+        if device_pages:
+            pages = chain_page_hashes(tokens, self.page_size, ns)[:device_pages]
+            mamba, indexer = self.side(MAMBA), self.side(INDEXER)
+            assert got is not None, "an L1 prefix without a state slot"
+            for have, want in zip(
+                mamba.read([got]), side_bytes(mamba.spec, pages[-1]), strict=True
+            ):
+                assert same_bits(have, want), "L1 state bytes differ"
+            wanted = [side_bytes(indexer.spec, page) for page in pages]
+            read = indexer.read(actual.device_indices)  # type: ignore[attr-defined]
+            for have, column in zip(read, zip(*wanted, strict=True), strict=True):
+                assert same_bits(have, torch.cat(column)), "L1 indexer bytes differ"
+            event("L1 state and indexer bytes compared")
+        return expected, actual
+
+    # ------------------------------------------------------------ rules
+    @rule(data=st.data(), with_state=st.sampled_from([True, True, True, False]))
+    def request(self, data: st.DataObject, with_state: bool) -> None:  # type: ignore[override]
+        self.do_request(data, with_state=with_state)
+
+    @precondition(lambda self: self.ready and self.executor.jobs)
+    @rule()
+    def drain_copies(self) -> None:
+        """Every queued copy batch completes: states reach L2 (and L1 again) often."""
+        while self.executor.jobs:
+            self.complete_copy_batch(fail=False)
+
+    @precondition(lambda self: self.ready and self.executor.jobs)
+    @rule(fail=st.sampled_from([False, False, False, True]))
+    def complete_copy_batch(self, fail: bool) -> None:
+        for op in (*self.model.write_ops, *self.model.load_ops)[:1]:
+            if op.states:
+                kind = "with pages" if op.pages else "state only"
+                event(f"a copy carrying a state ({kind}) {'fails' if fail else 'completes'}")
+        super().complete_copy_batch(fail)
+
+    @rule(data=st.data())
+    def load_back(self, data: st.DataObject) -> None:
+        loads = len(self.model.load_ops)
+        super().load_back(data)
+        if len(self.model.load_ops) > loads:
+            op = self.model.load_ops[-1]
+            event("load-back " + ("with its state" if op.states else "of KV only"))
+            if not op.pages:
+                event("state-only load-back")
+
+    @rule(data=st.data())
+    def load_back_node(self, data: st.DataObject) -> None:
+        """Load back a node whose end state (or whose KV) is on L2 only, by node: state-only
+        loads (KV on L1, state on L2 after ``evict_state``) are reached this way."""
+        model = self.model
+        nodes = sorted(
+            node.node_id
+            for node in model.tree.non_root_nodes()
+            if model.residency_of(node) is Residency.HOST
+            or model._state_of(node.pages[-1]) is Residency.HOST
+        )
+        if not nodes:
+            return
+        node_id = data.draw(st.sampled_from(nodes), label="load-back node")
+        want = model.load_back(node_id)
+        got = self.impl.load_back(self.impl_node(node_id))
+        assert want == got, (want, got)
+        if want is not None:
+            op = model.load_ops[-1]
+            event("load-back " + ("with its state" if op.states else "of KV only"))
+            if not op.pages:
+                event("state-only load-back")
+
+    @rule(data=st.data())
+    def state_round_trip(self, data: st.DataObject) -> None:
+        """A state on L1 and L2 loses its L1 copy, is loaded back from L2 and matched again: the
+        bytes the match reports must be the ones the write-through copied (L1 -> L2 -> L1)."""
+        candidates = sorted(
+            {
+                (ns, tokens[: (index + 1) * self.page_size])
+                for ns, tokens in self.seen
+                for index, state in enumerate(self.model.state_residency(tokens, ns))
+                if state is Residency.BOTH
+            },
+            key=repr,
+        )
+        if not candidates:
+            return
+        ns, tokens = data.draw(st.sampled_from(candidates), label="state to round-trip")
+        expected, actual = self.both_match(tokens, ns)
+        node_id = expected.device_node  # type: ignore[attr-defined]
+        node = self.model.tree.nodes[node_id]
+        if (
+            node.is_root
+            or node.lock_ref
+            or self.model._state_of(node.pages[-1]) is not Residency.BOTH
+        ):
+            return
+        self.model.evict_state(node_id)
+        self.impl.evict_state(actual.device_node)  # type: ignore[attr-defined]
+        want = self.model.load_back(node_id)
+        got = self.impl.load_back(actual.device_node)  # type: ignore[attr-defined]
+        assert want == got, (want, got)
+        self.drain_copies()
+        again, _ = self.both_match(tokens, ns)
+        if again.device_pages:  # type: ignore[attr-defined]
+            event("state round trip L1 -> L2 -> L1, bytes compared")
+
+    @rule(data=st.data(), host=st.booleans(), any_node=st.sampled_from([False, False, True]))
+    def evict_state(self, data: st.DataObject, host: bool, any_node: bool) -> None:
+        """Drop a state's L1 (or L2) copy on both; a node with no idle copy there, a locked node or
+        a node with no state is misuse on both, with nothing changed."""
+        nodes = sorted(
+            node.node_id
+            for node in self.model.tree.non_root_nodes()
+            if any_node or node.pages[-1] in self.model.state_info
+        )
+        if not nodes:
+            return
+        node_id = data.draw(st.sampled_from(nodes), label="state node")
+        before = self.observe()
+        outcomes = []
+        for call in (
+            lambda: self.model.evict_state(node_id, host=host),
+            lambda: self.impl.evict_state(self.impl_node(node_id), host=host),
+        ):
+            try:
+                call()
+            except MisuseError:
+                outcomes.append(False)
+            else:
+                outcomes.append(True)
+        assert outcomes[0] == outcomes[1], f"evict_state: model {outcomes[0]}, impl {outcomes[1]}"
+        if not outcomes[0]:
+            assert self.observe() == before, "a refused evict_state changed something"
+            event("evict_state refused by both")
+        else:
+            event(f"evict_state on {'L2' if host else 'L1'}")
+
+    @rule()
+    def aborted_state(self) -> None:
+        """A request takes a state slot and goes away."""
+        model_slot = try_alloc(lambda _: self.model.alloc_device_state(), 1)
+        impl_slot = try_alloc(lambda _: self.impl.alloc_device_state(), 1)
+        assert model_slot == impl_slot
+        if model_slot is not None and impl_slot is not None:
+            self.model.free_device_state(model_slot)
+            self.impl.free_device_state(impl_slot)
+
+    @rule(bad=st.sampled_from(["unheld", "no_pages", "free_unheld", "root"]))
+    def misuse_state(self, bad: str) -> None:
+        before = self.observe()
+        slot = 0  # never held outside a request
+        tokens = [7] * self.page_size
+        if bad == "unheld":
+            fresh = try_alloc(self.model.alloc_device, 1)
+            impl_fresh = try_alloc(self.impl.alloc_device, 1)
+            assert (fresh is None) == (impl_fresh is None)
+            if fresh is None or impl_fresh is None:
+                return
+            self.model.free_device(fresh)  # give them back: only the state slot is bad below
+            self.impl.free_device(impl_fresh)
+            before = self.observe()
+            calls = (
+                lambda: self.model.insert(tokens, DEFAULT_NAMESPACE, fresh, state_slot=slot),
+                lambda: self.impl.insert(tokens, impl_fresh, state_slot=slot),
+            )
+        elif bad == "no_pages":
+            calls = (
+                lambda: self.model.insert([], DEFAULT_NAMESPACE, [], state_slot=slot),
+                lambda: self.impl.insert([], [], state_slot=slot),
+            )
+        elif bad == "free_unheld":
+            calls = (
+                lambda: self.model.free_device_state(slot),
+                lambda: self.impl.free_device_state(slot),
+            )
+        else:
+            root = next(iter(self.impl.roots.values()), None)
+            if root is None:
+                return
+            calls = (
+                lambda: self.model.evict_state(root.id),
+                lambda: self.impl.evict_state(root),
+            )
+        for call in calls:
+            try:
+                call()
+            except MisuseError:
+                pass
+            else:
+                raise AssertionError(f"state misuse {bad} was accepted")
+        assert self.observe() == before, f"state misuse {bad} changed something"
+        event(f"state misuse {bad} rejected by both")
+
+    # ------------------------------------------------------------ comparison
+    def observe(self) -> tuple[object, object]:
+        model_view, impl_view = super().observe()
+        seen = sorted(self.seen, key=repr)
+        model_states = (
+            tuple(self.model.state_residency(t, ns) for ns, t in seen),
+            self.model.device_state.free_count,
+            self.model.host_state.free_count,
+        )
+        impl_states = (
+            tuple(self.impl.state_residency(t, ns) for ns, t in seen),
+            self.impl.device_states_free,
+            self.impl.host_states_free,
+        )
+        return (model_view, model_states), (impl_view, impl_states)
