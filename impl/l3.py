@@ -23,6 +23,21 @@ complete count as arrived (a partial page ends the op there: I2). The scheduler 
 the prefix, exactly as the model's ``_commit_pages``) or :meth:`L3Tier.abort`. An op committed or
 aborted while a job is in flight keeps its reserved slots until that job's result is drained
 (CANCELLING -> DONE), so the worker never writes into a slot the pool has handed out again.
+
+Side pools (SPEC §5; model: the side-pool parts of the same ``CacheModel`` methods). With side
+pools the tier drives a :class:`~kvstrata.impl.storage.hybrid.HybridStorage` over the cache's host
+side buffers. A backup op writes its pages' ``ALL_PAGES`` objects with them (a page is done only
+when all of its objects are) and the state at the end of the copied node (``BackupOp.states``:
+the state's page hash and host state slot fixed at enqueue, its :class:`StateInfo` pinned by
+``host_pins`` so the slot is neither dropped nor reused until the store confirms it; the model's
+``state_info[page].host_pins``). A result unpins each state that is in the store and retries the
+rest with the failed pages (the model's ``ack_backup`` / ``fail_backup``). A prefetch queries the
+usable prefix, reserves exactly that many L2 pages and, with a ``TRAILING_PAGES`` pool, one L2
+state slot (dropping the LRU unpinned L2 state if none is free; all of it or nothing); the fetch
+reads KV and indexer objects, then the state of the deepest arrived page whose state is in the
+store, and the pages after it do not count as arrived. Commit attaches that state host-only at the
+end of the committed range if that node is valid on L2 and has no state (else frees the slot);
+abort and drain release the state slot like the page slots (held while a read may write it).
 """
 
 from __future__ import annotations
@@ -39,6 +54,7 @@ from kvstrata.impl.config import StorageConfig
 from kvstrata.impl.errors import MisuseError
 from kvstrata.impl.fingerprint import FINGERPRINT_BYTES
 from kvstrata.impl.storage.base import GetStatus, PutStatus, StorageBackend
+from kvstrata.impl.storage.hybrid import HybridStorage
 from kvstrata.impl.storage.worker import (
     BackupResult,
     FetchResult,
@@ -58,16 +74,18 @@ from kvstrata.model.lifecycles import (
     PrefetchState,
     Residency,
     ResidencyEvent,
+    StateEvent,
 )
 from kvstrata.model.prefetch import PrefetchPolicy
 
 if TYPE_CHECKING:
-    from kvstrata.impl.radix_cache import HierarchicalRadixCache, Node
+    from kvstrata.impl.radix_cache import HierarchicalRadixCache, Node, StateInfo
 
 __all__ = ["BackupOp", "L3Counters", "L3Tier", "PageRef", "PrefetchOp"]
 
 Pages = npt.NDArray[np.int64]
 _HOST_CLAIMED_T = tuple(HOST_CLAIMED)
+_HOST_VALID_T = (Residency.BOTH, Residency.HOST)
 _DIGEST = 32
 
 
@@ -83,7 +101,10 @@ class PageRef:
 class BackupOp:
     """Pages of L2 being written to L3. ``digests``/``host`` are fixed at enqueue; ``refs[i]`` names
     the node holding page ``i`` (splits re-point it). Every distinct node among ``refs`` carries
-    one ``backup_pins`` for this op until none of its pages is pending here."""
+    one ``backup_pins`` for this op until none of its pages is pending here. ``states[i]`` (side
+    pools) is the state at the end of the page named by ``state_digests[i]``, read from host state
+    slot ``state_slots[i]`` (both fixed at enqueue); it carries one ``host_pins`` for this op until
+    it is in the store or abandoned."""
 
     op_id: int
     namespace: Namespace
@@ -93,6 +114,9 @@ class BackupOp:
     state: BackupState = BackupState.QUEUED
     attempts: int = 0
     retry_at: float = 0.0
+    states: list[StateInfo] = attrs.field(factory=list)
+    state_digests: bytes = b""
+    state_slots: Pages = attrs.field(factory=lambda: np.zeros(0, dtype=np.int64))
 
     @property
     def num_pages(self) -> int:
@@ -124,6 +148,9 @@ class PrefetchOp:
     host: Pages = attrs.field(factory=lambda: np.zeros(0, dtype=np.int64))
     arrived: int = 0
     released: int = 0  # host[released:] are still reserved by the op
+    state_slot: int | None = None  # the L2 state slot reserved for the trailing state (side pools)
+    state_read: bool = False  # the slot holds the state at the end of page ``arrived - 1``
+    state_released: bool = False  # the slot was taken by commit or freed
 
     @property
     def reserved(self) -> int:
@@ -154,7 +181,7 @@ class L3Tier:
     def __init__(
         self,
         cache: HierarchicalRadixCache,
-        backend: StorageBackend,
+        backend: StorageBackend | HybridStorage,
         config: StorageConfig,
         executor: Executor | None = None,
         *,
@@ -163,6 +190,8 @@ class L3Tier:
     ) -> None:
         self._cache = cache
         self.config = config
+        self.hybrid = backend if isinstance(backend, HybridStorage) else None
+        self._states = self.hybrid is not None and cache.has_states
         self.worker = StorageWorker(backend, executor)
         self._now = clock
         self._page_nbytes = page_nbytes
@@ -173,15 +202,26 @@ class L3Tier:
         self.last_applied: list[StorageResult] = []  # what the latest poll applied (for tests)
 
     # ------------------------------------------------------------------ backup
-    def enqueue_backup(self, namespace: Namespace, nodes: list[Node]) -> None:
+    def enqueue_backup(
+        self, namespace: Namespace, nodes: list[Node], state_node: Node | None = None
+    ) -> None:
         """Back up the pages of ``nodes`` (in order; each has a host copy and its hashes), in
-        batches of at most ``backup_batch_pages`` pages (a long node is cut across batches)."""
+        batches of at most ``backup_batch_pages`` pages (a long node is cut across batches), and
+        (side pools) the L2 state at the end of ``state_node`` with the last batch."""
         refs = [PageRef(node, i) for node in nodes for i in range(node.num_pages)]
         digests = b"".join(node.hashes for node in nodes)
-        host = np.concatenate([node.host for node in nodes if node.host is not None])
+        hosts = [node.host for node in nodes if node.host is not None]
+        host = np.concatenate(hosts) if hosts else np.zeros(0, dtype=np.int64)
         assert len(host) * _DIGEST == len(digests) == len(refs) * _DIGEST, "a page lacks a copy"
+        info = None
+        if state_node is not None and self._states:
+            info = self._cache._state_info[state_node]
+            assert info.host is not None and state_node.last_hash is not None
+        if not refs and info is None:
+            return
         limit = self.config.backup_batch_pages
-        for start in range(0, len(refs), limit):
+        starts = list(range(0, len(refs), limit)) or [0]
+        for start in starts:
             end = start + limit
             op = BackupOp(
                 self._cache._new_op(),
@@ -190,6 +230,13 @@ class L3Tier:
                 host[start:end].copy(),
                 refs[start:end],
             )
+            if info is not None and start == starts[-1]:
+                assert state_node is not None and state_node.last_hash is not None
+                assert info.host is not None
+                op.states = [info]
+                op.state_digests = state_node.last_hash.digest
+                op.state_slots = np.array([info.host], dtype=np.int64)
+                info.host_pins += 1  # the host state slot is read until the store confirms
             for node in op.nodes():
                 node.backup_pins += 1
             self.backups[op.op_id] = op
@@ -199,7 +246,14 @@ class L3Tier:
     def _start_backup(self, op: BackupOp) -> None:
         op.state = BACKUP_OP.next(op.state, BackupEvent.START)
         op.attempts += 1
-        self.worker.backup(op.op_id, op.namespace, op.digests, op.host)
+        self.worker.backup(
+            op.op_id,
+            op.namespace,
+            op.digests,
+            op.host,
+            state_digests=op.state_digests,
+            state_slots=op.state_slots,
+        )
 
     def on_split(self, node: Node, prefix: Node) -> None:
         """``node`` was split and ``prefix`` took its first pages: page references move to the
@@ -224,25 +278,35 @@ class L3Tier:
                 node.backup_pins -= 1
 
     def _apply_backup(self, result: BackupResult) -> None:
+        """The model's ``ack_backup`` (every part in the store) or its retry: pages and states in
+        the store are done (nodes with no page pending here and those states are unpinned); the
+        rest is retried with back-off, or abandoned (and unpinned) after ``backup_retries``."""
         op = self.backups.get(result.op_id)
         if op is None:
             return
         failed = [not status.ok for status in result.statuses]
+        states_failed = [not status.ok for status in result.states]
+        if len(states_failed) != len(op.states):  # a result without its states: none is stored
+            states_failed = [True] * len(op.states)
         counters = self.counters
         for status in result.statuses:
             counters.backup_pages[status.value] += 1
         counters.backup_bytes += self._page_nbytes * sum(
             status is PutStatus.STORED for status in result.statuses
         )
-        event = BackupEvent.RETRY if any(failed) else BackupEvent.ACK
+        retry_any = any(failed) or any(states_failed)
+        event = BackupEvent.RETRY if retry_any else BackupEvent.ACK
         op.state = BACKUP_OP.next(op.state, event)
         del self.backups[op.op_id]
-        abandon = any(failed) and op.attempts > self.config.backup_retries
+        abandon = retry_any and op.attempts > self.config.backup_retries
         pending = {id(ref.node) for ref, bad in zip(op.refs, failed, strict=True) if bad}
         for node in op.nodes():  # unpin every node with nothing left to retry here
             if abandon or id(node) not in pending:
                 node.backup_pins -= 1
-        if not any(failed):
+        for info, bad in zip(op.states, states_failed, strict=True):
+            if abandon or not bad:  # in the store (or given up): the host state slot is free
+                info.host_pins -= 1
+        if not retry_any:
             return
         if abandon:
             counters.backup_abandoned_pages += sum(failed)
@@ -251,14 +315,21 @@ class L3Tier:
         digests = b"".join(
             op.digests[i * _DIGEST : (i + 1) * _DIGEST] for i in np.flatnonzero(mask)
         )
+        state_mask = np.asarray(states_failed, dtype=bool)
         retry = BackupOp(
             op.op_id,
             op.namespace,
             digests,
-            op.host[mask],
+            op.host[mask] if len(mask) else op.host,
             [ref for ref, bad in zip(op.refs, failed, strict=True) if bad],
             attempts=op.attempts,
             retry_at=self._now() + self.config.backoff(op.attempts),
+            states=[info for info, bad in zip(op.states, states_failed, strict=True) if bad],
+            state_digests=b"".join(
+                op.state_digests[i * _DIGEST : (i + 1) * _DIGEST]
+                for i in np.flatnonzero(state_mask)
+            ),
+            state_slots=op.state_slots[state_mask] if len(state_mask) else op.state_slots,
         )
         self.backups[retry.op_id] = retry
         self._retry.append(retry)
@@ -324,12 +395,18 @@ class L3Tier:
         if hit and self.reserved() + hit <= limit:
             if hit > host.free_count:
                 cache._evict_host(hit - host.free_count)
-            if hit <= host.free_count:
+            # the model's rules: pages first, then room for one L2 state slot (both with the
+            # anchor locked); nothing is allocated unless both fit
+            if hit <= host.free_count and (not self._states or cache._free_state_slot(host=True)):
                 op.digests = result.digests[: hit * _DIGEST]
                 op.host = np.asarray(host.alloc(hit), dtype=np.int64)
+                if self._states:
+                    op.state_slot = cache._alloc_state(host=True)
                 op.state = PrefetchState.LOADING
                 op.in_flight = True
-                self.worker.fetch(op.op_id, op.namespace, op.digests, op.host)
+                self.worker.fetch(
+                    op.op_id, op.namespace, op.digests, op.host, state_slot=op.state_slot
+                )
                 return
         if hit:
             self.counters.prefetch_skipped += 1
@@ -348,6 +425,9 @@ class L3Tier:
             if status is not GetStatus.LOADED:
                 break
             arrived += 1
+        if op.state_slot is not None:  # usable only up to a state (the model's _read_state)
+            arrived = min(arrived, result.usable or 0)
+            op.state_read = arrived > 0
         self.counters.prefetch_bytes += arrived * self._page_nbytes
         if op.state is PrefetchState.CANCELLING:  # committed or aborted meanwhile: drain
             op.state = PREFETCH_OP.next(op.state, PrefetchEvent.DRAIN)
@@ -386,7 +466,9 @@ class L3Tier:
             return 0
         state = PREFETCH_OP.next(op.state, PrefetchEvent.COMMIT)
         self._release_anchor(op)
-        added = self._commit_pages(op)
+        added, end = self._commit_pages(op)
+        if op.state_read and not op.state_released:
+            self._commit_state(op, end)
         self.counters.prefetch_committed_pages += added
         op.released = op.arrived
         op.state = state
@@ -417,11 +499,30 @@ class L3Tier:
             if op.released < len(op.host):
                 host.free(op.host[op.released :])
             op.released = len(op.host)
+            if op.state_slot is not None and not op.state_released:
+                self._cache._free_state(op.state_slot, host=True)
+                op.state_released = True
             del self.prefetches[op.op_id]
 
-    def _commit_pages(self, op: PrefetchOp) -> int:
+    def _commit_state(self, op: PrefetchOp, end: Node | None) -> None:
+        """The model's ``_commit_state``: the state read by ``op`` becomes the L2 state at the end
+        of its last arrived page if that page ends node ``end`` of the tree, valid on L2 and
+        without a state; else its slot is freed."""
+        cache = self._cache
+        slot = op.state_slot
+        assert slot is not None
+        if end is not None and end.state in _HOST_VALID_T and end not in cache._state_info:
+            info = cache._new_state_info(end, host=slot)
+            cache._advance_state(end, info, StateEvent.COMMIT_PREFETCH)
+        else:
+            cache._free_state(slot, host=True)
+        op.state_released = True
+
+    def _commit_pages(self, op: PrefetchOp) -> tuple[int, Node | None]:
         """The model's ``_commit_pages``: pages the tree already has give their slot back; the
-        rest become one host-only leaf if its parent is host-claimed (I3), else are given back."""
+        rest become one host-only leaf if its parent is host-claimed (I3), else are given back.
+        Returns the pages added and the node the arrived range ends at (``None``: not in the
+        tree, or nothing arrived)."""
         cache = self._cache
         host = cache._host
         assert host is not None
@@ -433,6 +534,7 @@ class L3Tier:
         have = max(0, min(arrived, matched - op.prefix_pages))
         spare = [op.host[:have]]
         added = 0
+        end: Node | None = last if arrived and have == arrived and not last.is_root else None
         if have < arrived and (last.is_root or last.state in _HOST_CLAIMED_T):
             start = op.prefix_pages + have
             leaf = cache._add_leaf(
@@ -444,12 +546,13 @@ class L3Tier:
             leaf.host = op.host[have:arrived].copy()
             cache._advance(leaf, ResidencyEvent.COMMIT_PREFETCH)
             added = arrived - have
+            end = leaf
         else:
             spare.append(op.host[have:arrived])
         freed = np.concatenate(spare)
         if len(freed):
             host.free(freed)
-        return added
+        return added, end
 
     # ------------------------------------------------------------------ results
     def poll(self) -> list[StorageResult]:

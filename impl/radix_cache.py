@@ -87,7 +87,8 @@ from kvstrata.impl.pools import KVPool, PageAllocator, copy_pages
 from kvstrata.impl.pools.group import PoolGroup, copy_between
 from kvstrata.impl.pools.host import HostKVPool
 from kvstrata.impl.pools.side import SideBuffer, SideSpec, copy_entries
-from kvstrata.impl.storage.base import StorageBackend
+from kvstrata.impl.storage.base import StorageBackend, check_attachable
+from kvstrata.impl.storage.hybrid import HybridStorage
 from kvstrata.impl.transfer import (
     Completion,
     Direction,
@@ -232,14 +233,16 @@ class StateInfo:
     through ``STATE_RESIDENCY``, and its L1 / L2 state slots. Invariants (as the model's): a slot is
     held in a tier exactly where the residency claims one (``device`` for DEVICE / WRITING / BOTH /
     LOADING, ``host`` for WRITING / BOTH / HOST / LOADING), and the state is valid in a tier only where
-    its node's pages are."""
+    its node's pages are. ``host_pins`` counts L3 backup ops still reading the L2 copy: a pinned L2
+    copy is never dropped (the model's ``PageInfo.host_pins`` of a state)."""
 
-    __slots__ = ("device", "host", "residency")
+    __slots__ = ("device", "host", "host_pins", "residency")
 
     def __init__(self, residency: Residency, *, device: int | None = None) -> None:
         self.residency = residency
         self.device = device
         self.host: int | None = None
+        self.host_pins = 0
 
     def __repr__(self) -> str:
         return f"StateInfo({self.residency.value}, device={self.device}, host={self.host})"
@@ -472,7 +475,9 @@ class HierarchicalRadixCache:
         ``host_states`` slots. ``device_group`` / ``host_group`` hold them (the scheduler writes a
         request's indexer keys at its KV pages and its state at the slot from
         ``alloc_device_state``). Every L1 <-> L2 copy moves the indexer entries of its pages and the
-        state slots it carries in the same batch. L3 with side pools is not built yet."""
+        state slots it carries in the same batch. With a ``storage`` backend too, the L3 tier
+        drives a :class:`~kvstrata.impl.storage.hybrid.HybridStorage` over the host side buffers:
+        backups carry indexer objects and node-end states, prefetch reads the usable prefix."""
         if device_pool.shape.page_size != config.page_size:
             raise ConfigError("the device pool's page size differs from the cache's page_size")
         specs = tuple(side_specs)
@@ -480,11 +485,6 @@ class HierarchicalRadixCache:
             raise ConfigError(
                 f"side_specs: expected one SideSpec per side pool of the config "
                 f"{[p.name for p in config.side_pools]}, got {specs!r}"
-            )
-        if specs and storage is not None:
-            raise ConfigError(
-                "side pools with an L3 storage backend: backup and prefetch of indexer objects and "
-                "Mamba states are not implemented yet (L1/L2 only)"
             )
         if specs and host_pool is None and config.host_states:
             raise ConfigError(
@@ -517,10 +517,25 @@ class HierarchicalRadixCache:
                 )
             if not config.page_hashes:
                 raise ConfigError("an L3 storage backend needs page_hashes=True (its keys)")
-            storage.attach(host_pool)
+            if specs:  # refuse a layer_first pool before building anything
+                check_attachable(host_pool, "HierarchicalRadixCache.build")
+            else:
+                storage.attach(host_pool)
 
         if specs:
-            return cls._build_hybrid(config, device_group, host_pool, executor)
+            cache = cls._build_hybrid(config, device_group, host_pool, executor)
+            if storage is not None:  # KV pages with their side objects (attached here)
+                assert cache.host_group is not None and isinstance(host_pool, HostKVPool)
+                hybrid = HybridStorage(storage, list(cache.host_group.side.values()))
+                hybrid.attach(host_pool)
+                cache._l3 = L3Tier(
+                    cache,
+                    hybrid,
+                    storage_config or StorageConfig(),
+                    storage_executor,
+                    page_nbytes=host_pool.shape.bytes_per_page,
+                )
+            return cache
 
         def copy(direction: Direction, src: Pages, dst: Pages) -> int:
             if direction is Direction.WRITE:
@@ -776,12 +791,19 @@ class HierarchicalRadixCache:
         best: tuple[int, int] | None = None
         victim = None
         for node, info in self._state_info.items():
-            if node.lock_ref or info.residency not in allowed:
+            if node.lock_ref or info.residency not in allowed or (host and info.host_pins):
                 continue
             key = (node.last_access, node.id)
             if best is None or key < best:
                 best, victim = key, node
         return victim
+
+    def _new_state_info(self, node: Node, *, host: int) -> StateInfo:
+        """A NEW state at ``node``'s end whose L2 copy is in ``host`` (a prefetched state)."""
+        info = self._state_info[node] = StateInfo(Residency.NEW)
+        info.host = host
+        self._version += 1
+        return info
 
     def _free_state_slot(self, *, host: bool) -> bool:
         """Make sure one L1 (or L2) state slot is free, dropping the LRU state copy if needed."""
@@ -887,6 +909,8 @@ class HierarchicalRadixCache:
             raise MisuseError(f"{node!r} has no idle {tier} state to drop (state: {state})")
         if node.lock_ref:
             raise MisuseError(f"{node!r} is locked: its state is in use")
+        if host and info.host_pins:
+            raise MisuseError(f"the L2 state of {node!r} is pinned by a backup")
         self._tick()
         self._drop_state(node, host=host)
         self._finish()
@@ -1524,7 +1548,7 @@ class HierarchicalRadixCache:
             info.device = None
             self._advance_state(node, info, StateEvent.STAGE)
         if self._l3 is not None:
-            self._l3.enqueue_backup(node.namespace, [node])
+            self._l3.enqueue_backup(node.namespace, [node], node if info is not None else None)
         return True
 
     def evict_host(self, pages: int) -> int:
@@ -1536,14 +1560,13 @@ class HierarchicalRadixCache:
         self._finish()
         return freed
 
-    @staticmethod
-    def _is_host_leaf(node: Node) -> bool:
-        return (
-            not node.children
-            and not node.lock_ref
-            and not node.backup_pins
-            and node.state is Residency.HOST
-        )
+    def _is_host_leaf(self, node: Node) -> bool:
+        if node.children or node.lock_ref or node.backup_pins or node.state is not Residency.HOST:
+            return False
+        if self._states:  # a backup still reading the L2 state at its end pins it too
+            info = self._state_info.get(node)
+            return info is None or not info.host_pins
+        return True
 
     def _evict_host(self, pages: int) -> int:
         if pages <= 0 or self._host is None:
@@ -1699,7 +1722,7 @@ class HierarchicalRadixCache:
         if op.nodes:
             self._refresh_leaves(op.nodes)
         if op.direction is Direction.WRITE and self._l3 is not None:
-            self._l3.enqueue_backup(op.node.namespace, op.nodes)
+            self._l3.enqueue_backup(op.node.namespace, op.nodes, op.state_node)
 
     def _fail(self, op: CopyOp) -> None:
         table = WRITE_OP if op.direction is Direction.WRITE else LOAD_OP

@@ -238,6 +238,52 @@ class HybridStorage:
         ]
         return HybridGet(statuses, state_statuses, usable_prefix(whole, probes))
 
+    # ------------------------------------------------------------------------- states on their own
+    def put_states(
+        self, namespace: Namespace, pages: Sequence[PageHash], slots: Sequence[int]
+    ) -> list[PutStatus]:
+        """Back up the state at the end of each of ``pages`` from host state slot ``slots[i]``, in
+        every ``TRAILING_PAGES`` pool (exists-then-put-missing). One status per state: the worst
+        over the pools (a state is stored only when every pool's entry is)."""
+        if len(pages) != len(slots):
+            raise MisuseError(f"HybridStorage: {len(pages)} state pages for {len(slots)} slots")
+        names = self._trailing()
+        if not pages or not names:
+            return [PutStatus.EXISTED] * len(pages) if not names else []
+        per_pool = []
+        for name in names:
+            self.side[name].indices(list(slots), "state slots")
+            per_pool.append(
+                self._side_io(name).put(self._keys(namespace, name, pages), list(slots))
+            )
+        return [_worst_put(list(column)) for column in zip(*per_pool, strict=True)]
+
+    def read_state(
+        self, namespace: Namespace, pages: Sequence[PageHash], upto: int, slot: int
+    ) -> int:
+        """The KV range ``pages[:upto]`` is known: read into state slot ``slot`` the state of the
+        deepest of those pages whose state is in the store in every ``TRAILING_PAGES`` pool (the
+        model's ``_read_state``: one presence batch, then one read). Returns how many pages are
+        usable (the position of that page + 1), 0 when none has a state. A state that vanishes
+        between presence and read makes the next deeper-to-shallower candidate be tried, so the
+        slot holds the returned page's state whole, or the answer is 0 (never wrong bytes)."""
+        names = self._trailing()
+        if not names or upto <= 0:
+            return upto if not names else 0
+        below = pages[:upto]
+        self.side[names[0]].indices([slot], "state slot")
+        found = present_all([(self._side_io(n), self._keys(namespace, n, below)) for n in names])
+        candidates = [i for i in range(upto) if all(answers[i] for answers in found)]
+        for position in reversed(candidates):
+            page = [below[position]]
+            statuses = [
+                self._side_io(name).get(self._keys(namespace, name, page), [slot])[0]
+                for name in names
+            ]
+            if all(status is GetStatus.LOADED for status in statuses):
+                return position + 1
+        return 0
+
 
 def _arrived(states: Mapping[int, GetStatus]) -> Probe:
     """A probe for the states one ``get`` read: the state ending page ``i`` arrived whole."""

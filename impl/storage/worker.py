@@ -14,6 +14,12 @@ Invariants:
 - the worker never touches the tree, the allocators or the scheduler's state; it reads host pages
   named by a backup job and writes host pages named by a fetch job, which the cache keeps pinned
   (backup) or reserved (fetch) until the result is drained.
+
+Side pools (SPEC §5): over a :class:`~kvstrata.impl.storage.hybrid.HybridStorage` a backup job
+writes its pages' ``ALL_PAGES`` objects with them and the states it names (host state slots, pinned
+by the cache like the pages), a query answers the usable prefix, and a fetch reads KV and
+``ALL_PAGES`` objects, then (the KV range known) the state of the deepest arrived page whose state
+is in the store into the op's state slot: :attr:`FetchResult.usable` is where the prefix ends.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvstrata.impl.storage.base import GetStatus, PutStatus, StorageBackend
+from kvstrata.impl.storage.hybrid import HybridStorage
 from kvstrata.impl.transfer import Executor, ThreadExecutor, drain
 from kvstrata.model.keys import Namespace, PageHash
 
@@ -41,10 +48,12 @@ Indices: TypeAlias = Sequence[int] | npt.NDArray[np.int64]
 
 @attrs.frozen
 class BackupResult:
-    """What happened to each page of backup op ``op_id`` (in the op's page order)."""
+    """What happened to each page of backup op ``op_id`` (in the op's page order) and to each
+    state it wrote (in the op's state order; empty without states)."""
 
     op_id: int
     statuses: tuple[PutStatus, ...]
+    states: tuple[PutStatus, ...] = ()
 
 
 @attrs.frozen
@@ -59,10 +68,13 @@ class QueryResult:
 
 @attrs.frozen
 class FetchResult:
-    """What arrived for each reserved page of prefetch op ``op_id``."""
+    """What arrived for each reserved page of prefetch op ``op_id``. ``usable`` (side pools with a
+    state slot only): how many leading pages are usable, the op's state slot holding the state at
+    the end of the last of them (0: none; the slot's bytes are then unspecified)."""
 
     op_id: int
     statuses: tuple[GetStatus, ...]
+    usable: int | None = None
 
 
 StorageResult: TypeAlias = BackupResult | QueryResult | FetchResult
@@ -75,8 +87,12 @@ def _pages(digests: bytes) -> list[PageHash]:
 class StorageWorker:
     """Runs backup, query and fetch jobs against one backend on one executor."""
 
-    def __init__(self, backend: StorageBackend, executor: Executor | None = None) -> None:
+    def __init__(
+        self, backend: StorageBackend | HybridStorage, executor: Executor | None = None
+    ) -> None:
         self.backend = backend
+        self.hybrid = backend if isinstance(backend, HybridStorage) else None
+        self.plain: StorageBackend | None = None if isinstance(backend, HybridStorage) else backend
         self.executor: Executor = (
             executor if executor is not None else ThreadExecutor("kvstrata-storage")
         )
@@ -85,21 +101,51 @@ class StorageWorker:
 
     # ------------------------------------------------------------------ jobs
     def backup(
-        self, op_id: int, namespace: Namespace, digests: bytes, host_indices: Indices
+        self,
+        op_id: int,
+        namespace: Namespace,
+        digests: bytes,
+        host_indices: Indices,
+        *,
+        state_digests: bytes = b"",
+        state_slots: Indices = (),
     ) -> None:
-        """Store the pages named by ``digests`` from ``host_indices`` (exists-then-put-missing)."""
+        """Store the pages named by ``digests`` from ``host_indices`` (exists-then-put-missing),
+        and (hybrid storage) the states at the end of the pages named by ``state_digests`` from
+        host state slots ``state_slots``."""
         pages = _pages(digests)
         indices = [int(i) for i in host_indices]
+        state_pages = _pages(state_digests)
+        slots = [int(i) for i in state_slots]
+        hybrid = self.hybrid
+
+        def put() -> list[PutStatus]:
+            if hybrid is None:
+                assert self.plain is not None
+                return self.plain.put(namespace, pages, indices)
+            return hybrid.put(namespace, pages, indices).pages if pages else []
 
         def run() -> None:
-            failed = [PutStatus.FAILED] * len(pages)
             statuses = self._statuses(
-                self._guard(lambda: self.backend.put(namespace, pages, indices), failed, "put"),
+                self._guard(put, [PutStatus.FAILED] * len(pages), "put"),
                 len(pages),
                 PutStatus.FAILED,
                 "put",
             )
-            self._done.put(BackupResult(op_id, tuple(statuses)))
+            states: list[PutStatus] = []
+            if state_pages:
+                assert hybrid is not None, "states need a HybridStorage"
+                states = self._statuses(
+                    self._guard(
+                        lambda: hybrid.put_states(namespace, state_pages, slots),
+                        [PutStatus.FAILED] * len(state_pages),
+                        "put",
+                    ),
+                    len(state_pages),
+                    PutStatus.FAILED,
+                    "put",
+                )
+            self._done.put(BackupResult(op_id, tuple(statuses), tuple(states)))
 
         self._submit(run)
 
@@ -117,28 +163,56 @@ class StorageWorker:
                 self._done.put(QueryResult(op_id, b"", 0))
                 return
             pages = _pages(digests)
-            hit = self._guard(lambda: self.backend.exists(namespace, pages), 0, "exists")
+            hybrid = self.hybrid
+            plain = self.plain
+            if plain is not None:
+                hit = self._guard(lambda: plain.exists(namespace, pages), 0, "exists")
+            else:  # the prefix usable in every pool, never the bare KV hit
+                assert hybrid is not None
+                hit = self._guard(lambda: hybrid.exists(namespace, pages).usable, 0, "exists")
             count = hit if isinstance(hit, int) else 0
             self._done.put(QueryResult(op_id, digests, max(0, min(count, len(pages)))))
 
         self._submit(run)
 
     def fetch(
-        self, op_id: int, namespace: Namespace, digests: bytes, host_indices: Indices
+        self,
+        op_id: int,
+        namespace: Namespace,
+        digests: bytes,
+        host_indices: Indices,
+        *,
+        state_slot: int | None = None,
     ) -> None:
-        """Read the pages named by ``digests`` into the reserved ``host_indices``."""
+        """Read the pages named by ``digests`` into the reserved ``host_indices`` (with their
+        ``ALL_PAGES`` objects over hybrid storage), then, with a ``state_slot``, the state of the
+        deepest arrived page that has one in the store (:meth:`HybridStorage.read_state`)."""
         pages = _pages(digests)
         indices = [int(i) for i in host_indices]
+        hybrid = self.hybrid
+
+        def get() -> list[GetStatus]:
+            if hybrid is None:
+                assert self.plain is not None
+                return self.plain.get(namespace, pages, indices)
+            return hybrid.get(namespace, pages, indices).pages
 
         def run() -> None:
             failed = [GetStatus.FAILED] * len(pages)
             statuses = self._statuses(
-                self._guard(lambda: self.backend.get(namespace, pages, indices), failed, "get"),
-                len(pages),
-                GetStatus.FAILED,
-                "get",
+                self._guard(get, failed, "get"), len(pages), GetStatus.FAILED, "get"
             )
-            self._done.put(FetchResult(op_id, tuple(statuses)))
+            usable: int | None = None
+            if state_slot is not None:
+                assert hybrid is not None, "a state slot needs a HybridStorage"
+                whole = next(
+                    (i for i, s in enumerate(statuses) if s is not GetStatus.LOADED), len(pages)
+                )
+                got = self._guard(
+                    lambda: hybrid.read_state(namespace, pages, whole, state_slot), 0, "get"
+                )
+                usable = got if isinstance(got, int) and 0 <= got <= whole else 0
+            self._done.put(FetchResult(op_id, tuple(statuses), usable))
 
         self._submit(run)
 

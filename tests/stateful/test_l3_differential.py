@@ -14,6 +14,27 @@ delivers is read back from the host pool and compared with the KV derived from i
 The prefetch query (hashing + ``exists``) is asynchronous in the implementation and synchronous in
 the model; the prefetch rule therefore runs storage jobs until its query result is applied and only
 then calls the model's ``prefetch`` (both split the tree at the same point first).
+
+``HybridL3TierDifferential`` (below) is the same machine with side pools:
+
+The machine combines the hybrid L1/L2 machine (``HybridDifferentialMachine``: states on L1/L2, state
+eviction, state misuse) with the L3 machine (``L3Differential``: backups mirrored job by job, the
+store's own eviction, a peer's backups, prefetch start / arrival / commit / abort, failed backup
+batches). On top of both:
+
+- backups carry indexer objects and node-end states (a failing batch fails every part; the model's
+  ``fail_backup``), the host state slot stays pinned until the store confirms (``evict_state`` on
+  L2 of a pinned state is misuse on both, and eviction skips it);
+- the peer backs up KV, indexer objects and states at chosen positions;
+- the store evicts a chosen indexer object or state component (any visible side key);
+- ``exists`` is the usable prefix (``HybridStorage.exists(...).usable`` against ``l3_exists``);
+- every prefetched page's KV and indexer entry, and the prefetched state, are compared bit for bit
+  with the bytes their page hash names; a committed state is compared again whenever a match
+  loads it back to L1 (the hybrid machine's L1 checks).
+
+Compared after every step: the L1/L2 view, state residency of every page seen, free state slots
+per tier, the store's visible keys (KV and side), pending backups, prefetch reservations and
+``exists`` of every sequence seen.
 """
 
 from __future__ import annotations
@@ -26,11 +47,22 @@ import pytest
 import torch
 from hypothesis import event, settings
 from hypothesis.stateful import invariant, precondition, rule
-from support.differential import DifferentialMachine, kv_for
+from support.differential import (
+    INDEXER,
+    MAMBA,
+    DifferentialMachine,
+    HybridDifferentialMachine,
+    kv_for,
+    same_bits,
+    side_bytes,
+)
 
 from kvstrata.impl.config import StorageConfig
+from kvstrata.impl.l3 import PrefetchOp
 from kvstrata.impl.pools import HostKVPool, HostLayout
+from kvstrata.impl.pools.side import SideBuffer
 from kvstrata.impl.storage.base import PutStatus, StorageBackend
+from kvstrata.impl.storage.hybrid import HybridPut, HybridStorage
 from kvstrata.impl.storage.memory import MemoryBackend, MemoryStore
 from kvstrata.impl.storage.mooncake import LocalCluster, MooncakeBackend, MooncakeClient
 from kvstrata.impl.storage.worker import BackupResult, FetchResult, QueryResult
@@ -41,6 +73,7 @@ from kvstrata.model.keys import (
     KVKind,
     ModelIdentity,
     Namespace,
+    PageHash,
     StoreKey,
     chain_page_hashes,
 )
@@ -148,10 +181,11 @@ class L3Differential(DifferentialMachine):
         for result in applied:
             if isinstance(result, BackupResult):
                 self.model.start_backup()
-                if all(status.ok for status in result.statuses):
+                statuses = (*result.statuses, *result.states)
+                if all(status.ok for status in statuses):
                     self.model.ack_backup()
                 else:
-                    assert all(s is PutStatus.FAILED for s in result.statuses)
+                    assert all(s is PutStatus.FAILED for s in statuses)
                     event("backup batch failed and was retried")
                     self.model.fail_backup()
             elif isinstance(result, FetchResult):
@@ -175,14 +209,22 @@ class L3Differential(DifferentialMachine):
         op = l3.prefetches[result.op_id]
         assert op.arrived == arrived, (op.arrived, arrived)
         if arrived:
-            pages = self.model.prefetch_ops[model_op].pages[:arrived]
-            assert self.host_pool is not None
-            got = self.host_pool.read_pages(op.host[:arrived])
-            want = torch.cat([kv_for(self.shape, page) for page in pages], dim=2)
-            assert torch.equal(got.view(torch.int16), want.view(torch.int16)), "L3 bytes differ"
+            self.check_prefetched(op, model_op)
             event("prefetched bytes compared")
         if arrived < len(result.statuses):
             event("prefetch cut short by a page missing in the store")
+
+    def check_prefetched(self, op: PrefetchOp, model_op: int) -> None:
+        """The host pages prefetch ``op`` delivered hold the KV of the model op's pages."""
+        pages = self.model.prefetch_ops[model_op].pages[: op.arrived]
+        assert self.host_pool is not None
+        got = self.host_pool.read_pages(op.host[: op.arrived])
+        want = torch.cat([kv_for(self.shape, page) for page in pages], dim=2)
+        assert torch.equal(got.view(torch.int16), want.view(torch.int16)), "L3 bytes differ"
+
+    def l3_exists(self, namespace: Namespace, pages: list[PageHash]) -> int:
+        """What the implementation's store reports for ``pages`` (the model's ``l3_exists``)."""
+        return self.backend.exists(namespace, pages)
 
     @precondition(lambda self: self.ready and self.storage_executor.jobs)
     @rule(fail=st.sampled_from([False, False, True]))
@@ -227,11 +269,64 @@ class L3Differential(DifferentialMachine):
     # ------------------------------------------------------------ prefetch
     @rule(data=st.data())
     def prefetch(self, data: st.DataObject) -> None:
-        tokens, ns = self.draw_tokens(data)
+        self.do_prefetch(*self.draw_tokens(data))
+
+    @precondition(lambda self: self.ready and self.known)
+    @rule(data=st.data(), commit=st.booleans())
+    def l3_round_trip(self, data: st.DataObject, commit: bool) -> None:
+        """Back up everything, drop a known sequence from L1 and L2 on both (LRU eviction of the
+        whole tiers), prefetch it again, read it and commit (or abort) it."""
+        tokens = data.draw(st.sampled_from(self.known), label="round-trip tokens")
+        ns = data.draw(st.sampled_from([n for n, t in sorted(self.seen, key=repr) if t == tokens]))
+        self.drain()
+        total = 64  # more than any pool here
+        assert self.impl.evict(total) == self.model.evict_device(total)
+        assert self.impl.evict_host(total) == self.model.evict_host(total)
+        op_id = self.do_prefetch(tokens, ns)
+        if op_id is None:
+            return
+        model_op = self.prefetch_ops[op_id]
+        if model_op is not None and data.draw(st.booleans(), label="store loses an object"):
+            self.lose_object(data, ns, self.model.prefetch_ops[model_op].pages)
+        while op_id not in self.finished and self.storage_executor.jobs:
+            self.run_storage_job()
+            l3 = self.impl.l3
+            assert l3 is not None
+            if l3.prefetches[op_id].state is not PrefetchState.LOADING:
+                break
+        self.finish(op_id, commit)
+        event("L3 round trip " + ("committed" if commit else "aborted"))
+
+    def lose_object(self, data: st.DataObject, ns: Namespace, pages: tuple[PageHash, ...]) -> None:
+        """Between a prefetch's query and its read the store drops one object of its pages (a KV
+        component, an indexer object or a state component)."""
+        visible = {key.text: key for key, _ in self.store_model.visible_items()}
+        candidates = sorted(
+            {
+                key.text
+                for page in pages
+                for objects in (
+                    self.model._page_objects(ns, page),
+                    self.model._state_objects(ns, page),
+                )
+                for _component, key in objects
+                if key.text in visible
+            }
+        )
+        if not candidates:
+            return
+        text = data.draw(st.sampled_from(candidates), label="object lost before the read")
+        assert self.model.store_evict(visible[text])
+        assert self.drop_key(visible[text]) == 1
+        self.evicted.add(text)
+        event("an object of a reserved page was lost before the read")
+
+    def do_prefetch(self, tokens: tuple[int, ...], ns: Namespace) -> int | None:
+        """Start a prefetch on both (the implementation's query runs first); returns its id."""
         op_id = self.impl.prefetch(tokens, ns)
         if op_id is None:
             assert self.model.prefetch(tokens, ns) is None
-            return
+            return None
         l3 = self.impl.l3
         assert l3 is not None
         while l3.prefetches[op_id].state is None:  # querying: run jobs up to its result
@@ -244,6 +339,7 @@ class L3Differential(DifferentialMachine):
             assert len(self.model.prefetch_ops[model_op].pages) == reserved
             event("prefetch reserved host pages for an L3 hit")
         self.prefetch_ops[op_id] = model_op
+        return op_id
 
     def active(self) -> list[int]:
         return sorted(set(self.prefetch_ops) - self.finished) if self.ready else []
@@ -251,7 +347,10 @@ class L3Differential(DifferentialMachine):
     @precondition(lambda self: self.active())
     @rule(data=st.data(), commit=st.booleans())
     def finish_prefetch(self, data: st.DataObject, commit: bool) -> None:
-        op_id = data.draw(st.sampled_from(self.active()), label="prefetch op")
+        self.finish(data.draw(st.sampled_from(self.active()), label="prefetch op"), commit)
+
+    def finish(self, op_id: int, commit: bool) -> None:
+        """Commit or abort prefetch ``op_id`` on both."""
         model_op = self.prefetch_ops[op_id]
         if model_op is not None:
             assert self.impl.prefetch_ready(op_id) == self.model.prefetch_ready(model_op)
@@ -317,8 +416,7 @@ class L3Differential(DifferentialMachine):
             len(l3.backups),
             self.impl.prefetch_reserved(),
             tuple(
-                self.backend.exists(ns, list(chain_page_hashes(t, self.page_size, ns)))
-                for ns, t in seen
+                self.l3_exists(ns, list(chain_page_hashes(t, self.page_size, ns))) for ns, t in seen
             ),
         )
         return (model_view, model_l3), (impl_view, impl_l3)
@@ -430,3 +528,156 @@ class TestMooncakeL3(MooncakeL3.TestCase):  # type: ignore[name-defined,misc]
     @pytest.fixture(autouse=True)
     def _cluster(self, mooncake_for_machine: None) -> None:
         """Start the real store for this test class."""
+
+
+# ---------------------------------------------------------------------------- side pools (issue 6)
+class HybridL3TierDifferential(HybridDifferentialMachine, L3Differential):
+    """See the module docstring."""
+
+    policy = WritePolicy.WRITE_THROUGH
+
+    # ------------------------------------------------------------ setup hooks (both machines')
+    def model_extras(
+        self, data: st.DataObject, kind: KVKind, page_size: int, host_pages: int
+    ) -> dict[str, Any]:
+        l3 = L3Differential.model_extras(self, data, kind, page_size, host_pages)
+        return {
+            **l3,
+            **HybridDifferentialMachine.model_extras(self, data, kind, page_size, host_pages),
+        }
+
+    def storage(self) -> dict[str, Any]:
+        return {**L3Differential.storage(self), "side_specs": self.specs}
+
+    @property
+    def hybrid(self) -> HybridStorage:
+        l3 = self.impl.l3
+        assert l3 is not None and l3.hybrid is not None, "side pools with L3 use HybridStorage"
+        return l3.hybrid
+
+    def host_side(self, name: str) -> SideBuffer:
+        assert self.impl.host_group is not None
+        return self.impl.host_group.side[name]
+
+    # ------------------------------------------------------------ store access
+    def install_failures(self) -> None:
+        """A failing batch fails as a whole: KV, indexer objects and states (the model's
+        ``fail_backup`` aborts every put the op began)."""
+        hybrid = self.hybrid
+        real_put, real_states = hybrid.put, hybrid.put_states
+
+        def put(namespace: Namespace, pages: Any, host_indices: Any, states: Any = None) -> Any:
+            if self.failing:
+                return HybridPut([PutStatus.FAILED] * len(pages), {})
+            return real_put(namespace, pages, host_indices, states)
+
+        def put_states(namespace: Namespace, pages: Any, slots: Any) -> list[PutStatus]:
+            if self.failing:
+                return [PutStatus.FAILED] * len(pages)
+            return real_states(namespace, pages, slots)
+
+        hybrid.put = put  # type: ignore[method-assign]
+        hybrid.put_states = put_states  # type: ignore[method-assign]
+
+    def l3_exists(self, namespace: Namespace, pages: list[PageHash]) -> int:
+        return self.hybrid.exists(namespace, pages).usable
+
+    def same_op(self, want: int | None, got: int | None) -> bool:
+        """A prefetch query takes an op id in the implementation even when the model starts no
+        op (no hit), so load-back op ids are compared by whether one started."""
+        return (want is None) == (got is None)
+
+    def side_keys(self) -> list[str]:
+        pools = {f"/{INDEXER}/", f"/{MAMBA}/"}
+        return sorted(
+            key.text
+            for key, _ in self.store_model.visible_items()
+            if any(pool in key.text for pool in pools)
+        )
+
+    # ------------------------------------------------------------ prefetched bytes
+    def check_prefetched(self, op: PrefetchOp, model_op: int) -> None:
+        super().check_prefetched(op, model_op)
+        model = self.model.prefetch_ops[model_op]
+        pages = model.pages[: op.arrived]
+        indexer = self.host_side(INDEXER)
+        wanted = [side_bytes(indexer.spec, page) for page in pages]
+        for have, column in zip(
+            indexer.read(op.host[: op.arrived]), zip(*wanted, strict=True), strict=True
+        ):
+            assert same_bits(have, torch.cat(column)), "prefetched indexer bytes differ"
+        assert op.state_read == (model.state_page is not None), (op.state_read, model.state_page)
+        if model.state_page is not None:
+            assert model.state_page == pages[-1], "the state is not at the last usable page"
+            assert op.state_slot == model.state_slot, (op.state_slot, model.state_slot)
+            mamba = self.host_side(MAMBA)
+            assert op.state_slot is not None
+            for have, want in zip(
+                mamba.read([op.state_slot]), side_bytes(mamba.spec, model.state_page), strict=True
+            ):
+                assert same_bits(have, want), "prefetched state bytes differ"
+            event("prefetched state bytes compared")
+
+    # ------------------------------------------------------------ rules
+    @rule(data=st.data())
+    def peer_backs_up(self, data: st.DataObject) -> None:
+        """Another instance backs up a sequence: KV and indexer objects of every page, and the
+        states at the ends of chosen pages (at least the last one most of the time)."""
+        tokens, ns = self.draw_tokens(data)
+        pages = chain_page_hashes(tokens, self.page_size, ns)
+        if not pages:
+            return
+        positions = sorted(
+            set(data.draw(st.lists(st.integers(0, len(pages) - 1), max_size=2), label="states"))
+            | ({len(pages) - 1} if data.draw(st.booleans(), label="last state") else set())
+        )
+        model = self.model
+        for page in pages:
+            for component, key in model._page_objects(ns, page):
+                if self.store_model.begin_put(key):
+                    self.store_model.end_put(key, (page, component))
+        for position in positions:
+            for component, key in model._state_objects(ns, pages[position]):
+                if self.store_model.begin_put(key):
+                    self.store_model.end_put(key, (pages[position], component))
+        scratch = HostKVPool(self.shape, len(pages), HostLayout.PAGE_FIRST)
+        indexer = SideBuffer(self.specs[0], len(pages), host=True)
+        mamba = SideBuffer(self.specs[1], max(1, len(positions)), host=True)
+        peer = HybridStorage(self.peer(), [indexer, mamba])
+        peer.attach(scratch)
+        slots = list(range(len(pages)))
+        scratch.write_pages(slots, torch.cat([kv_for(self.shape, p) for p in pages], dim=2))
+        parts = [side_bytes(indexer.spec, page) for page in pages]
+        indexer.write(slots, [torch.cat(column) for column in zip(*parts, strict=True)])
+        for slot, position in enumerate(positions):
+            mamba.write([slot], side_bytes(mamba.spec, pages[position]))
+        put = peer.put(ns, list(pages), slots)
+        assert all(status.ok for status in put.pages)
+        states = peer.put_states(ns, [pages[p] for p in positions], list(range(len(positions))))
+        assert all(status.ok for status in states)
+        event(f"a peer backed up a sequence with {len(positions)} state(s)")
+
+    @precondition(lambda self: self.ready and self.side_keys())
+    @rule(data=st.data())
+    def store_evicts_side(self, data: st.DataObject) -> None:
+        """The store drops one indexer object or one state component."""
+        text = data.draw(st.sampled_from(self.side_keys()), label="evicted side key")
+        key = next(k for k, _ in self.store_model.visible_items() if k.text == text)
+        assert self.model.store_evict(key)
+        assert self.drop_key(key) == 1
+        self.evicted.add(text)
+        event(
+            "the store evicted an indexer object"
+            if f"/{INDEXER}/" in text
+            else "the store evicted a state component"
+        )
+
+
+class HybridL3Selective(HybridL3TierDifferential):
+    policy = WritePolicy.WRITE_THROUGH_SELECTIVE
+
+
+TestHybridL3TierDifferential = HybridL3TierDifferential.TestCase
+TestHybridL3TierDifferential.settings = settings(STEPS)
+TestHybridL3Selective = HybridL3Selective.TestCase
+TestHybridL3Selective.settings = settings(STEPS, max_examples=max(10, settings().max_examples // 4))

@@ -512,6 +512,12 @@ class HybridDifferentialMachine(DifferentialMachine):
         return {"side_specs": self.specs}
 
     # ------------------------------------------------------------ helpers
+    def same_op(self, want: int | None, got: int | None) -> bool:
+        """Whether a model op id and an implementation op id agree (equal here; a machine whose
+        implementation takes op ids the model does not, such as L3 prefetch queries, compares
+        only whether an op started)."""
+        return want == got
+
     def side(self, name: str) -> SideBuffer:
         assert self.impl.device_group is not None
         return self.impl.device_group.side[name]
@@ -601,7 +607,7 @@ class HybridDifferentialMachine(DifferentialMachine):
         node_id = data.draw(st.sampled_from(nodes), label="load-back node")
         want = model.load_back(node_id)
         got = self.impl.load_back(self.impl_node(node_id))
-        assert want == got, (want, got)
+        assert self.same_op(want, got), (want, got)
         if want is not None:
             op = model.load_ops[-1]
             event("load-back " + ("with its state" if op.states else "of KV only"))
@@ -637,7 +643,7 @@ class HybridDifferentialMachine(DifferentialMachine):
         self.impl.evict_state(actual.device_node)  # type: ignore[attr-defined]
         want = self.model.load_back(node_id)
         got = self.impl.load_back(actual.device_node)  # type: ignore[attr-defined]
-        assert want == got, (want, got)
+        assert self.same_op(want, got), (want, got)
         self.drain_copies()
         again, _ = self.both_match(tokens, ns)
         if again.device_pages:  # type: ignore[attr-defined]

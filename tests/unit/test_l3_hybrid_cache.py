@@ -1,0 +1,261 @@
+"""The cache's L3 tier with side pools (SPEC §5, issue 6) on the in-memory backend: one instance backs
+up KV, indexer objects and Mamba states, another (own pools, same store) prefetches them and gets the
+same bytes bit for bit; a side object missing from the store cuts the prefetch back to the deepest
+usable state; configuration errors are typed. The differential machine
+(``HybridL3TierDifferential`` in tests/stateful/test_l3_differential.py) proves agreement with the
+model; these tests run the real worker threads end to end."""
+
+from __future__ import annotations
+
+import hashlib
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from kvstrata.impl.config import RadixCacheConfig, StorageConfig
+from kvstrata.impl.errors import ConfigError
+from kvstrata.impl.pools import DeviceKVPool, HostKVPool, HostLayout, KVShape
+from kvstrata.impl.pools.side import SideSpec, indexer_spec, mamba_spec
+from kvstrata.impl.radix_cache import HierarchicalRadixCache
+from kvstrata.impl.storage.base import StorageBackend
+from kvstrata.impl.storage.memory import MemoryBackend, MemoryStore
+from kvstrata.impl.transfer import Executor, ManualExecutor, ThreadExecutor
+from kvstrata.model.hybrid import side_page_keys
+from kvstrata.model.keys import (
+    DEFAULT_NAMESPACE,
+    KeySpace,
+    KVKind,
+    ModelIdentity,
+    PageHash,
+    chain_page_hashes,
+)
+from kvstrata.model.lifecycles import Residency
+
+PAGE = 2
+SHAPE = KVShape(KVKind.MHA, layers=2, heads=1, head_dim=4, dtype=torch.float16, page_size=PAGE)
+INDEXER = indexer_spec(layers=2, page_size=PAGE, dim=3, dtype=torch.float16)
+MAMBA = mamba_spec(layers=2, conv=[(3,), (2,)], temporal=(2, 2), dtype=torch.float32)
+SPECS = (INDEXER, MAMBA)
+KEYS = KeySpace(
+    ModelIdentity(name="hybrid-unit", dtype="float16", kind=KVKind.MHA, page_size=PAGE),
+    tag="hybrid-unit",
+)
+TOKENS = [1, 2, 3, 4, 5, 6, 7, 8]  # four pages
+PAGES = chain_page_hashes(TOKENS, PAGE)
+
+
+def entry(spec: SideSpec, page: PageHash) -> list[torch.Tensor]:
+    """One entry of ``spec`` for ``page``: bytes derived from the pool and the page hash."""
+    out = []
+    for component, shape, dtype in zip(spec.components, spec.shapes, spec.dtypes, strict=True):
+        count = int(np.prod(shape)) * dtype.itemsize
+        raw = hashlib.shake_256(f"{spec.name}/{component}".encode() + page.digest).digest(count)
+        out.append(torch.frombuffer(bytearray(raw), dtype=dtype).reshape(1, *shape))
+    return out
+
+
+def kv(pages: tuple[PageHash, ...]) -> torch.Tensor:
+    dims = SHAPE.canonical(1)
+    count = int(np.prod(dims)) * SHAPE.itemsize
+    return torch.cat(
+        [
+            torch.frombuffer(
+                bytearray(hashlib.shake_256(p.digest).digest(count)), dtype=SHAPE.dtype
+            )
+            .reshape(dims)
+            .clone()
+            for p in pages
+        ],
+        dim=2,
+    )
+
+
+def same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+
+
+class Rig:
+    """One hybrid cache instance (own pools) over ``backend``; worker threads unless told."""
+
+    def __init__(
+        self,
+        backend: StorageBackend,
+        *,
+        layout: HostLayout = HostLayout.PAGE_FIRST,
+        storage_executor: Executor | None = None,
+    ) -> None:
+        self.device = DeviceKVPool(SHAPE, 16, "cpu")
+        self.host = HostKVPool(SHAPE, 16, layout)
+        self.cache = HierarchicalRadixCache.build(
+            RadixCacheConfig(
+                page_size=PAGE,
+                side_pools=tuple(spec.pool for spec in SPECS),
+                device_states=4,
+                host_states=4,
+            ),
+            self.device,
+            self.host,
+            executor=ThreadExecutor("test-copies"),
+            storage=backend,
+            storage_config=StorageConfig(prefetch_threshold=PAGE, backup_backoff_s=0),
+            storage_executor=storage_executor or ThreadExecutor("test-storage"),
+            side_specs=SPECS,
+        )
+
+    def insert(self, tokens: list[int]) -> None:
+        """Compute ``tokens`` (KV and indexer keys of new pages, the state at its end) and insert."""
+        pages = chain_page_hashes(tokens, PAGE)
+        match = self.cache.match_prefix(tokens)
+        fresh = self.cache.alloc_device(len(pages) - match.device_pages)
+        new = pages[match.device_pages :]
+        assert self.cache.device_group is not None
+        if len(fresh):
+            self.device.write_pages(fresh, kv(new))
+            parts = [entry(INDEXER, p) for p in new]
+            self.cache.device_group.side[INDEXER.name].write(
+                fresh, [torch.cat(c) for c in zip(*parts, strict=True)]
+            )
+        slot = self.cache.alloc_device_state()
+        self.cache.device_group.side[MAMBA.name].write([slot], entry(MAMBA, pages[-1]))
+        self.cache.insert(tokens, match.device_indices.tolist() + fresh.tolist(), state_slot=slot)
+
+    def settle(self, rounds: int = 2000) -> None:
+        """Poll ``check_events`` until no copy, backup or prefetch is pending (bounded)."""
+        l3 = self.cache.l3
+        assert l3 is not None
+        for _ in range(rounds):
+            self.cache.check_events()
+            if not self.cache.write_ops and not self.cache.load_ops and l3.idle():
+                return
+            time.sleep(0.005)
+        raise AssertionError("background work did not finish")
+
+    def prefetch(self, tokens: list[int], rounds: int = 2000) -> int:
+        """Prefetch ``tokens``, wait for the read and commit; the pages the tree gained."""
+        op = self.cache.prefetch(tokens)
+        if op is None:
+            return 0
+        l3 = self.cache.l3
+        assert l3 is not None
+        for _ in range(rounds):
+            self.cache.check_events()
+            if op not in l3.prefetches:
+                return 0
+            if l3.prefetches[op].state is not None and not l3.prefetches[op].in_flight:
+                return self.cache.prefetch_commit(op)
+            time.sleep(0.005)
+        raise AssertionError("prefetch did not finish")
+
+    def check_l1(self, tokens: list[int]) -> int:
+        """Load the cached prefix to L1 and compare KV, indexer and state bit for bit with what
+        the page hashes name; returns the pages on L1."""
+        match = self.cache.match_prefix(tokens)
+        if match.host_pages:
+            assert self.cache.load_back(match.host_node) is not None
+            self.settle()
+            match = self.cache.match_prefix(tokens)
+        n = match.device_pages
+        if n:
+            pages = chain_page_hashes(tokens, PAGE)[:n]
+            assert same(self.device.read_pages(match.device_indices), kv(pages))
+            group = self.cache.device_group
+            assert group is not None and match.device_state_slot is not None
+            wanted = [entry(INDEXER, p) for p in pages]
+            read = group.side[INDEXER.name].read(match.device_indices)
+            for have, column in zip(read, zip(*wanted, strict=True), strict=True):
+                assert same(have, torch.cat(column)), "indexer bytes differ"
+            state = group.side[MAMBA.name].read([match.device_state_slot])
+            for have, want in zip(state, entry(MAMBA, pages[-1]), strict=True):
+                assert same(have, want), "state bytes differ"
+        return n
+
+    def close(self) -> None:
+        self.cache.close()
+
+
+def back_up(store: MemoryStore) -> None:
+    """An instance backs up TOKENS with states at page 1 (a shorter request) and page 3."""
+    writer = Rig(MemoryBackend(KEYS, store=store))
+    try:
+        writer.insert(TOKENS[: 2 * PAGE])
+        writer.insert(TOKENS)
+        writer.settle()
+        l3 = writer.cache.l3
+        assert l3 is not None
+        assert l3.counters.backup_pages["stored"] == 4
+    finally:
+        writer.close()
+
+
+def state_keys(index: int) -> tuple:  # type: ignore[type-arg]
+    return side_page_keys(KEYS, DEFAULT_NAMESPACE, MAMBA.pool, PAGES[index])
+
+
+def test_two_instances_round_trip_kv_indexer_and_state_bit_for_bit() -> None:
+    store = MemoryStore()
+    back_up(store)
+    visible = set(store.visible_keys())
+    for index, page in enumerate(PAGES):
+        assert set(side_page_keys(KEYS, DEFAULT_NAMESPACE, INDEXER.pool, page)) <= visible
+        states = set(state_keys(index))
+        assert (states <= visible) == (index in (1, 3)), index
+        assert not (states & visible) or states <= visible
+    reader = Rig(MemoryBackend(KEYS, store=store))
+    try:
+        assert reader.prefetch(TOKENS) == 4
+        assert reader.cache.state_residency(TOKENS)[-1] is Residency.HOST
+        match = reader.cache.match_prefix(TOKENS)
+        assert (match.device_pages, match.host_pages) == (0, 4)
+        assert reader.check_l1(TOKENS) == 4
+    finally:
+        reader.close()
+
+
+@pytest.mark.parametrize(("evicted", "usable"), [(3, 2), (2, 2), (1, 0), (0, 0)])
+def test_a_missing_indexer_object_stops_the_prefetch_at_the_deepest_state_below(
+    evicted: int, usable: int
+) -> None:
+    store = MemoryStore()
+    back_up(store)
+    assert (
+        store.drop([side_page_keys(KEYS, DEFAULT_NAMESPACE, INDEXER.pool, PAGES[evicted])[0]]) == 1
+    )
+    reader = Rig(MemoryBackend(KEYS, store=store))
+    try:
+        assert reader.prefetch(TOKENS) == usable
+        assert reader.cache.match_prefix(TOKENS).host_pages == usable
+        assert reader.check_l1(TOKENS) == usable
+        assert reader.cache.host_states_free == 4 - (1 if usable else 0)
+    finally:
+        reader.close()
+
+
+def test_a_state_lost_between_query_and_read_falls_back_to_a_shallower_state() -> None:
+    store = MemoryStore()
+    back_up(store)
+    io = ManualExecutor()
+    reader = Rig(MemoryBackend(KEYS, store=store), storage_executor=io)
+    try:
+        op = reader.cache.prefetch(TOKENS)
+        assert op is not None
+        assert io.run_next()  # the query: 4 usable pages, 4 pages and a state slot reserved
+        reader.cache.check_events()
+        l3 = reader.cache.l3
+        assert l3 is not None
+        assert len(l3.prefetches[op].host) == 4 and reader.cache.host_states_free == 3
+        assert store.drop([state_keys(3)[1]]) == 1  # one component of the deepest state
+        assert io.run_next()  # the read: KV and indexer of 4 pages, the state of page 1
+        reader.cache.check_events()
+        assert l3.prefetches[op].arrived == 2
+        assert reader.cache.prefetch_commit(op) == 2
+        assert reader.cache.host_free == 16 - 2 and reader.cache.host_states_free == 3
+        assert reader.check_l1(TOKENS) == 2
+    finally:
+        reader.close()
+
+
+def test_side_pools_with_storage_refuse_a_layer_first_host_pool() -> None:
+    with pytest.raises(ConfigError, match="page-first"):
+        Rig(MemoryBackend(KEYS, store=MemoryStore()), layout=HostLayout.LAYER_FIRST)
