@@ -68,6 +68,7 @@ from kvstrata.impl.storage.mooncake import LocalCluster, MooncakeBackend, Moonca
 from kvstrata.impl.storage.worker import BackupResult, FetchResult, QueryResult
 from kvstrata.impl.transfer import ManualExecutor
 from kvstrata.model.cache import WritePolicy
+from kvstrata.model.hybrid import side_page_keys
 from kvstrata.model.keys import (
     KeySpace,
     KVKind,
@@ -681,3 +682,51 @@ TestHybridL3TierDifferential = HybridL3TierDifferential.TestCase
 TestHybridL3TierDifferential.settings = settings(STEPS)
 TestHybridL3Selective = HybridL3Selective.TestCase
 TestHybridL3Selective.settings = settings(STEPS, max_examples=max(10, settings().max_examples // 4))
+
+
+# ---------------------------------------------------------------- side pools on a real Mooncake
+class MooncakeHybridL3Tier(HybridL3TierDifferential):
+    """The hybrid L3 machine with a real Mooncake master and storage node (a smaller run). As in
+    :class:`MooncakeL3`, the compared keys are those of every page of every sequence seen, here with
+    every side pool's keys of those pages (indexer objects and state components)."""
+
+    def storage(self) -> dict[str, Any]:
+        return {**MooncakeL3.storage(self), "side_specs": self.specs}  # type: ignore[arg-type]
+
+    def _candidates(self) -> dict[str, StoreKey]:
+        keys: dict[str, StoreKey] = {}
+        for ns, tokens in self.seen:
+            for page in chain_page_hashes(tokens, self.page_size, ns):
+                for key in self.keyspace.page_keys(ns, page):
+                    keys[key.text] = key
+                for spec in self.specs:
+                    for key in side_page_keys(self.keyspace, ns, spec.pool, page):
+                        keys[key.text] = key
+        return keys
+
+    def visible_keys(self) -> list[str]:
+        client = MooncakeL3.client
+        assert client is not None
+        candidates = sorted(self._candidates().items())
+        if not candidates:
+            return []
+        found = client.batch_is_exist([key for _, key in candidates])
+        return [text for (text, _), hit in zip(candidates, found, strict=True) if hit == 1]
+
+    def model_keys(self) -> list[str]:
+        seen = self._candidates()
+        return sorted(key.text for key, _ in self.store_model.visible_items() if key.text in seen)
+
+    def drop_key(self, key: StoreKey) -> int:
+        return MooncakeL3.drop_key(self, key)  # type: ignore[arg-type]
+
+    def peer(self) -> StorageBackend:
+        return MooncakeL3.peer(self)  # type: ignore[arg-type]
+
+
+class TestMooncakeHybridL3Tier(MooncakeHybridL3Tier.TestCase):  # type: ignore[name-defined,misc]
+    settings = settings(STEPS, max_examples=max(5, settings().max_examples // 15), deadline=None)
+
+    @pytest.fixture(autouse=True)
+    def _cluster(self, mooncake_for_machine: None) -> None:
+        """Start the real store for this test class."""
