@@ -7,17 +7,16 @@ model; these tests run the real worker threads end to end."""
 
 from __future__ import annotations
 
-import hashlib
 import time
 
-import numpy as np
 import pytest
 import torch
+from support.differential import kv_for, same_bits, side_bytes
 
 from kvstrata.impl.config import RadixCacheConfig, StorageConfig
 from kvstrata.impl.errors import ConfigError
 from kvstrata.impl.pools import DeviceKVPool, HostKVPool, HostLayout, KVShape
-from kvstrata.impl.pools.side import SideSpec, indexer_spec, mamba_spec
+from kvstrata.impl.pools.side import indexer_spec, mamba_spec
 from kvstrata.impl.radix_cache import HierarchicalRadixCache
 from kvstrata.impl.storage.base import StorageBackend
 from kvstrata.impl.storage.memory import MemoryBackend, MemoryStore
@@ -46,34 +45,15 @@ TOKENS = [1, 2, 3, 4, 5, 6, 7, 8]  # four pages
 PAGES = chain_page_hashes(TOKENS, PAGE)
 
 
-def entry(spec: SideSpec, page: PageHash) -> list[torch.Tensor]:
-    """One entry of ``spec`` for ``page``: bytes derived from the pool and the page hash."""
-    out = []
-    for component, shape, dtype in zip(spec.components, spec.shapes, spec.dtypes, strict=True):
-        count = int(np.prod(shape)) * dtype.itemsize
-        raw = hashlib.shake_256(f"{spec.name}/{component}".encode() + page.digest).digest(count)
-        out.append(torch.frombuffer(bytearray(raw), dtype=dtype).reshape(1, *shape))
-    return out
+entry = side_bytes  # one side-pool entry of a page: bytes named by the pool and the page hash
 
 
 def kv(pages: tuple[PageHash, ...]) -> torch.Tensor:
-    dims = SHAPE.canonical(1)
-    count = int(np.prod(dims)) * SHAPE.itemsize
-    return torch.cat(
-        [
-            torch.frombuffer(
-                bytearray(hashlib.shake_256(p.digest).digest(count)), dtype=SHAPE.dtype
-            )
-            .reshape(dims)
-            .clone()
-            for p in pages
-        ],
-        dim=2,
-    )
+    """The KV of ``pages``: each page's bytes named by its hash (``kv_for``)."""
+    return torch.cat([kv_for(SHAPE, page) for page in pages], dim=2)
 
 
-def same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+same = same_bits
 
 
 class Rig:

@@ -5,17 +5,18 @@ typed, misuse changes nothing."""
 
 from __future__ import annotations
 
-import hashlib
 import time
+from collections.abc import Sequence
 
 import numpy as np
 import pytest
 import torch
+from support.differential import kv_for, side_bytes
 
 from kvstrata.impl.config import RadixCacheConfig
 from kvstrata.impl.errors import CapacityError, ConfigError, MisuseError
 from kvstrata.impl.pools import DeviceKVPool, HostKVPool, HostLayout, KVShape
-from kvstrata.impl.pools.side import SideSpec, indexer_spec, mamba_spec
+from kvstrata.impl.pools.side import indexer_spec, mamba_spec
 from kvstrata.impl.radix_cache import HierarchicalRadixCache
 from kvstrata.impl.transfer import Executor, ManualExecutor, ThreadExecutor
 from kvstrata.model.hybrid import HitPolicy, SidePool
@@ -31,30 +32,12 @@ POOLS = tuple(spec.pool for spec in SPECS)
 TOKENS = [1, 2, 3, 4, 5, 6]  # three pages
 
 
-def entry(spec: SideSpec, page: PageHash) -> list[torch.Tensor]:
-    """One entry of ``spec`` for ``page``: bytes derived from the pool and the page hash."""
-    out = []
-    for component, shape, dtype in zip(spec.components, spec.shapes, spec.dtypes, strict=True):
-        count = int(np.prod(shape)) * dtype.itemsize
-        raw = hashlib.shake_256(f"{spec.name}/{component}".encode() + page.digest).digest(count)
-        out.append(torch.frombuffer(bytearray(raw), dtype=dtype).reshape(1, *shape))
-    return out
+entry = side_bytes  # one side-pool entry of a page: bytes named by the pool and the page hash
 
 
 def kv(pages: tuple[PageHash, ...]) -> torch.Tensor:
-    dims = SHAPE.canonical(1)
-    count = int(np.prod(dims)) * SHAPE.itemsize
-    return torch.cat(
-        [
-            torch.frombuffer(
-                bytearray(hashlib.shake_256(p.digest).digest(count)), dtype=SHAPE.dtype
-            )
-            .reshape(dims)
-            .clone()
-            for p in pages
-        ],
-        dim=2,
-    )
+    """The KV of ``pages``: each page's bytes named by its hash (``kv_for``)."""
+    return torch.cat([kv_for(SHAPE, page) for page in pages], dim=2)
 
 
 def build(
@@ -107,7 +90,8 @@ def wait_for_copies(cache: HierarchicalRadixCache) -> None:
     assert not cache.write_ops and not cache.load_ops
 
 
-def same_bits(got: tuple[torch.Tensor, ...], want: list[torch.Tensor]) -> bool:
+def same_bits(got: Sequence[torch.Tensor], want: Sequence[torch.Tensor]) -> bool:
+    """Every component of ``got`` equals ``want``'s bit for bit."""
     return all(
         torch.equal(g.contiguous().view(torch.uint8), w.contiguous().view(torch.uint8))
         for g, w in zip(got, want, strict=True)
