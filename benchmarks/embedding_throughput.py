@@ -66,7 +66,7 @@ from kvstrata.impl.embedding import (
     PoolShape,
 )
 from kvstrata.impl.errors import KvStrataError
-from kvstrata.impl.storage.mooncake import LocalCluster, MooncakeClient
+from kvstrata.impl.storage.mooncake import MooncakeClient
 from kvstrata.model.keys import KeySpace, KVKind, ModelIdentity, PageHash, Shard
 
 MIB = 1 << 20
@@ -305,17 +305,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         },
         "cells": [],
     }
-    try:
-        cluster = LocalCluster(segment_size=args.segment_mib * MIB).start()
-    except KvStrataError as error:
-        reason = str(error).splitlines()[0]
-        raise l3.SetupError(f"cannot start the local Mooncake cluster: {reason}") from None
-    client: MooncakeClient | None = None
-    raw: l3.RawStore | None = None
-    try:
-        client = MooncakeClient(cluster.config).setup()
-        raw = l3.RawStore(cluster.master_address, cluster.config.local_buffer_size)
-        l3.prefault(client, raw, args.segment_mib * MIB)
+    with l3.bench_store(args.segment_mib * MIB) as (client, raw):
         for cell in args.cells:
             print(
                 f"cell {cell.shape} batch {cell.batch}: {cell.calls} calls ...",
@@ -324,12 +314,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             )
             result["cells"].append(run_cell(cell, client, raw, args.repeats))
             gc.collect()
-    finally:
-        if raw is not None:
-            raw.close()
-        if client is not None:
-            client.close()
-        cluster.stop()
     result["seconds"] = time.perf_counter() - started
     result["loadavg"] = {"start": load_start, "end": os.getloadavg()}
     return result

@@ -51,10 +51,10 @@ from l3_throughput import (
     BenchError,
     RawStore,
     SetupError,
+    bench_store,
     clear,
     fresh_pages,
     median_us,
-    prefault,
 )
 
 from kvstrata.impl.errors import KvStrataError
@@ -63,7 +63,6 @@ from kvstrata.impl.pools.side import SideBuffer, indexer_spec, mamba_spec
 from kvstrata.impl.storage.base import GetStatus, PutStatus
 from kvstrata.impl.storage.hybrid import HybridStorage
 from kvstrata.impl.storage.mooncake import (
-    LocalCluster,
     MooncakeBackend,
     MooncakeClient,
 )
@@ -314,26 +313,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         },
         "cells": [],
     }
-    try:
-        cluster = LocalCluster(segment_size=args.segment_mib * MIB).start()
-    except KvStrataError as error:
-        raise SetupError(f"cannot start the local Mooncake cluster: {error}") from None
-    client = raw = None
-    try:
-        client = MooncakeClient(cluster.config).setup()
-        raw = RawStore(cluster.master_address, cluster.config.local_buffer_size)
-        prefault(client, raw, args.segment_mib * MIB)
+    with bench_store(args.segment_mib * MIB) as (client, raw):
         for pages in args.page_counts:
             print(f"cell {pages} pages x {args.calls} calls ...", file=sys.stderr, flush=True)
             result["cells"].append(run_cell(pages, args.calls, args.repeats, client, raw))
         print("exists latency ...", file=sys.stderr, flush=True)
         result["exists"] = run_exists(client, raw, args.quick)
-    finally:
-        if raw is not None:
-            raw.close()
-        if client is not None:
-            client.close()
-        cluster.stop()
     result["seconds"] = time.perf_counter() - started
     return result
 

@@ -789,6 +789,31 @@ def prefault(client: MooncakeClient, raw: RawStore, segment: int) -> None:
         clear(client, raw)
 
 
+@contextmanager
+def bench_store(segment_bytes: int) -> Iterator[tuple[MooncakeClient, RawStore]]:
+    """A started :class:`LocalCluster` whose storage node owns ``segment_bytes`` (written once, so
+    no timed path pays its first-touch page faults), a kvstrata client and a raw client on it; all
+    three are stopped on exit. :class:`SetupError` when the cluster cannot start here."""
+    try:
+        cluster = LocalCluster(segment_size=segment_bytes).start()
+    except KvStrataError as error:
+        reason = str(error).splitlines()[0]
+        raise SetupError(f"cannot start the local Mooncake cluster: {reason}") from None
+    client: MooncakeClient | None = None
+    raw: RawStore | None = None
+    try:
+        client = MooncakeClient(cluster.config).setup()
+        raw = RawStore(cluster.master_address, cluster.config.local_buffer_size)
+        prefault(client, raw, segment_bytes)
+        yield client, raw
+    finally:
+        if raw is not None:
+            raw.close()
+        if client is not None:
+            client.close()
+        cluster.stop()
+
+
 # ----------------------------------------------------------------------------------------------- main
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
@@ -859,17 +884,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "cells": [],
         "exists": [],
     }
-    try:
-        cluster = LocalCluster(segment_size=args.segment_mib * MIB).start()
-    except KvStrataError as error:
-        reason = str(error).splitlines()[0]
-        raise SetupError(f"cannot start the local Mooncake cluster: {reason}") from None
-    client: MooncakeClient | None = None
-    raw: RawStore | None = None
-    try:
-        client = MooncakeClient(cluster.config).setup()
-        raw = RawStore(cluster.master_address, cluster.config.local_buffer_size)
-        prefault(client, raw, args.segment_mib * MIB)
+    with bench_store(args.segment_mib * MIB) as (client, raw):
         for cell in args.cells:
             print(
                 f"cell {cell.label}: {cell.batch} pages x {cell.calls} calls ...",
@@ -881,12 +896,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if not args.skip_exists:
             print("exists latency ...", file=sys.stderr, flush=True)
             result["exists"] = run_exists(args.cells[0], client, raw, args.quick)
-    finally:
-        if raw is not None:
-            raw.close()
-        if client is not None:
-            client.close()
-        cluster.stop()
     result["seconds"] = time.perf_counter() - started
     result["loadavg"] = {"start": load_start, "end": os.getloadavg()}
     return result
