@@ -9,9 +9,12 @@ Replays a Mooncake-format trace (default ``../shared/traces/conversation_trace.j
   request the deepest is evicted first (ties broken leaf-first, like a tree);
 * **kvstrata**: :class:`kvstrata.impl.radix_cache.HierarchicalRadixCache`, L1 only (no host pool), doing
   the full scheduler protocol per request: ``match_prefix`` -> ``lock`` the device node ->
-  ``alloc_device`` for the pages not on L1 (evicting itself) -> ``insert`` -> ``unlock``. In two modes:
-  ``page_hashes=False`` ("L1 only, no L3": the tree matches by page fingerprints and hashes nothing) and
-  ``page_hashes=True`` (``insert`` also computes the SHA-256 chain of the new pages that L3 needs);
+  ``alloc_device`` for the pages not on L1 (evicting itself) -> ``insert`` -> ``unlock``. In three
+  modes: ``page_hashes=False`` ("L1 only, no L3": the tree matches by page fingerprints and hashes
+  nothing), ``page_hashes=True`` with the hashing thread (``insert`` queues the SHA-256 chain of the
+  new pages that L3 needs for the C thread; only the queueing is on the scheduler path, and the
+  thread's CPU time and its lag after the last request are reported next to it) and
+  ``hash_worker=False`` (the chain is computed inline in ``insert``, with the C loop when built);
 * the **sha256 floor**: only the SHA-256 work kvstrata cannot avoid (chain-hashing the pages past its L1
   hit, one ``hashlib`` call per page like the baseline): the lowest ratio any cache that hashes new pages
   on the scheduler thread can reach.
@@ -61,6 +64,8 @@ if str(REPO) not in sys.path:
 
 from benchmarks.traces import load_trace, resolve_trace_or_exit, synthesise  # noqa: E402
 from kvstrata.impl import fingerprint as fingerprint_module  # noqa: E402
+from kvstrata.impl import hashing as hashing_module  # noqa: E402
+from kvstrata.impl import kernels as kernels_module  # noqa: E402
 from kvstrata.impl import radix_cache as radix_cache_module  # noqa: E402
 from kvstrata.impl.config import RadixCacheConfig  # noqa: E402
 from kvstrata.impl.errors import CapacityError  # noqa: E402
@@ -86,6 +91,8 @@ class RunResult:
     hit_tokens: int
     capacity_errors: int = 0
     cached_pages_end: int = 0
+    hasher_busy_ns: int = 0  # CPU time of the hashing thread (hashing-thread mode)
+    drain_ns: int = 0  # wall time after the last request until every page hash existed
     per_request_ns: list[int] = field(default_factory=list, repr=False)
     hit_pages: list[int] = field(default_factory=list, repr=False)
 
@@ -114,6 +121,8 @@ class RunResult:
             "hit_ratio": self.hit_ratio,
             "cached_pages_end": self.cached_pages_end,
             "capacity_errors": self.capacity_errors,
+            "hasher_busy_s": self.hasher_busy_ns / 1e9,
+            "hasher_drain_s": self.drain_ns / 1e9,
         }
 
 
@@ -171,21 +180,40 @@ def chain_hashes(tokens: Tokens, page_size: int) -> list[bytes]:
 
 
 # -------------------------------------------------------------------------------------------- kvstrata
-MODES = {"kvstrata_no_hashes": False, "kvstrata_hashes": True}
-"""The two kvstrata runs: result key -> ``RadixCacheConfig.page_hashes``."""
+MODES: dict[str, dict[str, bool]] = {
+    "kvstrata_no_hashes": {"page_hashes": False},
+    "kvstrata_hashes": {"page_hashes": True, "hash_worker": True},
+    "kvstrata_hashes_inline": {"page_hashes": True, "hash_worker": False},
+}
+"""The kvstrata runs: result key -> ``RadixCacheConfig`` fields."""
 LABELS = {
     "baseline": "baseline",
     "kvstrata_no_hashes": "kvstrata, no hashes",
-    "kvstrata_hashes": "kvstrata, + sha256 of new pages",
+    "kvstrata_hashes": "kvstrata, + sha256 of new pages (hashing thread)",
+    "kvstrata_hashes_inline": "kvstrata, + sha256 of new pages (inline)",
     "floor": "sha256 floor",
 }
 
 
-def make_kvstrata(page_size: int, capacity_pages: int, page_hashes: bool) -> HierarchicalRadixCache:
-    config = RadixCacheConfig(
-        page_size=page_size, write_policy="write_through", page_hashes=page_hashes
-    )
+def make_kvstrata(
+    page_size: int, capacity_pages: int, options: dict[str, bool]
+) -> HierarchicalRadixCache:
+    config = RadixCacheConfig(page_size=page_size, write_policy="write_through", **options)
     return HierarchicalRadixCache(config, PageAllocator(capacity_pages, "device"))
+
+
+def settle_hashes(cache: HierarchicalRadixCache) -> int:
+    """Wait until the hashing thread (if any) hashed every inserted page and every node holds its
+    digests as bytes; returns the nanoseconds that took (the hashing thread's lag at the end)."""
+    start = time.perf_counter_ns()
+    drain = getattr(cache.hasher, "drain", None)
+    if drain is not None:
+        drain()
+    waited = time.perf_counter_ns() - start
+    for node in cache.nodes():
+        if node.digests:
+            _ = node.hashes  # resolves (and keeps) the bytes
+    return waited
 
 
 def kvstrata_request(cache: HierarchicalRadixCache, tokens: Tokens, page_size: int) -> int:
@@ -308,6 +336,8 @@ def run_kvstrata(
         page_size,
         capacity,
     )
+    result.drain_ns = settle_hashes(cache)
+    result.hasher_busy_ns = int(getattr(cache.hasher, "busy_ns", 0))
     result.cached_pages_end = cache.cached_pages()["device"]
     if keep is not None:
         keep.append(cache)
@@ -439,9 +469,12 @@ def walk_kvstrata(cache: HierarchicalRadixCache) -> dict[str, Any]:
             "ints",
             "lru_heap",
             "cache_state",
+            "hashing_arena",
         ),
         0,
     )
+    # the hashing thread's arena: a fixed working buffer (token copies and digests in flight)
+    parts["hashing_arena"] = int(getattr(cache.hasher, "arena_nbytes", 0))
     seen: set[int] = set()
     count = 0
     stack = list(cache.roots.values())
@@ -463,7 +496,7 @@ def walk_kvstrata(cache: HierarchicalRadixCache) -> dict[str, Any]:
                     )
                     stack.append(child)
             elif isinstance(value, bytes | bytearray):
-                part = "page_hashes" if slot == "hashes" else "fingerprints"
+                part = "page_hashes" if slot == "digests" else "fingerprints"
                 parts[part] += _bytes_size(value, seen)
             elif isinstance(value, np.ndarray):
                 parts["indices"] += _array_size(value, seen)
@@ -535,8 +568,8 @@ def tracemalloc_check(
     """tracemalloc (started before the cache is built, read after the replay) against the walk, on
     a prefix of the trace: tracemalloc slows the tree's replay ~40x, so the full trace uses the walk."""
     out: dict[str, Any] = {"requests": len(tokens_list)}
-    for mode, page_hashes in MODES.items():
-        out[mode] = tracemalloc_kvstrata(tokens_list, page_size, capacity, page_hashes, top)
+    for mode, options in MODES.items():
+        out[mode] = tracemalloc_kvstrata(tokens_list, page_size, capacity, options, top)
     gc.collect()
     tracemalloc.start()
     try:
@@ -560,7 +593,11 @@ def tracemalloc_check(
 
 
 def tracemalloc_kvstrata(
-    tokens_list: Sequence[Tokens], page_size: int, capacity: int, page_hashes: bool, top: int
+    tokens_list: Sequence[Tokens],
+    page_size: int,
+    capacity: int,
+    options: dict[str, bool],
+    top: int,
 ) -> dict[str, Any]:
     gc.collect()
     tracemalloc.start()
@@ -570,13 +607,12 @@ def tracemalloc_kvstrata(
         gc.collect()
         alloc_size = tracemalloc.get_traced_memory()[0] - base
         cache = HierarchicalRadixCache(
-            RadixCacheConfig(
-                page_size=page_size, write_policy="write_through", page_hashes=page_hashes
-            ),
+            RadixCacheConfig(page_size=page_size, write_policy="write_through", **options),
             allocator,
         )
         for tokens in tokens_list:
             kvstrata_request(cache, tokens, page_size)
+        settle_hashes(cache)
         gc.collect()
         total = tracemalloc.get_traced_memory()[0] - base
         snapshot = tracemalloc.take_snapshot()
@@ -610,9 +646,13 @@ def tracemalloc_kvstrata(
 
 # --------------------------------------------------------------------------------------------- profile
 def profile_kvstrata(
-    tokens_list: Sequence[Tokens], page_size: int, capacity: int, page_hashes: bool, top: int
+    tokens_list: Sequence[Tokens],
+    page_size: int,
+    capacity: int,
+    options: dict[str, bool],
+    top: int,
 ) -> str:
-    cache = make_kvstrata(page_size, capacity, page_hashes)
+    cache = make_kvstrata(page_size, capacity, options)
     profiler = cProfile.Profile()
     profiler.enable()
     for tokens in tokens_list:
@@ -629,10 +669,20 @@ def profile_kvstrata(
 def impl_sources() -> dict[str, str]:
     """SHA-256 (first 16 hex digits) of the implementation files measured, and the git commit."""
     out: dict[str, str] = {}
-    for module in (radix_cache_module, fingerprint_module, allocator_module):
+    for module in (
+        radix_cache_module,
+        fingerprint_module,
+        allocator_module,
+        hashing_module,
+        kernels_module,
+    ):
         source = Path(module.__file__ or "")
         if source.is_file():
             out[source.name] = hashlib.sha256(source.read_bytes()).hexdigest()[:16]
+    native = source.parent / "_native.c"
+    if native.is_file():
+        out[native.name] = hashlib.sha256(native.read_bytes()).hexdigest()[:16]
+    out["c_kernels"] = "built" if kernels_module.NATIVE else "portable"
     head = REPO / ".git" / "HEAD"
     try:
         ref = head.read_text().strip()
@@ -745,7 +795,7 @@ def run_case(
         walks["baseline"] = walk_baseline(kept_base[0])
     kept_base.clear()
     hash_check: dict[str, Any] | None = None
-    for mode, hashing in MODES.items():
+    for mode, options in MODES.items():
         log(f"[{case}] {LABELS[mode]} ...")
         kept: list[HierarchicalRadixCache] = []
 
@@ -757,7 +807,7 @@ def run_case(
 
         results[mode] = best_of(args.repeat, run_kv, args.no_gc)
         if case == "unbounded":
-            if hashing:
+            if options["page_hashes"]:
                 log(f"[{case}] cross-checking page hashes ...")
                 hash_check = check_hashes(kept[0], tokens_list, page, args.hash_samples)
             if not args.no_memory:
@@ -797,6 +847,26 @@ def report_times(results: dict[str, dict[str, RunResult]], page: int, title: str
         ["run", "capacity (tokens)", "µs / 1k tokens", "µs / request", "hit ratio", "/ baseline"],
         rows,
     )
+    rows = []
+    for case, runs in results.items():
+        threaded = runs.get("kvstrata_hashes")
+        if threaded is None or not threaded.hasher_busy_ns:
+            continue
+        rows.append(
+            [
+                case,
+                f"{threaded.hasher_busy_ns / 1e6:,.0f}",
+                f"{threaded.hasher_busy_ns / max(runs['baseline'].total_ns, 1):.3f}",
+                f"{threaded.drain_ns / 1e6:.1f}",
+            ]
+        )
+    if rows:
+        print_table(
+            "The hashing thread (another core): its CPU time, and how long the last hashes took "
+            "after the last request",
+            ["run", "CPU ms", "CPU / baseline time", "drain ms"],
+            rows,
+        )
 
 
 def report_memory(memory: dict[str, Any]) -> None:
@@ -862,12 +932,13 @@ def disagreements(results: dict[str, dict[str, RunResult]]) -> list[str]:
     in the tree) and with the baseline when unbounded."""
     problems = []
     for case, runs in results.items():
-        no_hashes, hashes = runs["kvstrata_no_hashes"], runs["kvstrata_hashes"]
-        if no_hashes.hit_pages != hashes.hit_pages:
-            problems.append(
-                f"{case}: the two kvstrata modes hit differently; first (request, no hashes, "
-                f"hashes): {first_mismatches(no_hashes, hashes)}"
-            )
+        no_hashes = runs["kvstrata_no_hashes"]
+        for mode in MODES:
+            if runs[mode].hit_pages != no_hashes.hit_pages:
+                problems.append(
+                    f"{case}: kvstrata modes hit differently; first (request, no hashes, "
+                    f"{mode}): {first_mismatches(no_hashes, runs[mode])}"
+                )
     un = results["unbounded"]
     for mode in MODES:
         if un[mode].hit_tokens != un["baseline"].hit_tokens:
@@ -974,7 +1045,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.json is not None:
         document = {
             "benchmark": "scheduler_path",
-            "schema": 2,
+            "schema": 3,
             "trace": str(path),
             "requests": len(requests),
             "input_tokens": input_tokens,
@@ -1010,9 +1081,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         log(f"wrote {args.json}")
 
     if args.profile:
-        for mode, page_hashes in MODES.items():
+        for mode, options in MODES.items():
             log(f"[profile] cProfile of {LABELS[mode]}, unbounded ...")
-            print(profile_kvstrata(tokens_list, page, unbounded, page_hashes, args.profile))
+            print(profile_kvstrata(tokens_list, page, unbounded, options, args.profile))
     log(f"done in {time.perf_counter() - started:.1f} s")
     return status
 

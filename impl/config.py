@@ -90,6 +90,9 @@ class RadixCacheConfig:
     pages at insert; L3 needs it for its store keys. Off, the cache never hashes (L1/L2 only) and
     ``page_hashes()`` refuses. ``fingerprint_seed``: makes the keys of the page fingerprints the tree
     matches by reproducible (tests); None draws secret keys per cache (:mod:`kvstrata.impl.fingerprint`).
+    ``hash_worker``: compute those hashes on a worker thread, off the scheduler path, when the C
+    kernels are built (:mod:`kvstrata.impl.hashing`; nodes hold a pending view until a reader needs
+    the digests); False, or without the C kernels, ``insert`` hashes inline. Same digests either way.
 
     Side pools (SPEC §5) are opt-in, as in the model's ``CacheConfig``: ``side_pools`` lists them
     (distinct names). A ``TRAILING_PAGES`` pool (Mamba state, one per node end) needs state slots:
@@ -107,6 +110,7 @@ class RadixCacheConfig:
     load_back_quota: int | None = attrs.field(default=None, validator=_optional_positive)  # pages
     page_hashes: bool = attrs.field(default=True, validator=_bool)
     fingerprint_seed: int | None = attrs.field(default=None, validator=_optional_seed)
+    hash_worker: bool = attrs.field(default=True, validator=_bool)
     side_pools: tuple[SidePool, ...] = attrs.field(default=(), converter=_side_pools)
     device_states: int = attrs.field(default=0, validator=_non_negative)
     host_states: int = attrs.field(default=0, validator=_non_negative)

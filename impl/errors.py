@@ -21,6 +21,7 @@ __all__ = [
     "CapacityError",
     "ConfigError",
     "DoubleRenderError",
+    "HashingError",
     "IllegalTransition",
     "InvariantViolation",
     "KeyParseError",
@@ -36,6 +37,11 @@ __all__ = [
 
 class ConfigError(MisuseError):
     """A configuration value is invalid (names the field, what was expected and what was given)."""
+
+
+class HashingError(KvStrataError):
+    """The page-hashing worker failed on a chain (its digests do not exist); raised by every read
+    of them (:mod:`kvstrata.impl.hashing`)."""
 
 
 class StoreError(KvStrataError):

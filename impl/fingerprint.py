@@ -3,33 +3,38 @@
 Design rationale
 ----------------
 The tree must decide whether a page of a request equals a page it holds. Storing the token ids costs
-4 bytes per token and SHA-256 costs ~1.3 µs per page on the scheduler thread; both are too much
-(docs/benchmarks.md). Instead every page is named in the tree by a 16-byte fingerprint, computed for a
-whole request in one vectorised numpy pass:
+4 bytes per token and a SHA-256 per page costs ~0.2 µs in C and ~0.5 µs through ``hashlib``, for
+every page of every request on the scheduler thread; both are too much (docs/benchmarks.md). Instead
+every page is named in the tree by a 16-byte **NH** fingerprint (the universal hash at the core of
+UMAC), computed for a whole request in one call:
 
-    lane_j(page) = sum_i keys[i, j] * token_i   (mod 2**64),   j = 0, 1
+    lane_j(page) = sum_i ((t_{2i} + k_j[2i]) mod 2**32) * ((t_{2i+1} + k_j[2i+1]) mod 2**32)  (mod 2**64)
 
-over the page's ``page_size`` uint32 token ids, with two independent lanes of uniform random 64-bit
-keys (a multilinear hash). numpy integer arithmetic wraps modulo 2**64, so the matrix product of the
-pages (as uint64) with the ``(page_size, 2)`` key matrix is exactly this sum.
+for ``j = 0, 1``, over the page's uint32 token ids ``t`` (an odd page gets one zero token appended),
+with one secret uniform uint32 key per position and lane. It costs one 32x32->64-bit multiply per two
+tokens and lane: ~16 ns per 64-token page in C (:mod:`kvstrata.impl.kernels`), where the earlier
+multilinear hash over uint64 took two 64-bit multiplies per token.
 
-Collision bound. Take two distinct pages and ``d_i`` the differences of their tokens: ``|d_i| < 2**32``
-and some ``d_i != 0``. In one lane the fingerprints collide iff ``sum_i k_i d_i == 0 (mod 2**64)``.
-Fix every key but ``k_m`` for one ``m`` with ``d_m != 0``; write ``d_m = 2**t * u`` with ``u`` odd and
-``t <= 31``. As ``k_m`` runs over all 64-bit values, ``k_m d_m`` is uniform over the multiples of
-``2**t`` (``u`` is invertible modulo ``2**64``), so the lane collides with probability
-``2**t / 2**64 <= 2**-33``. The lanes have independent keys: a pair of distinct pages collides with
-probability at most ``2**-66``. The tree only compares a page against the children of one node on one
-path (and against the pages of one node when it matches inside it), so a request compares at most a few
-thousand pairs.
+Collision bound. NH with 32-bit words is 2**-32-almost-universal on inputs of equal length (Black,
+Halevi, Krawczyk, Krovetz and Rogaway, "UMAC: fast and secure message authentication", CRYPTO 1999):
+for two distinct pages, a uniform key makes one lane collide with probability at most 2**-32. In short:
+take a pair position ``i`` where the pages differ, fix every key but that pair's; the pair's term is
+``(a + k)(b + k')`` against ``(a' + k)(b' + k')``, and over the uniform ``(k, k')`` the difference of
+the two terms hits any one value modulo 2**64 with probability at most 2**-32, because a nonzero
+difference of the shifted words times a uniform 32-bit word lands on each multiple of its power of two
+at most once. The two lanes have independent keys: a pair of distinct pages collides with
+probability at most 2**-64. The tree only compares a page against the children of one node on one
+path (and against the pages of one node when it matches inside it), so a request compares at most a
+few thousand pairs: at 10**4 requests a second, a collision is expected once in tens of millions of
+years.
 
 The keys are drawn from ``os.urandom`` per cache instance unless a seed is configured (tests), so they
 are secret to the process: an attacker cannot craft colliding pages offline, and a fingerprint means
 nothing outside the process (it is never a store key; L3 keys use the SHA-256 page hashes, SPEC §4).
 
-Alternatives: raw token bytes (exact, but 4 B/token); SHA-256 or BLAKE2 per page (exact enough, but one
-Python-level call per page); Python's ``hash()`` of the page bytes (64 bits, per-page calls, and the
-seed is per interpreter, not per cache).
+Alternatives: raw token bytes (exact, but 4 B/token); SHA-256 or BLAKE2 per page (exact enough, but
+10x the work); Python's ``hash()`` of the page bytes (64 bits, per-page calls, and the seed is per
+interpreter, not per cache); the multilinear hash this module used before (2**-66, twice the cost).
 """
 
 from __future__ import annotations
@@ -38,6 +43,8 @@ import os
 
 import numpy as np
 import numpy.typing as npt
+
+from kvstrata.impl.kernels import NATIVE, nh_fingerprints
 
 __all__ = [
     "FINGERPRINT_BYTES",
@@ -50,28 +57,24 @@ __all__ = [
 FINGERPRINT_BYTES = 16
 """Bytes per page fingerprint (two 64-bit lanes, native byte order)."""
 
-Keys = npt.NDArray[np.uint64]
+Keys = npt.NDArray[np.uint32]
 Tokens = npt.NDArray[np.uint32]
 
 
 def fingerprint_keys(page_size: int, seed: int | None = None) -> Keys:
-    """A ``(page_size, 2)`` matrix of uniform 64-bit keys: secret (``os.urandom``) when ``seed`` is
-    None, reproducible from ``seed`` otherwise."""
-    count = 2 * page_size * 8
+    """The NH keys for pages of ``page_size`` tokens: ``2 * padded`` uniform uint32 (lane 0's, then
+    lane 1's; ``padded`` is ``page_size`` rounded up to even). Secret (``os.urandom``) when ``seed``
+    is None, reproducible from ``seed`` otherwise."""
+    count = 2 * (page_size + (page_size & 1)) * 4
     raw = os.urandom(count) if seed is None else np.random.default_rng(seed).bytes(count)
-    return np.frombuffer(raw, dtype=np.uint64).reshape(page_size, 2).copy()
+    return np.frombuffer(raw, dtype=np.uint32).copy()
 
 
-def page_fingerprints(tokens: Tokens, keys: Keys) -> bytes:
-    """The fingerprints of every whole page of ``tokens`` (uint32), 16 bytes each, concatenated in page
-    order; a trailing partial page is ignored."""
-    page_size = len(keys)
-    pages = len(tokens) // page_size
-    if not pages:
-        return b""
-    matrix = tokens[: pages * page_size].reshape(pages, page_size).astype(np.uint64)
-    fingerprints: bytes = np.dot(matrix, keys).tobytes()  # uint64 arithmetic wraps mod 2**64
-    return fingerprints
+def page_fingerprints(tokens: Tokens, keys: Keys, page_size: int) -> bytes:
+    """The fingerprints of every whole page of ``tokens`` (C-contiguous uint32), 16 bytes each,
+    concatenated in page order; a trailing partial page is ignored. ``keys`` from
+    :func:`fingerprint_keys` for the same ``page_size``."""
+    return nh_fingerprints(tokens, keys, page_size)
 
 
 def common_pages(stored: bytes, query: bytes, start: int) -> int:
@@ -88,33 +91,40 @@ def common_pages(stored: bytes, query: bytes, start: int) -> int:
 
 
 class Fingerprinter:
-    """Page fingerprints under one key matrix, remembering the last request's.
+    """Page fingerprints under one key set.
 
-    A scheduler matches a request and then inserts the same tokens (or the same tokens extended by
-    whole pages): the insert then fingerprints only the pages it has not seen, after one byte
-    comparison of the tokens. The memo is a pure cache of a pure function of the token bytes, so it
-    can never change a result.
+    With the C kernel (:data:`kvstrata.impl.kernels.NATIVE`) every call fingerprints all pages: at
+    ~16 ns a page that is cheaper than remembering anything. With the portable numpy kernel it
+    remembers the last request's: a scheduler matches a request and then inserts the same tokens
+    (or the same tokens extended by whole pages), and the insert then fingerprints only the pages it
+    has not seen, after one byte comparison of the tokens. The memo is a pure cache of a pure
+    function of the token bytes, so it can never change a result.
     """
 
-    __slots__ = ("_keys", "_last_fingerprints", "_last_tokens", "_page_bytes")
+    __slots__ = ("_keys", "_last_fingerprints", "_last_tokens", "_page_bytes", "_page_size")
 
-    def __init__(self, keys: Keys) -> None:
+    def __init__(self, keys: Keys, page_size: int) -> None:
+        if len(keys) != 2 * (page_size + (page_size & 1)):
+            raise ValueError(f"keys of {len(keys)} words do not fit pages of {page_size} tokens")
         self._keys = keys
-        self._page_bytes = 4 * len(keys)
+        self._page_size = page_size
+        self._page_bytes = 4 * page_size
         self._last_tokens = b""
         self._last_fingerprints = b""
 
     def __call__(self, tokens: Tokens) -> bytes:
         """Fingerprints of the whole pages of ``tokens`` (1-D native uint32)."""
+        if NATIVE:
+            return nh_fingerprints(tokens, self._keys, self._page_size)
         data = tokens.tobytes()
         last = self._last_tokens
         if data.startswith(last):
             known = len(last) // 4
             fingerprints = self._last_fingerprints
             if len(data) - len(last) >= self._page_bytes:
-                fingerprints += page_fingerprints(tokens[known:], self._keys)
+                fingerprints += page_fingerprints(tokens[known:], self._keys, self._page_size)
         else:
-            fingerprints = page_fingerprints(tokens, self._keys)
+            fingerprints = page_fingerprints(tokens, self._keys, self._page_size)
         pages = len(fingerprints) // FINGERPRINT_BYTES
         self._last_tokens = data[: pages * self._page_bytes]
         self._last_fingerprints = fingerprints

@@ -44,26 +44,30 @@ Indices are page indices (one per ``page_size`` tokens), never token indices.
 
 What a node stores
 ------------------
-No token ids. A node holds its pages' 16-byte keyed fingerprints (``fps``, computed for a whole request
-in one numpy pass, :mod:`kvstrata.impl.fingerprint`, which argues the 2**-66 collision bound per pair of
-compared pages) and is found under its parent by its first page's fingerprint. Matching a node is one
-``bytes.startswith`` on the request's fingerprints; matching inside it (a split) one numpy comparison.
-With ``RadixCacheConfig.page_hashes`` (the default; L3 needs it) a node also holds the SHA-256 chain
-digests of its pages (32 bytes each, SPEC §4), computed only for the pages an insert adds; without it
-nothing is hashed, ``hashes`` stays empty and :meth:`HierarchicalRadixCache.page_hashes` refuses.
-At page 64 that is 0.25 B/token of fingerprints (+0.5 with hashes) against 4 B/token of token ids.
+No token ids. A node holds its pages' 16-byte keyed NH fingerprints (``fps``, computed for a whole
+request in one call, :mod:`kvstrata.impl.fingerprint`, which argues the 2**-64 collision bound per pair
+of compared pages) and is found under its parent by its first page's fingerprint. Matching a node is
+one ``bytes.startswith`` on the request's fingerprints; matching inside it (a split) one numpy
+comparison. With ``RadixCacheConfig.page_hashes`` (the default; L3 needs it) a node also holds the
+SHA-256 chain digests of its pages (32 bytes each, SPEC §4), computed only for the pages an insert
+adds; without it nothing is hashed, ``hashes`` stays empty and
+:meth:`HierarchicalRadixCache.page_hashes` refuses. At page 64 that is 0.25 B/token of fingerprints
+(+0.5 with hashes) against 4 B/token of token ids.
 
 Hot path
 --------
-``match_prefix`` and the ``insert`` that follows it fingerprint the request once (the
-:class:`~kvstrata.impl.fingerprint.Fingerprinter` remembers the last request). The LRU order of L1
-leaves is a lazy heap of ``(last_access, id, node)``: an entry is pushed only where a node may be an
-unlocked L1 leaf (see :meth:`HierarchicalRadixCache._touch`), and stale entries are skipped on pop.
+Nothing on the scheduler path reads a page hash, so ``insert`` does not wait for them: the new pages'
+chain goes to a :class:`~kvstrata.impl.hashing.BackgroundHasher` (``RadixCacheConfig.hash_worker``,
+with the C kernels) and the node keeps a :class:`~kvstrata.impl.hashing.PendingDigests` view until a
+reader (L3 backup or prefetch, ``page_hashes()``) resolves it; a split splits the view, never the
+job. Fingerprints come from one C call per request (:mod:`kvstrata.impl.kernels`). The LRU order of
+L1 leaves is a lazy heap of ``(last_access, id, node)``: an entry is pushed only where a node may be
+an unlocked L1 leaf (see :meth:`HierarchicalRadixCache._touch`), and stale entries are skipped on
+pop.
 """
 
 from __future__ import annotations
 
-import hashlib
 import heapq
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
@@ -81,6 +85,16 @@ from kvstrata.impl.fingerprint import (
     common_pages,
     fingerprint_keys,
 )
+from kvstrata.impl.hashing import (
+    BackgroundHasher,
+    Digests,
+    InlineHasher,
+    PageHasher,
+    digests_tail,
+    resolve,
+    split_digests,
+)
+from kvstrata.impl.kernels import NATIVE, check_pages, sha256_chain
 from kvstrata.impl.l3 import L3Tier
 from kvstrata.impl.metrics import CacheStats
 from kvstrata.impl.pools import KVPool, PageAllocator, copy_pages
@@ -155,16 +169,17 @@ class Allocator(Protocol):
 
 class Node:
     """A run of whole pages. ``fps`` holds the pages' fingerprints (16 bytes each; the first one is the
-    node's key among its parent's children), ``hashes`` their SHA-256 chain digests (32 bytes each, or
-    empty when page hashes are off), ``device`` / ``host`` their page indices. A root has no pages and
-    no parent."""
+    node's key among its parent's children), ``digests`` their SHA-256 chain digests (32 bytes each,
+    a :class:`~kvstrata.impl.hashing.PendingDigests` view while a worker hashes them, or empty when
+    page hashes are off; ``hashes`` resolves them), ``device`` / ``host`` their page indices. A root
+    has no pages and no parent."""
 
     __slots__ = (
         "backup_pins",
         "children",
         "device",
+        "digests",
         "fps",
-        "hashes",
         "hits",
         "host",
         "id",
@@ -185,14 +200,14 @@ class Node:
         namespace: Namespace,
         *,
         fps: bytes,
-        hashes: bytes,
+        hashes: Digests,
         state: Residency | None,
     ) -> None:
         self.id = node_id
         self.parent = parent
         self.namespace = namespace
         self.fps = fps
-        self.hashes = hashes
+        self.digests = hashes
         self.state = state
         self.children: dict[bytes, Node] = {}
         self.device: Pages | None = None
@@ -213,13 +228,21 @@ class Node:
     def num_pages(self) -> int:
         return len(self.fps) // FINGERPRINT_BYTES
 
+    @property
+    def hashes(self) -> bytes:
+        """The page digests as bytes (waiting for the hashing worker if they are pending)."""
+        digests = self.digests
+        if type(digests) is not bytes:
+            digests = self.digests = resolve(digests)
+        return digests
+
     def page_hash(self, index: int) -> PageHash:
         """The SHA-256 page hash of page ``index`` (page hashes on)."""
         return PageHash(self.hashes[index * 32 : (index + 1) * 32])
 
     @property
     def last_hash(self) -> PageHash | None:
-        return self.page_hash(self.num_pages - 1) if self.hashes else None
+        return self.page_hash(self.num_pages - 1) if self.digests else None
 
     def __repr__(self) -> str:
         state = None if self.state is None else self.state.value
@@ -293,22 +316,29 @@ class CacheEvent:
     ok: bool
 
 
-def chain_digests(key: bytes, page_bytes: int, seed: bytes) -> bytes:
-    """The SHA-256 chain of ``key`` (little-endian uint32 tokens), one 32-byte digest per page,
-    continuing from ``seed``: byte for byte what :func:`kvstrata.model.keys.chain_page_hashes`
-    gives (SPEC §4), without packing tokens again."""
-    out = bytearray()
-    previous = seed
-    sha256 = hashlib.sha256
-    for start in range(0, len(key), page_bytes):
-        previous = sha256(previous + key[start : start + page_bytes]).digest()
-        out += previous
-    return bytes(out)
+def _frozen(array: npt.NDArray[Any]) -> bool:
+    """Whether nobody can write to ``array``'s memory: it and every array it views are read-only,
+    down to an immutable ``bytes`` or a read-only array that owns its data. (A read-only view of a
+    writable array is not frozen: its base can still change.)"""
+    current: object = array
+    while isinstance(current, np.ndarray):
+        if current.flags.writeable:
+            return False
+        base = current.base
+        if base is None:
+            return True
+        current = base
+    return type(current) is bytes
 
 
 def _as_tokens(tokens: object) -> npt.NDArray[np.uint32]:
     """``tokens`` as a 1-D uint32 array; :class:`MisuseError` for anything else."""
-    if type(tokens) is np.ndarray and tokens.dtype == _UINT32 and tokens.ndim == 1:
+    if (
+        type(tokens) is np.ndarray
+        and tokens.dtype == _UINT32
+        and tokens.ndim == 1
+        and tokens.flags.c_contiguous
+    ):
         return tokens  # the common case, checked by type alone
     if isinstance(tokens, str | bytes):
         raise MisuseError(f"tokens must be a 1-D sequence of ints, got {type(tokens).__name__}")
@@ -323,10 +353,10 @@ def _as_tokens(tokens: object) -> npt.NDArray[np.uint32]:
     if array.dtype.kind not in "iu":
         raise MisuseError(f"token ids must be integers, got dtype {array.dtype}")
     if array.dtype.itemsize <= 4 and array.dtype.kind == "u":
-        return array.astype("<u4", copy=False)  # in range by type: no scan
+        return np.ascontiguousarray(array, dtype="<u4")  # in range by type: no scan
     if int(array.min()) < 0 or int(array.max()) > _MAX_TOKEN:
         raise MisuseError(f"token ids must be in [0, {_MAX_TOKEN}]")
-    return array.astype("<u4", copy=False)
+    return np.ascontiguousarray(array, dtype="<u4")
 
 
 @attrs.define(slots=True, eq=False)
@@ -340,6 +370,7 @@ class _MatchMemo:
     pages: int
     devices: Pages | None  # the path's L1 pages if every node of it holds valid L1 pages
     version: int
+    tokens: npt.NDArray[np.uint32] | None  # the matched tokens, if frozen (see _frozen)
 
 
 def _valid_device(node: Node) -> Pages:
@@ -431,8 +462,14 @@ class HierarchicalRadixCache:
         self._copy_now = copy_now
         self._page_bytes = 4 * config.page_size
         self._hashing = config.page_hashes
+        self._count_hits = config.write_policy is WritePolicy.WRITE_THROUGH_SELECTIVE
         self._fingerprint = Fingerprinter(
-            fingerprint_keys(config.page_size, config.fingerprint_seed)
+            fingerprint_keys(config.page_size, config.fingerprint_seed), config.page_size
+        )
+        self._hasher: PageHasher = (
+            BackgroundHasher(self._page_bytes)
+            if config.page_hashes and config.hash_worker and NATIVE
+            else InlineHasher(self._page_bytes)
         )
         self.clock = 0
         self._version = 0  # bumped by every change to the tree's shape or a node's residency
@@ -443,8 +480,10 @@ class HierarchicalRadixCache:
         self.write_ops: deque[CopyOp] = deque()
         self.load_ops: deque[CopyOp] = deque()
         self._held = np.zeros(device.num_pages, dtype=bool)  # pages the scheduler owns
-        self._pos = np.zeros(device.num_pages, dtype=np.int32)  # scratch for duplicate checks
+        self._stamp = np.zeros(device.num_pages, dtype=np.uint32)  # check_pages' repeat marks
+        self._generation = 0
         self.evictable_pages = 0
+        self._device_nodes = 0  # nodes holding L1 pages, for the heap's rebuild threshold
         self._leaves: list[tuple[int, int, Node]] = []  # lazy LRU heap of L1 leaf candidates
         self.protected_pages = 0
         self._l3: L3Tier | None = None
@@ -628,11 +667,18 @@ class HierarchicalRadixCache:
         return self._l3
 
     def close(self) -> None:
-        """Finish queued copies and store I/O, stop the workers and close the backend."""
+        """Finish queued copies, store I/O and page hashing, stop the workers and close the
+        backend."""
         if self._transfer is not None:
             self._transfer.close()
         if self._l3 is not None:
             self._l3.close()
+        self._hasher.close()
+
+    @property
+    def hasher(self) -> PageHasher:
+        """What computes the page hashes of inserted pages (a worker thread or the caller's)."""
+        return self._hasher
 
     # ------------------------------------------------------------------ basics
     @property
@@ -698,6 +744,7 @@ class HierarchicalRadixCache:
         self._version += 1
 
     def _count_device(self, node: Node, sign: int) -> None:
+        self._device_nodes += sign
         if node.lock_ref:
             self.protected_pages += sign * node.num_pages
         else:
@@ -720,7 +767,11 @@ class HierarchicalRadixCache:
             if (before == 0) != (after == 0) and current.state in _DEVICE_VALID_T:
                 pages = len(current.fps) // FINGERPRINT_BYTES
                 moved += pages if after else -pages
-            if after == 0 and (below is None or below.state not in _DEVICE_CLAIMED_T):
+            if after == 0 and (
+                (below.state not in _DEVICE_CLAIMED_T)
+                if below is not None
+                else not any(c.state in _DEVICE_CLAIMED_T for c in current.children.values())
+            ):  # an unlocked node with no L1 child below it: an L1 leaf candidate
                 heapq.heappush(leaves, (current.last_access, current.id, current))
             below = current
             current = parent
@@ -965,14 +1016,16 @@ class HierarchicalRadixCache:
             parent,
             node.namespace,
             fps=node.fps[:cut],
-            hashes=node.hashes[: pages * 32],
+            hashes=b"",
             state=node.state,
         )
+        prefix.digests, node.digests = split_digests(node.digests, pages)
         prefix.lock_ref = node.lock_ref
         prefix.last_access = node.last_access
         prefix.hits = node.hits
         if node.device is not None:
             prefix.device, node.device = node.device[:pages], node.device[pages:]
+            self._device_nodes += 1
         if node.host is not None:
             prefix.host, node.host = node.host[:pages], node.host[pages:]
         for op in (node.write_op, node.load_op):
@@ -983,12 +1036,11 @@ class HierarchicalRadixCache:
             self._l3.on_split(node, prefix)
         parent.children[prefix.fps[:FINGERPRINT_BYTES]] = prefix
         node.fps = node.fps[cut:]
-        node.hashes = node.hashes[pages * 32 :]
         node.parent = prefix
         prefix.children[node.fps[:FINGERPRINT_BYTES]] = node
         return prefix
 
-    def _add_leaf(self, parent: Node, fps: bytes, hashes: bytes, state: Residency) -> Node:
+    def _add_leaf(self, parent: Node, fps: bytes, hashes: Digests, state: Residency) -> Node:
         self._version += 1
         leaf = Node(self._new_id(), parent, parent.namespace, fps=fps, hashes=hashes, state=state)
         leaf.last_access = self.clock
@@ -1002,33 +1054,51 @@ class HierarchicalRadixCache:
         node.parent = None
         node.state = Residency.GONE
 
-    def _touch(self, path: list[Node]) -> None:
-        """Mark ``path`` (root side first) as used now: LRU time and hit count of every node. The lazy
+    def _touch(self, path: list[Node], child_added: bool = False) -> None:
+        """Mark ``path`` (root side first) as used now: LRU time of every node, and its hit count
+        under ``write_through_selective`` (the only policy that reads it). The lazy
         heap gets a current entry for each node that may be an L1 leaf: the deepest, and any whose
         successor on the path holds no L1 pages. A node with an L1 child is no leaf; the eviction,
-        ack or unlock that makes it one pushes it then, with its ``last_access`` of that time."""
+        ack or unlock that makes it one pushes it then, with its ``last_access`` of that time.
+        ``child_added``: the caller adds an L1 leaf below the deepest node next (no leaf then)."""
         clock = self.clock
         leaves = self._leaves
         push = heapq.heappush
-        claimed_below = False
+        claimed_below = child_added
+        if self._count_hits:  # only write_through_selective reads the hit counts
+            for node in path:
+                node.hits += 1
         for node in reversed(path):
             node.last_access = clock
-            node.hits += 1
             if not claimed_below:
                 push(leaves, (clock, node.id, node))
             claimed_below = node.state in _DEVICE_CLAIMED_T
 
     def _chain(
-        self, query: npt.NDArray[np.uint32], first: int, parent: Node, namespace: Namespace
-    ) -> bytes:
+        self,
+        query: npt.NDArray[np.uint32],
+        first: int,
+        parent: Node,
+        namespace: Namespace,
+        frozen: bool,
+    ) -> Digests:
         """The SHA-256 digests of the whole pages of ``query`` from page ``first`` on, chained from
-        ``parent``'s last page (or the namespace seed); empty when page hashes are off."""
+        ``parent``'s last page (or the namespace seed), as the hasher returns them (pending while a
+        worker hashes); empty when page hashes are off. ``frozen``: nobody writes to ``query``
+        again (:func:`_frozen`), so a worker may read it in place."""
         if not self._hashing:
             return b""
         pages = len(query) // self.page_size
-        new = query[first * self.page_size : pages * self.page_size].tobytes()
-        seed = parent.hashes[-32:] if parent.hashes else namespace.seed()
-        return chain_digests(new, self._page_bytes, seed)
+        new = query[first * self.page_size : pages * self.page_size]
+        digests = parent.digests
+        seed: Digests  # bytes: the seed itself; a pending view: seeded from its last page
+        if not digests:
+            seed = namespace.seed()
+        elif type(digests) is bytes:
+            seed = digests[-32:]
+        else:
+            seed = digests
+        return self._hasher.submit(seed, new, pages - first, frozen=frozen)
 
     def nodes(self) -> Iterator[Node]:
         """Every non-root node, parents before children."""
@@ -1149,6 +1219,7 @@ class HierarchicalRadixCache:
             matched,
             indices if len(device) == len(path) else None,
             self._version,
+            query if _frozen(query) else None,
         )
         if self.config.write_policy is WritePolicy.WRITE_THROUGH_SELECTIVE:
             for node in path:
@@ -1185,8 +1256,17 @@ class HierarchicalRadixCache:
         """L1 pages the scheduler took with :meth:`alloc_device` and has not handed back yet."""
         return np.flatnonzero(self._held).astype(np.int64)
 
-    def _page_array(self, pages: object, what: str) -> Pages:
-        """``pages`` as distinct in-range L1 page indices; :class:`MisuseError` otherwise."""
+    @staticmethod
+    def _page_array(pages: object, what: str) -> Pages:
+        """``pages`` as a 1-D C-contiguous int64 array; :class:`MisuseError` if it is no 1-D
+        sequence of ints (range, repeats and ownership are :meth:`_claim`'s)."""
+        if (
+            type(pages) is np.ndarray
+            and pages.dtype == np.int64
+            and pages.ndim == 1
+            and pages.flags.c_contiguous
+        ):
+            return pages
         array = np.asarray(pages)
         if array.size == 0:
             return _EMPTY
@@ -1194,23 +1274,31 @@ class HierarchicalRadixCache:
             raise MisuseError(
                 f"{what} must be a 1-D array of ints, got {array.dtype} {array.shape}"
             )
-        array = array.astype(np.int64, copy=False)
-        if int(array.min()) < 0 or int(array.max()) >= len(self._held):
-            raise MisuseError(f"{what} out of range [0, {len(self._held)})")
-        # a page given twice: its later position overwrites the earlier one (no sort)
-        order = np.arange(len(array), dtype=np.int32)
-        self._pos[array] = order
-        if (self._pos[array] != order).any():
-            raise MisuseError(f"{what} holds a page twice")
-        return array
+        if array.dtype.kind == "u" and int(array.max()) > np.iinfo(np.int64).max:
+            raise MisuseError(f"{what}: page {int(array.max())} is out of range")
+        return np.ascontiguousarray(array, dtype=np.int64)
+
+    def _claim(self, given: Pages, own: Pages, what: str) -> Pages:
+        """Check ``given`` (one L1 page per position) and take it from the scheduler: every page in
+        range, none twice, each held by the scheduler or, at a position of ``own``, the tree's own
+        page there. Returns the given pages at ``own``'s positions that differ from it (spare);
+        :class:`MisuseError` with nothing changed otherwise (:func:`kernels.check_pages`)."""
+        generation = self._generation = (self._generation + 1) & 0xFFFFFFFF
+        if not generation:  # the marks wrapped around: start them afresh
+            self._stamp[:] = 0
+            generation = self._generation = 1
+        spare = np.empty(len(own), dtype=np.int64)
+        try:
+            count = check_pages(given, self._held, self._stamp, generation, own, spare, True)
+        except ValueError as error:
+            raise MisuseError(f"{what}: {error}") from None
+        return spare[:count]
 
     def free_device(self, pages: Sequence[int] | Pages) -> None:
         """Give back pages taken with :meth:`alloc_device` (a request that went away)."""
         array = self._page_array(pages, "pages")
-        if not self._held[array].all():
-            raise MisuseError(f"L1 pages {array.tolist()} are not all held by the scheduler")
+        self._claim(array, _EMPTY, "pages")  # all of them the scheduler's; no longer held
         self._tick()
-        self._held[array] = False
         self._device.free(array)
         self._finish()
 
@@ -1244,36 +1332,49 @@ class HierarchicalRadixCache:
                 raise MisuseError(f"L1 state slot {state_slot!r} is not held by the scheduler")
             if total == 0:
                 raise MisuseError("a state belongs to the end of a full page; tokens have none")
-        fps = self._fingerprint(query)
         memo = self._memo
+        # the same read-only tokens the match fingerprinted: they cannot have changed since
+        fps = memo.fps if memo is not None and memo.tokens is query else self._fingerprint(query)
         if (
             memo is not None
             and memo.version == self._version
             and memo.fps == fps
-            and memo.namespace == namespace
+            and (memo.namespace is namespace or memo.namespace == namespace)
         ):  # the match of this request, with the tree unchanged since
             path, matched, partial, common = list(memo.path), memo.pages, None, 0
             devices = memo.devices
         else:
             path, matched, partial, common = self._descend(fps, namespace)
             devices = None
-        differs = self._check_given(path, given, devices)
+        # every given page is the scheduler's, or the tree's own valid L1 page at that position
+        if devices is not None:
+            own = devices
+        else:
+            own = np.concatenate([_valid_device(node) for node in path]) if path else _EMPTY
+        differing = self._claim(given, own, "device_indices")  # no longer held afterwards
         self._tick()
         root = self._root(namespace, create=True)
         if partial is not None:
             path.append(self._split(partial, common))
             matched += common
-        self._held[given] = False
         if devices is not None:  # every node holds its L1 pages: no revival, spare = the differing
-            revived, spare = 0, self._give_back(given[: len(devices)][differs])
+            revived, spare = 0, self._give_back(differing)
             loading = False
         else:
             revived, spare, loading = self._adopt(path, given)
-        self._touch(path)
         deepest = path[-1] if path else root
         new_pages = 0 if loading else total - matched
+        self._touch(path, child_added=new_pages > 0)
         if new_pages:
-            hashes = self._chain(query, matched, deepest, namespace)
+            hashes = self._chain(
+                query,
+                matched,
+                deepest,
+                namespace,
+                (query is not tokens and query.base is None)
+                or (memo is not None and memo.tokens is query)
+                or _frozen(query),
+            )
             leaf = self._add_leaf(
                 deepest, fps[matched * FINGERPRINT_BYTES :], hashes, Residency.NEW
             )
@@ -1292,25 +1393,6 @@ class HierarchicalRadixCache:
             self._write_through_chain(deepest)
         self._finish()
         return InsertResult(deepest, new_pages, revived, spare, kept)
-
-    def _check_given(
-        self, path: list[Node], given: Pages, devices: Pages | None
-    ) -> npt.NDArray[np.bool_]:
-        """:class:`MisuseError` unless every page of ``given`` is the scheduler's (from
-        :meth:`alloc_device`) or, on the fully cached ``path``, the tree's own valid L1 page for that
-        position (``devices``: those pages, if known). Changes nothing. Returns where the path's
-        pages differ from ``given``."""
-        foreign = ~self._held[given]
-        if devices is None:
-            devices = np.concatenate([_valid_device(node) for node in path]) if path else _EMPTY
-        differs: npt.NDArray[np.bool_] = devices != given[: len(devices)]
-        foreign[: len(devices)] &= differs
-        if foreign.any():
-            index = int(np.argmax(foreign))
-            raise MisuseError(
-                f"L1 page {int(given[index])} for page {index} is not the scheduler's"
-            )
-        return differs
 
     def _adopt(self, path: list[Node], given: Pages) -> tuple[int, int, bool]:
         """The cached ``path`` takes its pages of ``given``: host-only nodes are revived with them;
@@ -1434,6 +1516,8 @@ class HierarchicalRadixCache:
             raise MisuseError(f"{node!r} is not a node of this cache")
 
     def _op_pins(self, node: Node) -> int:
+        if not self.write_ops and not self.load_ops:
+            return 0
         return sum(1 for op in (*self.write_ops, *self.load_ops) if op.node is node)
 
     def lock(self, node: Node) -> None:
@@ -1470,16 +1554,19 @@ class HierarchicalRadixCache:
         if pages <= 0:
             return 0
         heap = self._leaves
-        if len(heap) > 1024 and len(heap) > 4 * self._node_estimate():
+        if len(heap) > 1024 and len(heap) > 8 * self._node_estimate():
             heap[:] = [(n.last_access, n.id, n) for n in self.nodes() if self._is_device_leaf(n)]
             heapq.heapify(heap)
         freed = 0
+        released_all: list[Pages] = []  # freed in one allocator call at the end
+        pop = heapq.heappop
         while freed < pages and heap:
-            access, _, node = heapq.heappop(heap)
+            access, _, node = pop(heap)
             if (
                 access != node.last_access
-                or node.state is Residency.GONE
-                or not self._is_device_leaf(node)
+                or node.lock_ref
+                or node.state not in _DEVICE_VALID_T
+                or (node.children and not self._is_device_leaf(node))
             ):
                 continue  # stale: touched since, evicted, or not an unlocked L1 leaf now
             assert node.device is not None
@@ -1497,9 +1584,13 @@ class HierarchicalRadixCache:
                     self._forget_state(node)
                 self._remove_leaf(node)
             node.device = None
-            self._device.free(released)
+            released_all.append(released)
             if parent is not None and not parent.is_root and self._is_device_leaf(parent):
                 heapq.heappush(heap, (parent.last_access, parent.id, parent))
+        if released_all:
+            self._device.free(
+                released_all[0] if len(released_all) == 1 else np.concatenate(released_all)
+            )
         return freed
 
     def _refresh_leaves(self, nodes: list[Node]) -> None:
@@ -1511,7 +1602,9 @@ class HierarchicalRadixCache:
                 push(self._leaves, (node.last_access, node.id, node))
 
     def _node_estimate(self) -> int:
-        return self.evictable_pages + self.protected_pages  # >= nodes holding L1 pages
+        """About the number of nodes holding L1 pages (a heap much longer than that is mostly
+        stale entries: rebuilding it keeps every pop short)."""
+        return max(self._device_nodes, 1)
 
     def _stage(self, node: Node) -> bool:
         """write_back: a blocking L1 -> L2 copy of an evicted L1-only node, if it keeps I3."""
@@ -1786,10 +1879,14 @@ class HierarchicalRadixCache:
             return None
         whole = query[: total * self.page_size].copy()
         rest = whole[matched * self.page_size :].tobytes()
-        seed = anchor.hashes[-32:] if anchor.hashes else namespace.seed()
+        seed = digests_tail(anchor.digests) if anchor.digests else namespace.seed()
         page_bytes = self._page_bytes
         op = self._l3.start_prefetch(
-            whole, namespace, anchor, matched, lambda: chain_digests(rest, page_bytes, seed)
+            whole,
+            namespace,
+            anchor,
+            matched,
+            lambda: sha256_chain(resolve(seed), rest, page_bytes),
         )
         self._finish()
         return op.op_id
@@ -1859,6 +1956,8 @@ class HierarchicalRadixCache:
         self._state_info.clear()
         self.roots.clear()
         self.evictable_pages = self.protected_pages = 0
+        self._device_nodes = 0
+        self._leaves.clear()
         self._version += 1
         self._memo = None
         self._fingerprint.forget()

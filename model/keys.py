@@ -90,7 +90,7 @@ class PageHash:
         return f"PageHash({self.digest.hex()[:12]}…)"
 
 
-@attrs.frozen
+@attrs.frozen(cache_hash=True)
 class Namespace:
     """A cache namespace (LoRA id, tenant salt, ...). Namespaces never share pages or keys."""
 

@@ -33,7 +33,7 @@ from kvstrata.model.hybrid import KV_POOL, HitPolicy
 
 __all__ = ["GroupAllocation", "PoolGroup", "copy_between"]
 
-_EMPTY = np.empty(0, dtype=np.int32)
+_EMPTY = np.empty(0, dtype=np.int64)
 
 
 @attrs.frozen
@@ -41,8 +41,8 @@ class GroupAllocation:
     """What one :meth:`PoolGroup.alloc` handed out: KV pages (shared by ``ALL_PAGES`` pools) and
     the slots of each ``TRAILING_PAGES`` pool by name."""
 
-    pages: npt.NDArray[np.int32]
-    states: Mapping[str, npt.NDArray[np.int32]] = attrs.field(factory=dict)
+    pages: npt.NDArray[np.int64]
+    states: Mapping[str, npt.NDArray[np.int64]] = attrs.field(factory=dict)
 
 
 class PoolGroup:
@@ -131,11 +131,11 @@ class PoolGroup:
         if isinstance(pages, bool) or not isinstance(pages, int) or pages < 0:
             raise MisuseError(f"PoolGroup.alloc: pages: expected an int >= 0, got {pages!r}")
         wanted = self._state_counts(states)
-        taken: list[tuple[PageAllocator, npt.NDArray[np.int32]]] = []
+        taken: list[tuple[PageAllocator, npt.NDArray[np.int64]]] = []
         try:
             kv_pages = self.kv.allocator.alloc(pages)
             taken.append((self.kv.allocator, kv_pages))
-            slots: dict[str, npt.NDArray[np.int32]] = {}
+            slots: dict[str, npt.NDArray[np.int64]] = {}
             for name, count in wanted.items():
                 allocator = self.allocator(name)
                 slots[name] = allocator.alloc(count)

@@ -165,9 +165,13 @@ def block_tokens(hash_ids: Sequence[int] | npt.NDArray[np.int64]) -> npt.NDArray
 
 
 def request_tokens(request: Request) -> npt.NDArray[np.uint32]:
-    """The request's input token ids (uint32, contiguous), the last block cut to ``input_length``."""
+    """The request's input token ids (uint32, contiguous), the last block cut to ``input_length``.
+    Read-only and owning its memory: a prompt never changes, so a cache may read its pages after
+    ``insert`` returns (the page-hashing thread) instead of copying them."""
     tokens = block_tokens(request.hash_ids[: request.blocks]).reshape(-1)[: request.input_length]
-    return np.ascontiguousarray(tokens)
+    owned = np.array(tokens, dtype=np.uint32, order="C", copy=True)
+    owned.flags.writeable = False
+    return owned
 
 
 def synthesise(requests: Sequence[Request]) -> list[npt.NDArray[np.uint32]]:

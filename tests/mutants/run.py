@@ -55,9 +55,17 @@ def prepare(scratch: Path, patch: Path) -> str | None:
     return None
 
 
-#: cheapest first: the model's own machines, then the L1/L2 differential, then the L3 one (which
-#: repeats the L1/L2 rules): a mutant stops at the first file that catches it.
-ORDER = ("test_cache_model", "test_embedding", "test_hybrid", "test_radix_cache", "test_l3")
+#: cheapest first: the page-hashing thread's machine, the model's own machines, then the L1/L2
+#: differential, then the L3 one (which repeats the L1/L2 rules): a mutant stops at the first file
+#: that catches it.
+ORDER = (
+    "test_hasher",
+    "test_cache_model",
+    "test_embedding",
+    "test_hybrid",
+    "test_radix_cache",
+    "test_l3",
+)
 
 
 def stateful_files(scratch: Path) -> list[str]:

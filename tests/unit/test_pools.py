@@ -7,9 +7,11 @@ included) and tensors are compared through an integer view of the same width.
 
 from __future__ import annotations
 
+import contextlib
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -31,6 +33,7 @@ from kvstrata.impl.pools import (
     host_pages_for,
     parse_size,
 )
+from kvstrata.impl.pools import allocator as allocator_module
 from kvstrata.impl.pools import copy as copy_module
 from kvstrata.impl.pools import sizes as sizes_module
 from kvstrata.impl.pools.copy import joint_runs
@@ -175,10 +178,32 @@ def _state(allocator: PageAllocator) -> tuple[int, int, frozenset[int]]:
     return allocator.free_count, allocator.used_count, allocator.allocated()
 
 
-def test_allocator_hands_out_lowest_pages_first() -> None:
+KERNELS = pytest.mark.parametrize("kernels", ["c", "numpy"])
+"""Run an allocator test over the C loops (kvstrata.impl._native) and over the numpy fallback."""
+
+
+@contextlib.contextmanager
+def _kernels(kind: str) -> Iterator[None]:
+    """The allocator with the C loops (``"c"``) or forced onto its numpy path (``"numpy"``)."""
+    if kind == "c":
+        if allocator_module.take_lowest is None:
+            pytest.skip("the C kernels are not built")
+        yield
+        return
+    with mock.patch.multiple(allocator_module, take_lowest=None, give_back=None):
+        yield
+
+
+@KERNELS
+def test_allocator_hands_out_lowest_pages_first(kernels: str) -> None:
+    with _kernels(kernels):
+        _test_allocator_hands_out_lowest_pages_first()
+
+
+def _test_allocator_hands_out_lowest_pages_first() -> None:
     allocator = PageAllocator(10, "t")
     first = allocator.alloc(3)
-    assert first.dtype == np.int32 and first.tolist() == [0, 1, 2]
+    assert first.dtype == np.int64 and first.tolist() == [0, 1, 2]
     assert allocator.alloc(2).tolist() == [3, 4]
     allocator.free([1, 3])
     assert allocator.alloc(3).tolist() == [1, 3, 5]
@@ -189,7 +214,13 @@ def test_allocator_hands_out_lowest_pages_first() -> None:
     allocator.check()
 
 
-def test_allocator_across_blocks() -> None:
+@KERNELS
+def test_allocator_across_blocks(kernels: str) -> None:
+    with _kernels(kernels):
+        _test_allocator_across_blocks()
+
+
+def _test_allocator_across_blocks() -> None:
     allocator = PageAllocator(3000, "t")  # three blocks of 1024, the last one partial
     pages = allocator.alloc(2500)
     assert pages.tolist() == list(range(2500))
@@ -227,14 +258,18 @@ def test_alloc_short_raises_capacity_error_and_changes_nothing() -> None:
         (torch.tensor([0.5]), "integer"),
     ],
 )
-def test_bad_free_raises_misuse_and_changes_nothing(pages: object, message: str) -> None:
-    allocator = PageAllocator(4, "t")
-    allocator.alloc(2)  # 0, 1 allocated
-    before = _state(allocator)
-    with pytest.raises(MisuseError, match=message):
-        allocator.free(pages)  # type: ignore[arg-type]
-    assert _state(allocator) == before
-    allocator.check()
+@KERNELS
+def test_bad_free_raises_misuse_and_changes_nothing(
+    pages: object, message: str, kernels: str
+) -> None:
+    with _kernels(kernels):
+        allocator = PageAllocator(4, "t")
+        allocator.alloc(2)  # 0, 1 allocated
+        before = _state(allocator)
+        with pytest.raises(MisuseError, match=message):
+            allocator.free(pages)  # type: ignore[arg-type]
+        assert _state(allocator) == before
+        allocator.check()
 
 
 def test_free_accepts_numpy_torch_and_empty() -> None:
@@ -272,17 +307,27 @@ def test_allocator_config_errors(num_pages: object, name: str) -> None:
 _OPS = st.lists(
     st.one_of(
         st.tuples(st.just("alloc"), st.integers(0, 40)),
+        st.tuples(st.just("alloc"), st.integers(0, 1500)),  # across blocks
         st.tuples(st.just("free"), st.lists(st.integers(-2, 1100), max_size=6)),
         st.tuples(st.just("free_some"), st.integers(0, 10**6)),
+        st.tuples(st.just("free_many"), st.integers(0, 10**6)),
     ),
     max_size=40,
 )
 
 
-@given(num_pages=st.sampled_from([1, 7, 64, 1030]), ops=_OPS)
-def test_allocator_matches_a_set_model(num_pages: int, ops: list[tuple[str, object]]) -> None:
+@KERNELS
+@given(num_pages=st.sampled_from([1, 7, 64, 1030, 2100]), ops=_OPS)
+def test_allocator_matches_a_set_model(
+    kernels: str, num_pages: int, ops: list[tuple[str, object]]
+) -> None:
     """Random alloc/free sequences against a set model: lowest-first results, exact counts, and
-    failed calls leave everything unchanged."""
+    failed calls leave everything unchanged (over the C loops and over numpy)."""
+    with _kernels(kernels):
+        _allocator_matches_a_set_model(num_pages, ops)
+
+
+def _allocator_matches_a_set_model(num_pages: int, ops: list[tuple[str, object]]) -> None:
     allocator = PageAllocator(num_pages, "prop")
     used: set[int] = set()
     for op, arg in ops:
@@ -298,10 +343,11 @@ def test_allocator_matches_a_set_model(num_pages: int, ops: list[tuple[str, obje
             assert got == sorted(set(range(num_pages)) - used)[:arg]
             used.update(got)
         else:
-            if op == "free_some":
+            if op in ("free_some", "free_many"):
                 assert isinstance(arg, int)
                 ordered = sorted(used)
-                pages = ordered[arg % (len(ordered) + 1) :][:5] if ordered else []
+                count = 5 if op == "free_some" else 700
+                pages = ordered[arg % (len(ordered) + 1) :][::2][:count] if ordered else []
             else:
                 assert isinstance(arg, list)
                 pages = arg
