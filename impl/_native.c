@@ -567,7 +567,16 @@ typedef struct {
     long long limit; /* jobs with seq < limit may run (LLONG_MAX unless paused by a test) */
     int running, closing, initialised;
     int sleeping; /* the thread waits on `work` (not polling): submit must signal it */
+    unsigned long forks; /* `fork_count` when the thread state was last valid in this process */
 } Hasher;
+
+/* Forks of this process so far, bumped in the child by a pthread_atfork handler (installed once at
+ * import). A child inherits a Hasher whose thread did not survive the fork and whose lock may be
+ * held by it: the first call in the child sees the count changed and starts afresh (new lock,
+ * conditions and thread; the queued jobs and their buffers were copied with the process). */
+static unsigned long fork_count = 0;
+
+static void count_fork_in_child(void) { fork_count++; }
 
 /* Idle, the thread first polls the queue every POLL_NS for POLL_ROUNDS rounds, then sleeps on
  * `work` for up to a second and exits. While it polls, submit does not signal: waking a sleeping
@@ -657,6 +666,7 @@ static int Hasher_init(Hasher *self, PyObject *args, PyObject *kwds) {
     pthread_cond_init(&self->work, NULL);
     pthread_cond_init(&self->progress, NULL);
     self->limit = LLONG_MAX;
+    self->forks = fork_count;
     self->initialised = 1;
     return 0;
 }
@@ -665,6 +675,14 @@ static int hasher_ready(Hasher *self) {
     if (!self->initialised) {
         PyErr_SetString(PyExc_RuntimeError, "Hasher is not initialised");
         return -1;
+    }
+    if (self->forks != fork_count) { /* the first call in a forked child (see fork_count) */
+        pthread_mutex_init(&self->lock, NULL);
+        pthread_cond_init(&self->work, NULL);
+        pthread_cond_init(&self->progress, NULL);
+        self->running = 0;
+        self->sleeping = 0;
+        self->forks = fork_count;
     }
     return 0;
 }
@@ -701,6 +719,7 @@ static void hasher_close(Hasher *self) {
 
 static void Hasher_dealloc(Hasher *self) {
     if (self->initialised) {
+        (void)hasher_ready(self); /* in a forked child: a fresh lock first */
         hasher_close(self);
         release_finished(self);
         release_tasks(self->head); /* only left if the thread could not start */
@@ -1001,6 +1020,7 @@ static struct PyModuleDef module_def = {
 };
 
 PyMODINIT_FUNC PyInit__native(void) {
+    pthread_atfork(NULL, NULL, count_fork_in_child);
 #ifdef HAVE_NH_AVX2
     __builtin_cpu_init();
     if (__builtin_cpu_supports("avx2")) nh_pages = nh_avx2;

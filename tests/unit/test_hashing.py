@@ -5,7 +5,9 @@ hasher's edges (no C module, a chain larger than the arena, after close, an idle
 from __future__ import annotations
 
 import contextlib
+import os
 import time
+import warnings
 from collections.abc import Iterator
 from unittest import mock
 
@@ -155,4 +157,37 @@ def test_an_idle_thread_exits_and_the_next_submit_starts_one() -> None:
     assert not hasher._native.running
     second = hasher.submit(b"", tokens, 2)
     assert resolve(second) == resolve(first)
+    hasher.close()
+
+
+@native_only
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_forked_child_hashes_with_a_thread_of_its_own() -> None:
+    """The hashing thread does not survive a fork; the child's first call starts its own, and jobs
+    queued before the fork still finish in the child."""
+    hasher = BackgroundHasher(8)
+    tokens = np.arange(8, dtype="<u4")
+    done = hasher.submit(b"", tokens, 4)
+    resolve(done)  # the thread is running now
+    hasher.pause()
+    queued = hasher.submit(b"", tokens[::-1].copy(), 4)  # still queued at the fork
+    expected = kernels.sha256_chain_portable(b"", tokens[::-1].tobytes(), 8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # fork with threads: that is the point
+        pid = os.fork()
+    if pid == 0:  # the child: exit status 0 only if both chains come out right
+        ok = resolve(queued) == expected and resolve(hasher.submit(b"", tokens, 4)) == resolve(done)
+        os._exit(0 if ok else 1)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        finished, status = os.waitpid(pid, os.WNOHANG)
+        if finished:
+            break
+        time.sleep(0.05)
+    else:
+        os.kill(pid, 9)
+        pytest.fail("the forked child hung")
+    assert os.waitstatus_to_exitcode(status) == 0
+    hasher.resume()
+    assert resolve(queued) == expected
     hasher.close()
