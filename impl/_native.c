@@ -91,116 +91,6 @@ static PyObject *sha256_chain(PyObject *module, PyObject *const *args, Py_ssize_
     return out;
 }
 
-PyDoc_STRVAR(sha256_chains_doc,
-"sha256_chains(jobs, page_bytes, /) -> list[bytes]\n\n"
-"sha256_chain for each (seed, data) of the list `jobs`, in order, with the GIL released once for\n"
-"the whole batch. A seed is 32 bytes, empty, or a pair (j, p) of ints: digest p of job j's result, for an\n"
-"earlier job j < i of the same batch (a chain that continues one still being hashed).");
-
-typedef struct {
-    Py_buffer data;
-    Py_buffer seed;  /* .obj is NULL when the seed refers to an earlier job */
-    Py_ssize_t seed_job, seed_page, pages;
-    unsigned char *out;
-} Job;
-
-static PyObject *sha256_chains(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
-    (void)module;
-    if (nargs != 2) {
-        PyErr_SetString(PyExc_TypeError, "sha256_chains(jobs, page_bytes) takes 2 arguments");
-        return NULL;
-    }
-    Py_ssize_t page_bytes = PyLong_AsSsize_t(args[1]);
-    if (page_bytes == -1 && PyErr_Occurred()) return NULL;
-    if (check_page_bytes(page_bytes) < 0) return NULL;
-    PyObject *seq = PySequence_Fast(args[0], "jobs must be a sequence of (seed, data) pairs");
-    if (seq == NULL) return NULL;
-    Py_ssize_t count = PySequence_Fast_GET_SIZE(seq);
-    Job *jobs = PyMem_Calloc(count ? (size_t)count : 1, sizeof(Job));
-    PyObject *results = PyList_New(count);
-    Py_ssize_t ready = 0; /* jobs whose buffers are held */
-    if (jobs == NULL || results == NULL) {
-        PyErr_NoMemory();
-        goto fail;
-    }
-    for (Py_ssize_t i = 0; i < count; i++, ready++) {
-        Job *job = &jobs[i];
-        PyObject *item = PySequence_Fast_GET_ITEM(seq, i);
-        if (!PyTuple_Check(item) || PyTuple_GET_SIZE(item) != 2) {
-            PyErr_Format(PyExc_TypeError, "job %zd: expected a (seed, data) tuple", i);
-            goto fail;
-        }
-        PyObject *seed = PyTuple_GET_ITEM(item, 0);
-        if (PyTuple_Check(seed)) {
-            if (PyTuple_GET_SIZE(seed) != 2) {
-                PyErr_Format(PyExc_TypeError, "job %zd: a seed reference is a (job, page) pair", i);
-                goto fail;
-            }
-            job->seed_job = PyLong_AsSsize_t(PyTuple_GET_ITEM(seed, 0));
-            job->seed_page = PyLong_AsSsize_t(PyTuple_GET_ITEM(seed, 1));
-            if (PyErr_Occurred()) goto fail;
-            if (job->seed_job < 0 || job->seed_job >= i || job->seed_page < 0 ||
-                job->seed_page >= jobs[job->seed_job].pages) {
-                PyErr_Format(PyExc_ValueError,
-                             "job %zd: seed (%zd, %zd) is no digest of an earlier job", i,
-                             job->seed_job, job->seed_page);
-                goto fail;
-            }
-        } else {
-            if (PyObject_GetBuffer(seed, &job->seed, PyBUF_SIMPLE) < 0) goto fail;
-            if (job->seed.len != DIGEST && job->seed.len != 0) {
-                PyErr_Format(PyExc_ValueError, "job %zd: seed must be 32 bytes or empty, got %zd",
-                             i, job->seed.len);
-                PyBuffer_Release(&job->seed);
-                job->seed.obj = NULL;
-                goto fail;
-            }
-        }
-        if (PyObject_GetBuffer(PyTuple_GET_ITEM(item, 1), &job->data, PyBUF_C_CONTIGUOUS) < 0) {
-            if (job->seed.obj != NULL) PyBuffer_Release(&job->seed);
-            job->seed.obj = NULL;
-            goto fail;
-        }
-        job->pages = job->data.len / page_bytes;
-        PyObject *out = PyBytes_FromStringAndSize(NULL, job->pages * DIGEST);
-        if (out == NULL) {
-            PyBuffer_Release(&job->data);
-            if (job->seed.obj != NULL) PyBuffer_Release(&job->seed);
-            job->seed.obj = NULL;
-            goto fail;
-        }
-        PyList_SET_ITEM(results, i, out);
-        job->out = (unsigned char *)PyBytes_AS_STRING(out);
-    }
-    Py_BEGIN_ALLOW_THREADS
-    for (Py_ssize_t i = 0; i < count; i++) {
-        Job *job = &jobs[i];
-        if (job->seed.obj != NULL)
-            chain(job->seed.buf, (size_t)job->seed.len, job->data.buf, job->pages, page_bytes,
-                  job->out);
-        else
-            chain(jobs[job->seed_job].out + job->seed_page * DIGEST, DIGEST, job->data.buf,
-                  job->pages, page_bytes, job->out);
-    }
-    Py_END_ALLOW_THREADS
-    for (Py_ssize_t i = 0; i < count; i++) {
-        PyBuffer_Release(&jobs[i].data);
-        if (jobs[i].seed.obj != NULL) PyBuffer_Release(&jobs[i].seed);
-    }
-    PyMem_Free(jobs);
-    Py_DECREF(seq);
-    return results;
-fail:
-    for (Py_ssize_t i = 0; i < ready; i++) {
-        PyBuffer_Release(&jobs[i].data);
-        if (jobs[i].seed.obj != NULL) PyBuffer_Release(&jobs[i].seed);
-    }
-    PyMem_Free(jobs);
-    Py_XDECREF(results);
-    Py_DECREF(seq);
-    return NULL;
-}
-
 /* NH of `pages` pages of `page` tokens at `ids` under the lane keys k0, k1 (each `page` rounded up to
  * even): two uint64 lanes per page to `target`. The portable loop, and an AVX2 one (8 tokens per
  * step: the pair products of one lane are one _mm256_mul_epu32) picked at import when the CPU has it;
@@ -992,8 +882,6 @@ static PyObject *nh_scalar_fingerprints(PyObject *module, PyObject *const *args,
 
 static PyMethodDef methods[] = {
     {"sha256_chain", (PyCFunction)(void (*)(void))sha256_chain, METH_FASTCALL, sha256_chain_doc},
-    {"sha256_chains", (PyCFunction)(void (*)(void))sha256_chains, METH_FASTCALL,
-     sha256_chains_doc},
     {"nh_fingerprints", (PyCFunction)(void (*)(void))nh_fingerprints, METH_FASTCALL,
      nh_fingerprints_doc},
     {"take_lowest", (PyCFunction)(void (*)(void))take_lowest, METH_FASTCALL, take_lowest_doc},

@@ -3,7 +3,7 @@
 Two kernels run once per page of every request, so their per-call cost decides the scheduler-path
 time (docs/benchmarks.md):
 
-- :func:`sha256_chain` / :func:`sha256_chains`: the chained SHA-256 page hashes of SPEC §4
+- :func:`sha256_chain`: the chained SHA-256 page hashes of SPEC §4
   (``digest_i = SHA-256(digest_{i-1} || page_i)``, token ids as 4-byte little-endian bytes);
 - :func:`nh_fingerprints`: the NH page fingerprints the radix tree matches by
   (:mod:`kvstrata.impl.fingerprint` defines them and bounds their collisions).
@@ -20,7 +20,7 @@ from __future__ import annotations
 import hashlib
 import importlib
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
@@ -34,26 +34,18 @@ __all__ = [
     "check_pages_portable",
     "give_back",
     "take_lowest",
-    "SeedRef",
     "native_hasher_type",
     "native_module",
     "nh_fingerprints",
     "nh_fingerprints_portable",
     "sha256_chain",
     "sha256_chain_portable",
-    "sha256_chains",
-    "sha256_chains_portable",
 ]
 
 DIGEST_BYTES = 32
 
-SeedRef = tuple[int, int]
-"""A seed given as ``(job, page)``: digest ``page`` of an earlier job of the same batch."""
-
 ChainData = bytes | bytearray | memoryview | npt.NDArray[Any]
 """Token bytes to hash: anything C-contiguous with the buffer protocol (a uint32 array included)."""
-
-ChainJob = tuple["bytes | SeedRef", ChainData]
 
 
 def _load_native() -> ModuleType | None:
@@ -91,22 +83,6 @@ def sha256_chain_portable(seed: bytes, data: ChainData, page_bytes: int) -> byte
         previous = sha256(previous + view[start : start + page_bytes]).digest()
         out += previous
     return bytes(out)
-
-
-def sha256_chains_portable(jobs: Sequence[ChainJob], page_bytes: int) -> list[bytes]:
-    """:func:`sha256_chain_portable` of each ``(seed, data)`` in order; a seed may be a
-    :data:`SeedRef` to a digest of an earlier job of the batch."""
-    results: list[bytes] = []
-    for index, (given, data) in enumerate(jobs):
-        if isinstance(given, tuple):
-            job, page = given
-            if not (0 <= job < index and 0 <= page < len(results[job]) // DIGEST_BYTES):
-                raise ValueError(f"job {index}: seed {given} is no digest of an earlier job")
-            seed = results[job][page * DIGEST_BYTES : (page + 1) * DIGEST_BYTES]
-        else:
-            seed = given
-        results.append(sha256_chain_portable(seed, data, page_bytes))
-    return results
 
 
 def nh_fingerprints_portable(
@@ -193,11 +169,9 @@ check_pages: Callable[..., int] = (
 
 if _NATIVE_MODULE is not None:
     sha256_chain: Callable[[bytes, ChainData, int], bytes] = _NATIVE_MODULE.sha256_chain
-    sha256_chains: Callable[[Sequence[ChainJob], int], list[bytes]] = _NATIVE_MODULE.sha256_chains
     nh_fingerprints: Callable[[npt.NDArray[np.uint32], npt.NDArray[np.uint32], int], bytes] = (
         _NATIVE_MODULE.nh_fingerprints
     )
 else:
     sha256_chain = sha256_chain_portable
-    sha256_chains = sha256_chains_portable
     nh_fingerprints = nh_fingerprints_portable

@@ -43,30 +43,6 @@ def test_chains_equal_the_reference_model(
     assert kernels.sha256_chain(ns.seed(), data, page_bytes) == expected
 
 
-@given(data=st.data(), page_size=st.integers(1, 4))
-def test_batches_with_seed_references_equal_chains_one_by_one(
-    data: st.DataObject, page_size: int
-) -> None:
-    page_bytes = 4 * page_size
-    jobs: list[tuple[bytes | tuple[int, int], bytes]] = []
-    expected: list[bytes] = []
-    for index in range(data.draw(st.integers(1, 5))):
-        tokens = data.draw(st.lists(st.integers(0, 2**32 - 1), max_size=5 * page_size))
-        body = np.asarray(tokens[: len(tokens) // page_size * page_size], dtype="<u4").tobytes()
-        parents = [j for j in range(index) if expected[j]]
-        if parents and data.draw(st.booleans()):
-            job = data.draw(st.sampled_from(parents))
-            page = data.draw(st.integers(0, len(expected[job]) // 32 - 1))
-            seed = expected[job][page * 32 : (page + 1) * 32]
-            jobs.append(((job, page), body))
-        else:
-            seed = data.draw(st.sampled_from([b"", bytes(range(32))]))
-            jobs.append((seed, body))
-        expected.append(kernels.sha256_chain_portable(seed, body, page_bytes))
-    assert kernels.sha256_chains(jobs, page_bytes) == expected
-    assert kernels.sha256_chains_portable(jobs, page_bytes) == expected
-
-
 @pytest.mark.parametrize(
     "chain", [kernels.sha256_chain, kernels.sha256_chain_portable], ids=["c", "portable"]
 )
@@ -78,18 +54,6 @@ def test_bad_chain_arguments_are_value_errors(chain: object) -> None:
         chain(b"", b"\0" * 8, 6)
     with pytest.raises(ValueError, match="page_bytes"):
         chain(b"", b"\0" * 8, 0)
-
-
-@pytest.mark.parametrize(
-    "chains", [kernels.sha256_chains, kernels.sha256_chains_portable], ids=["c", "portable"]
-)
-def test_a_seed_reference_must_name_an_earlier_digest(chains: object) -> None:
-    assert callable(chains)
-    body = b"\1" * 8
-    with pytest.raises(ValueError, match="earlier job"):
-        chains([((0, 0), body)], 4)  # no earlier job
-    with pytest.raises(ValueError, match="earlier job"):
-        chains([(b"", body), ((0, 2), body)], 4)  # job 0 has 2 pages
 
 
 def test_page_hash_type_round_trip() -> None:
