@@ -39,9 +39,10 @@ import numpy as np
 import numpy.typing as npt
 
 from kvstrata.impl.errors import HashingError
-from kvstrata.impl.kernels import DIGEST_BYTES, native_hasher_type, sha256_chain
+from kvstrata.impl.kernels import DIGEST_BYTES, native_module, sha256_chain
 
-_NativeHasher = native_hasher_type()
+_NATIVE = native_module()
+_NativeHasher: Any = None if _NATIVE is None else _NATIVE.Hasher
 
 __all__ = [
     "BackgroundHasher",

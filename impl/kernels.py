@@ -34,7 +34,6 @@ __all__ = [
     "check_pages_portable",
     "give_back",
     "take_lowest",
-    "native_hasher_type",
     "native_module",
     "nh_fingerprints",
     "nh_fingerprints_portable",
@@ -64,11 +63,6 @@ hashes token buffers as they lie in memory, which SPEC §4 fixes as little-endia
 def native_module() -> ModuleType | None:
     """``kvstrata.impl._native`` when the C kernels are in use (for tests and diagnostics)."""
     return _NATIVE_MODULE
-
-
-def native_hasher_type() -> Any:
-    """``kvstrata.impl._native.Hasher`` (the C hashing thread), or None without the C kernels."""
-    return None if _NATIVE_MODULE is None else _NATIVE_MODULE.Hasher
 
 
 def sha256_chain_portable(seed: bytes, data: ChainData, page_bytes: int) -> bytes:
