@@ -67,6 +67,7 @@ from kvstrata.model.keys import Namespace
 from kvstrata.model.lifecycles import (
     BACKUP_OP,
     HOST_CLAIMED,
+    HOST_VALID,
     PREFETCH_OP,
     BackupEvent,
     BackupState,
@@ -76,7 +77,7 @@ from kvstrata.model.lifecycles import (
     ResidencyEvent,
     StateEvent,
 )
-from kvstrata.model.prefetch import PrefetchPolicy
+from kvstrata.model.prefetch import wait_over
 
 if TYPE_CHECKING:
     from kvstrata.impl.radix_cache import HierarchicalRadixCache, Node, StateInfo
@@ -85,7 +86,7 @@ __all__ = ["BackupOp", "L3Counters", "L3Tier", "PageRef", "PrefetchOp"]
 
 Pages = npt.NDArray[np.int64]
 _HOST_CLAIMED_T = tuple(HOST_CLAIMED)
-_HOST_VALID_T = (Residency.BOTH, Residency.HOST)
+_HOST_VALID_T = tuple(HOST_VALID)
 _DIGEST = 32
 
 
@@ -446,16 +447,13 @@ class L3Tier:
     def ready(self, op_id: int) -> bool:
         """Whether the scheduler stops waiting for ``op_id`` now (its prefetch policy)."""
         op = self.op(op_id)
-        if op.state is not None and op.state is not PrefetchState.LOADING:
-            return True
-        policy = self.config.prefetch_policy
-        if policy is PrefetchPolicy.BEST_EFFORT:
-            return True
-        if policy is PrefetchPolicy.WAIT_COMPLETE:
-            return False
         pages = len(op.tokens) // self._cache.page_size - op.prefix_pages
-        timeout = self.config.prefetch_timeout(pages * self._cache.page_size)
-        return self._now() - op.started >= timeout
+        return wait_over(
+            self.config.prefetch_policy,
+            loading=op.state is None or op.state is PrefetchState.LOADING,
+            waited=self._now() - op.started,
+            limit=self.config.prefetch_timeout(pages * self._cache.page_size),
+        )
 
     def commit(self, op_id: int) -> int:
         """Insert the pages that arrived as host-only nodes; returns how many the tree gained."""

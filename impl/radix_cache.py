@@ -119,6 +119,9 @@ from kvstrata.model.lifecycles import (
     DEVICE_VALID,
     HOST_CLAIMED,
     HOST_VALID,
+    L1_DROPPABLE,
+    L1_WITH_L2,
+    L2_DROPPABLE,
     LOAD_OP,
     PAGE_RESIDENCY,
     STATE_RESIDENCY,
@@ -149,8 +152,9 @@ _HOST_CLAIMED_T = tuple(HOST_CLAIMED)
 _EMPTY: Pages = np.zeros(0, dtype=np.int64)
 _MAX_TOKEN = 2**32 - 1
 _UINT32 = np.dtype("<u4")
-_L1_STATE = (Residency.DEVICE, Residency.BOTH)  # states whose L1 copy may be dropped
-_L2_STATE = (Residency.BOTH, Residency.HOST)  # states whose L2 copy may be dropped
+_L1_STATE = tuple(L1_DROPPABLE)  # states whose L1 copy may be dropped
+_L2_STATE = tuple(L2_DROPPABLE)  # states whose L2 copy may be dropped
+_L1_WITH_L2 = tuple(L1_WITH_L2)
 
 
 class Allocator(Protocol):
@@ -875,9 +879,7 @@ class HierarchicalRadixCache:
         """Whether ``node``'s end state is on L1 only while its KV has (or is getting) an L2 copy:
         a state attached after the node was written through."""
         return (
-            not node.is_root
-            and node.state in (Residency.BOTH, Residency.WRITING)
-            and self._moving_state(node) is not None
+            not node.is_root and node.state in _L1_WITH_L2 and self._moving_state(node) is not None
         )
 
     def _attach_state(self, node: Node, slot: int) -> bool:

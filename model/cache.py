@@ -80,6 +80,9 @@ from kvstrata.model.lifecycles import (
     DEVICE_VALID,
     HOST_CLAIMED,
     HOST_VALID,
+    L1_DROPPABLE,
+    L1_WITH_L2,
+    L2_DROPPABLE,
     LOAD_OP,
     PAGE_RESIDENCY,
     PREFETCH_OP,
@@ -95,7 +98,7 @@ from kvstrata.model.lifecycles import (
     ResidencyEvent,
     StateEvent,
 )
-from kvstrata.model.prefetch import PrefetchOp, PrefetchPolicy, PrefetchTimeout
+from kvstrata.model.prefetch import PrefetchOp, PrefetchPolicy, PrefetchTimeout, wait_over
 from kvstrata.model.slots import SlotPool
 from kvstrata.model.store import StoreModel
 from kvstrata.model.tree import Node, RadixTree
@@ -429,7 +432,7 @@ class CacheModel:
     def _state_victims(self, *, host: bool) -> list[PageHash]:
         """States that may lose their L1 (or L2) copy, least recently used node first: not in
         flight, on an unlocked node, and (L2) not pinned by a backup."""
-        allowed = (Residency.BOTH, Residency.HOST) if host else (Residency.DEVICE, Residency.BOTH)
+        allowed = L2_DROPPABLE if host else L1_DROPPABLE
         out = [
             (node.last_access, node.node_id, page)
             for page, node in self._state_nodes().items()
@@ -788,7 +791,7 @@ class CacheModel:
         copy: a state attached after the node was written through."""
         return (
             not node.is_root
-            and self.residency_of(node) in (Residency.BOTH, Residency.WRITING)
+            and self.residency_of(node) in L1_WITH_L2
             and bool(self._moving_state(node))
         )
 
@@ -1076,7 +1079,7 @@ class CacheModel:
             state = self.residency_of(node)
             if state is Residency.BOTH:
                 self._advance(node, ResidencyEvent.DEMOTE)
-                if self._state_of(node.pages[-1]) in (Residency.DEVICE, Residency.BOTH):
+                if self._state_of(node.pages[-1]) in L1_DROPPABLE:
                     self._drop_state(node.pages[-1], host=False)
             elif self.config.write_policy is WritePolicy.WRITE_BACK and self._stage(node):
                 pass
@@ -1164,7 +1167,7 @@ class CacheModel:
         page = node.pages[-1]
         info = self.state_info.get(page)
         tier = "L2" if host else "L1"
-        allowed = (Residency.BOTH, Residency.HOST) if host else (Residency.DEVICE, Residency.BOTH)
+        allowed = L2_DROPPABLE if host else L1_DROPPABLE
         if info is None or info.residency not in allowed:
             state = "none" if info is None else info.residency.value
             raise MisuseError(f"node {node_id} has no idle {tier} state to drop (state: {state})")
@@ -1432,15 +1435,12 @@ class CacheModel:
     def prefetch_ready(self, op_id: int) -> bool:
         """Whether the scheduler stops waiting for ``op_id`` now, under the configured policy."""
         op = self._prefetch_op(op_id)
-        if op.state is not PrefetchState.LOADING:
-            return True
-        policy = self.config.prefetch_policy
-        if policy is PrefetchPolicy.BEST_EFFORT:
-            return True
-        if policy is PrefetchPolicy.WAIT_COMPLETE:
-            return False
-        tokens = len(op.pages) * self.page_size
-        return self.clock - op.started >= self.config.prefetch_timeout.limit(tokens)
+        return wait_over(
+            self.config.prefetch_policy,
+            loading=op.state is PrefetchState.LOADING,
+            waited=self.clock - op.started,
+            limit=self.config.prefetch_timeout.limit(len(op.pages) * self.page_size),
+        )
 
     def tick(self, steps: int = 1) -> None:
         """Let ``steps`` steps of time pass (for timeouts)."""

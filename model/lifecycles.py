@@ -2,14 +2,19 @@
 
 The model and the implementation advance through these tables with :meth:`Lifecycle.next`;
 ``docs/model.md`` shows them and ``transitions`` builds checked machines from them
-(``tests/unit/test_lifecycles.py``). Change a lifecycle here first, then the docs, then the code.
+(``tests/unit/test_slots_store_lifecycle.py``). Change a lifecycle here first, then the docs, then
+the code.
+
+Guard sets (which states allow a step) are derived here, from the tables and the two validity sets,
+and imported by both sides; no other module spells a set of residencies out by hand
+(``tests/unit/test_slots_store_lifecycle.py`` checks the derivations).
 """
 
 from __future__ import annotations
 
 import enum
 
-from kvstrata.model.lifecycle import Lifecycle
+from kvstrata.model.table import Lifecycle
 
 __all__ = [
     "ALL_LIFECYCLES",
@@ -24,6 +29,9 @@ __all__ = [
     "DEVICE_VALID",
     "HOST_CLAIMED",
     "HOST_VALID",
+    "L1_DROPPABLE",
+    "L2_DROPPABLE",
+    "L1_WITH_L2",
     "BackupEvent",
     "BackupState",
     "EntryEvent",
@@ -273,6 +281,13 @@ DEVICE_VALID = frozenset({Residency.DEVICE, Residency.WRITING, Residency.BOTH})
 DEVICE_CLAIMED = DEVICE_VALID | {Residency.LOADING}
 HOST_VALID = frozenset({Residency.BOTH, Residency.HOST, Residency.LOADING})
 HOST_CLAIMED = HOST_VALID | {Residency.WRITING}
+#: States whose idle L1 (L2) copy may be dropped: the valid states from which a drop of that tier's
+#: copy is legal in ``STATE_RESIDENCY`` (a copy being written or loaded is never dropped).
+L1_DROPPABLE = DEVICE_VALID & STATE_RESIDENCY.sources(StateEvent.DEMOTE, StateEvent.DELETE)
+L2_DROPPABLE = HOST_VALID & STATE_RESIDENCY.sources(StateEvent.DROP_HOST, StateEvent.DELETE)
+#: Valid on L1 with an L2 copy held (written or being written): a state attached there later needs a
+#: state-only write-through.
+L1_WITH_L2 = DEVICE_VALID & HOST_CLAIMED
 
 ALL_LIFECYCLES: tuple[Lifecycle, ...] = (  # type: ignore[type-arg]
     WRITE_OP,

@@ -22,13 +22,25 @@ import attrs
 from kvstrata.model.keys import Namespace, PageHash
 from kvstrata.model.lifecycles import PrefetchState
 
-__all__ = ["PrefetchOp", "PrefetchPolicy", "PrefetchTimeout"]
+__all__ = ["PrefetchOp", "PrefetchPolicy", "PrefetchTimeout", "wait_over"]
 
 
 class PrefetchPolicy(enum.Enum):
     BEST_EFFORT = "best_effort"  # the scheduler takes whatever has arrived when it asks
     WAIT_COMPLETE = "wait_complete"  # the scheduler waits for every reserved page
     TIMEOUT = "timeout"  # waits up to base + per_1k * tokens / 1000 steps, capped
+
+
+def wait_over(policy: PrefetchPolicy, *, loading: bool, waited: float, limit: float) -> bool:
+    """Whether a scheduler waiting for a prefetch stops now: always once the op left ``LOADING``
+    (``loading`` false) and under ``best_effort``; never before that under ``wait_complete``; under
+    ``timeout`` once ``waited >= limit``. Pure: the model passes steps, the implementation seconds;
+    this one function is the decision on both sides."""
+    if not loading or policy is PrefetchPolicy.BEST_EFFORT:
+        return True
+    if policy is PrefetchPolicy.WAIT_COMPLETE:
+        return False
+    return waited >= limit
 
 
 @attrs.frozen

@@ -22,8 +22,8 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from kvstrata.model.lifecycle import Lifecycle
 from kvstrata.model.lifecycles import ALL_LIFECYCLES
+from kvstrata.model.table import Lifecycle
 
 __all__ = [
     "BEGIN",

@@ -50,6 +50,7 @@ from hypothesis.stateful import invariant, precondition, rule
 from support.differential import (
     INDEXER,
     MAMBA,
+    NAMESPACES,
     DifferentialMachine,
     HybridDifferentialMachine,
     kv_for,
@@ -78,7 +79,7 @@ from kvstrata.model.keys import (
     StoreKey,
     chain_page_hashes,
 )
-from kvstrata.model.lifecycles import HOST_VALID, PrefetchState
+from kvstrata.model.lifecycles import HOST_VALID, PrefetchState, Residency
 from kvstrata.model.prefetch import PrefetchPolicy
 from kvstrata.model.store import StoreModel
 
@@ -632,6 +633,12 @@ class HybridL3TierDifferential(HybridDifferentialMachine, L3Differential):
             set(data.draw(st.lists(st.integers(0, len(pages) - 1), max_size=2), label="states"))
             | ({len(pages) - 1} if data.draw(st.booleans(), label="last state") else set())
         )
+        self.peer_back_up(ns, pages, positions)
+
+    def peer_back_up(
+        self, ns: Namespace, pages: tuple[PageHash, ...], positions: list[int]
+    ) -> None:
+        """Another instance backs up ``pages`` with the states at ``positions`` (both sides)."""
         model = self.model
         for page in pages:
             for component, key in model._page_objects(ns, page):
@@ -672,6 +679,52 @@ class HybridL3TierDifferential(HybridDifferentialMachine, L3Differential):
             if f"/{INDEXER}/" in text
             else "the store evicted a state component"
         )
+
+    @precondition(lambda self: self.ready and self.known)
+    @rule(data=st.data())
+    def prefetch_onto_loading(self, data: st.DataObject) -> None:
+        """A prefetch read lands while the same sequence, computed locally without a state, is
+        written through, demoted and being loaded back: the commit ends at a node in LOADING
+        (valid on L2) whose end has no state. Both sides must attach the prefetched state alike:
+        the guard is ``HOST_VALID`` from the table (issue 15: the implementation's hand-written
+        ``(BOTH, HOST)`` freed the state instead)."""
+        assert self.host_pool is not None
+        room = min(self.host_pool.num_pages // 2, self.device_pool.num_pages // 2)
+        fits = [t for t in self.known if 0 < len(t) // self.page_size <= room]
+        if not fits:
+            return
+        tokens = data.draw(st.sampled_from(fits), label="tokens")
+        ns = data.draw(st.sampled_from(NAMESPACES), label="namespace")
+        self.seen.add((ns, tokens))
+        pages = chain_page_hashes(tokens, self.page_size, ns)
+        self.drain()
+        self.peer_back_up(ns, pages, [len(pages) - 1])
+        total = 64  # more than any pool here
+        assert self.impl.evict(total) == self.model.evict_device(total)
+        assert self.impl.evict_host(total) == self.model.evict_host(total)
+        op_id = self.do_prefetch(tokens, ns)
+        if op_id is None or self.prefetch_ops[op_id] is None:
+            return
+        l3 = self.impl.l3
+        assert l3 is not None
+        while self.storage_executor.jobs and l3.prefetches[op_id].state is PrefetchState.LOADING:
+            self.run_storage_job()
+        self.request_tokens(tokens, ns, with_state=False)
+        while self.executor.jobs:
+            self.complete_copy_batch(fail=False)
+        assert self.impl.evict(total) == self.model.evict_device(total)
+        ends = [  # the node holding the last page (matches report no stateless node end)
+            node.node_id
+            for node in self.model.tree.non_root_nodes()
+            if node.pages[-1] == pages[-1] and self.model.residency_of(node) is Residency.HOST
+        ]
+        if ends:
+            want = self.model.load_back(ends[0])
+            got = self.impl.load_back(self.impl_node(ends[0]))
+            assert self.same_op(want, got), (want, got)
+            if got is not None:
+                event("prefetch committed onto a node that is loading back")
+        self.finish(op_id, commit=True)
 
 
 class HybridL3Selective(HybridL3TierDifferential):

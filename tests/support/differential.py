@@ -250,7 +250,10 @@ class DifferentialMachine(RuleBasedStateMachine):
         raise NotImplementedError
 
     def do_request(self, data: st.DataObject, *, with_state: bool) -> None:
-        tokens, ns = self.draw_tokens(data)
+        self.request_tokens(*self.draw_tokens(data), with_state=with_state)
+
+    def request_tokens(self, tokens: tuple[int, ...], ns: Namespace, *, with_state: bool) -> None:
+        """One request on both: match, lock the L1 prefix, allocate, compute, insert, unlock."""
         expected, actual = self.both_match(tokens, ns)
         pages = chain_page_hashes(tokens, self.page_size, ns)
         node_id = expected.device_node  # type: ignore[attr-defined]

@@ -23,18 +23,26 @@ from kvstrata.model.keys import (
     StoreKey,
     chain_page_hashes,
 )
-from kvstrata.model.lifecycle import Lifecycle
 from kvstrata.model.lifecycles import (
     ALL_LIFECYCLES,
+    DEVICE_VALID,
+    HOST_VALID,
+    L1_DROPPABLE,
+    L1_WITH_L2,
+    L2_DROPPABLE,
     PREFETCH_OP,
+    STATE_RESIDENCY,
     WRITE_OP,
     OpEvent,
     OpState,
     PrefetchEvent,
     PrefetchState,
+    Residency,
+    StateEvent,
 )
 from kvstrata.model.slots import UNWRITTEN, SlotPool
 from kvstrata.model.store import StoreModel
+from kvstrata.model.table import Lifecycle
 
 # ----------------------------------------------------------------------------------------------
 # SlotPool
@@ -474,3 +482,30 @@ def test_lifecycle_table_is_immutable() -> None:
     with pytest.raises(TypeError):
         lifecycle.table[(_S.B, _E.GO)] = _S.A  # type: ignore[index]
     assert not lifecycle.allows(_S.B, _E.GO)
+
+
+# ----------------------------------------------------------------------------------------------
+# Guard sets are derived from the tables (issue 15): both sides import them, nobody spells them out
+def test_sources_are_the_states_where_an_event_is_legal() -> None:
+    assert PREFETCH_OP.sources(PrefetchEvent.COMMIT) == {
+        PrefetchState.LOADING,
+        PrefetchState.COMPLETE,
+    }
+    assert PREFETCH_OP.sources(PrefetchEvent.DRAIN) == {PrefetchState.CANCELLING}
+    assert WRITE_OP.sources() == frozenset()
+
+
+def test_state_guard_sets_follow_the_state_table() -> None:
+    for state in Residency:
+        drop_l1 = STATE_RESIDENCY.allows(state, StateEvent.DEMOTE) or (
+            STATE_RESIDENCY.allows(state, StateEvent.DELETE) and state in DEVICE_VALID
+        )
+        drop_l2 = STATE_RESIDENCY.allows(state, StateEvent.DROP_HOST) or (
+            STATE_RESIDENCY.allows(state, StateEvent.DELETE) and state in HOST_VALID
+        )
+        assert (state in L1_DROPPABLE) == drop_l1, state
+        assert (state in L2_DROPPABLE) == drop_l2, state
+    assert {Residency.DEVICE, Residency.BOTH} == L1_DROPPABLE
+    assert {Residency.BOTH, Residency.HOST} == L2_DROPPABLE
+    assert {Residency.WRITING, Residency.BOTH} == L1_WITH_L2
+    assert Residency.LOADING in HOST_VALID  # a page being loaded back is still valid on L2

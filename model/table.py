@@ -71,6 +71,12 @@ class Lifecycle(Generic[S, E]):
     def allows(self, state: S, event: E) -> bool:
         return (state, event) in self.table
 
+    def sources(self, *events: E) -> frozenset[S]:
+        """The states in which at least one of ``events`` is legal: the guard set of those events,
+        derived from the table (guards are never spelled out by hand elsewhere)."""
+        wanted = frozenset(events)
+        return frozenset(state for state, event in self.table if event in wanted)
+
     @property
     def states(self) -> tuple[S, ...]:
         return tuple(type(self.initial))
