@@ -8,7 +8,7 @@ its own, so every byte crosses TCP loopback to the storage node on both sides of
   ``batch_get_into`` / ``batch_is_exist``) with key strings computed before the clock starts;
 - **kvstrata**: :class:`~kvstrata.impl.storage.mooncake.MooncakeClient` under
   :class:`~kvstrata.impl.storage.mooncake.MooncakeBackend`, and
-  :class:`~kvstrata.impl.radix_cache.HierarchicalRadixCache` instances on top of such backends.
+  :class:`~kvstrata.impl.cache.HierarchicalRadixCache` instances on top of such backends.
 
 Page size means the bytes of one whole KV page, every plane included. The model is fixed (MHA, 32
 layers, 2 KV heads, head dim 128, bfloat16: 32 KiB per token) and the page size in tokens varies: 2, 8,
@@ -90,10 +90,10 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
+from kvstrata.impl.cache import HierarchicalRadixCache
 from kvstrata.impl.config import RadixCacheConfig, StorageConfig
 from kvstrata.impl.errors import KvStrataError, StoreUnavailable
 from kvstrata.impl.pools import DeviceKVPool, HostKVPool, HostLayout, KVShape
-from kvstrata.impl.radix_cache import HierarchicalRadixCache
 from kvstrata.impl.storage.base import GetStatus, PutStatus
 from kvstrata.impl.storage.mooncake import LocalCluster, MooncakeBackend, MooncakeClient
 from kvstrata.model.keys import KeySpace, KVKind, ModelIdentity, Namespace, PageHash, StoreKey

@@ -7,7 +7,7 @@ Replays a Mooncake-format trace (default ``../shared/traces/conversation_trace.j
   counts the hit prefix (consecutive pages from the start that are present), inserts the rest and evicts
   least-recently-used pages over capacity. Pages are touched deepest first, so among the pages of one
   request the deepest is evicted first (ties broken leaf-first, like a tree);
-* **kvstrata**: :class:`kvstrata.impl.radix_cache.HierarchicalRadixCache`, L1 only (no host pool), doing
+* **kvstrata**: :class:`kvstrata.impl.cache.HierarchicalRadixCache`, L1 only (no host pool), doing
   the full scheduler protocol per request: ``match_prefix`` -> ``lock`` the device node ->
   ``alloc_device`` for the pages not on L1 (evicting itself) -> ``insert`` -> ``unlock``. In three
   modes: ``page_hashes=False`` ("L1 only, no L3": the tree matches by page fingerprints and hashes
@@ -67,11 +67,11 @@ from kvstrata.impl import fingerprint as fingerprint_module  # noqa: E402
 from kvstrata.impl import hashing as hashing_module  # noqa: E402
 from kvstrata.impl import kernels as kernels_module  # noqa: E402
 from kvstrata.impl import radix_cache as radix_cache_module  # noqa: E402
+from kvstrata.impl.cache import HierarchicalRadixCache  # noqa: E402
 from kvstrata.impl.config import RadixCacheConfig  # noqa: E402
 from kvstrata.impl.errors import CapacityError  # noqa: E402
 from kvstrata.impl.pools import PageAllocator  # noqa: E402
 from kvstrata.impl.pools import allocator as allocator_module  # noqa: E402
-from kvstrata.impl.radix_cache import HierarchicalRadixCache  # noqa: E402
 
 Tokens = npt.NDArray[np.uint32]
 GOAL_TIME_RATIO = 0.25

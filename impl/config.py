@@ -15,7 +15,7 @@ import attrs
 from kvstrata.impl.errors import ConfigError, MisuseError
 from kvstrata.model.cache import WritePolicy
 from kvstrata.model.hybrid import HitPolicy, SidePool, check_side_pools
-from kvstrata.model.prefetch import PrefetchPolicy
+from kvstrata.model.l3.policy import PrefetchPolicy
 
 __all__ = ["RadixCacheConfig", "StorageConfig", "enum_converter"]
 

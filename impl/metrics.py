@@ -24,28 +24,14 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
-import attrs
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
-    from kvstrata.impl.radix_cache import HierarchicalRadixCache
+    from kvstrata.impl.cache import HierarchicalRadixCache
 
-__all__ = ["CacheCollector", "CacheStats", "registry_for"]
-
-
-@attrs.define
-class CacheStats:
-    """Counters the scheduler-side calls bump (plain ints: no locks on the hot path)."""
-
-    match_tokens: int = 0
-    l1_hit_tokens: int = 0
-    l2_hit_tokens: int = 0
-    write_pages: int = 0
-    load_pages: int = 0
-    write_bytes: int = 0
-    load_bytes: int = 0
+__all__ = ["CacheCollector", "registry_for"]
 
 
 class CacheCollector(Collector):
@@ -86,10 +72,7 @@ class CacheCollector(Collector):
         moved.add_metric(["load"], stats.load_bytes)
         yield moved
         depth = GaugeMetricFamily(self._name("queue_depth"), "Pending ops", labels=["queue"])
-        depth.add_metric(["write"], len(cache.write_ops))
-        depth.add_metric(["load"], len(cache.load_ops))
-        pending = {"backup": 0, "prefetch": 0} if l3 is None else l3.pending()
-        for queue, count in pending.items():
+        for queue, count in cache.pending().as_dict().items():
             depth.add_metric([queue], count)
         yield depth
         if l3 is not None:

@@ -49,7 +49,7 @@ from __future__ import annotations
 
 import enum
 import re
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 
 import attrs
 
@@ -68,6 +68,8 @@ __all__ = [
     "is_usable",
     "pool_boundary",
     "side_page_keys",
+    "state_content",
+    "state_page",
     "usable_prefix",
 ]
 
@@ -309,3 +311,16 @@ def check_usable(
                 f"reported prefix {prefix} is not usable in side pool {pool.name!r} "
                 f"({pool.policy.name})",
             )
+
+
+def state_content(page: PageHash) -> Hashable:
+    """The bytes of the trailing state at the end of ``page``'s prefix, as an identity."""
+    return ("state", page)
+
+
+def state_page(content: Hashable) -> PageHash:
+    """The page a state identity names (what a copy of the state would be keyed by)."""
+    assert isinstance(content, tuple) and content[0] == "state"
+    page = content[1]
+    assert isinstance(page, PageHash)
+    return page

@@ -1,4 +1,5 @@
-"""The invariants of SPEC §7, each a function over a :class:`~kvstrata.model.cache.CacheModel`.
+"""The invariants of SPEC §7, each a function over a :class:`CacheView` (what
+:class:`~kvstrata.model.cache.CacheModel` shows of its pieces).
 
 :func:`check_cache` runs them all; the model calls it after every public operation (``config.check``),
 and the stateful tests call it again after every step. Each raises :class:`InvariantViolation` naming the
@@ -8,8 +9,8 @@ invariant, with the bug it prevents in its docstring.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, NoReturn
+from collections.abc import Callable, Collection, Hashable, Iterable, Mapping, Sequence, Set
+from typing import TYPE_CHECKING, NoReturn, Protocol
 
 from kvstrata.model.errors import InvariantViolation, KeyParseError
 from kvstrata.model.keys import PageHash, parse_store_key, render_store_key
@@ -24,10 +25,17 @@ from kvstrata.model.lifecycles import (
 )
 
 if TYPE_CHECKING:
-    from kvstrata.model.cache import CacheModel
+    from kvstrata.model.cache.config import CacheConfig
+    from kvstrata.model.cache.node import CopyOp, PageInfo
+    from kvstrata.model.l3.backup import BackupOp
+    from kvstrata.model.l3.prefetch import PrefetchOp
+    from kvstrata.model.slots import SlotPool
+    from kvstrata.model.store import StoreModel
+    from kvstrata.model.tree import Node, RadixTree
 
 __all__ = [
     "ALL_CHECKS",
+    "CacheView",
     "check_accounting",
     "check_cache",
     "check_i1_keys",
@@ -42,11 +50,56 @@ __all__ = [
 ]
 
 
+class CacheView(Protocol):
+    """What the invariants read of a cache model (``CacheModel`` is one): its configuration, store
+    and tree, the records, queues and pools its pieces own, and its counters."""
+
+    @property
+    def config(self) -> CacheConfig: ...
+    @property
+    def store(self) -> StoreModel: ...
+    @property
+    def tree(self) -> RadixTree: ...
+    @property
+    def page_info(self) -> Mapping[PageHash, PageInfo]: ...
+    @property
+    def state_info(self) -> Mapping[PageHash, PageInfo]: ...
+    @property
+    def write_ops(self) -> Iterable[CopyOp]: ...
+    @property
+    def load_ops(self) -> Iterable[CopyOp]: ...
+    @property
+    def backup_ops(self) -> Collection[BackupOp]: ...
+    @property
+    def prefetch_ops(self) -> Mapping[int, PrefetchOp]: ...
+    @property
+    def scheduler_slots(self) -> Set[int]: ...
+    @property
+    def scheduler_state_slots(self) -> Set[int]: ...
+    @property
+    def device(self) -> SlotPool: ...
+    @property
+    def host(self) -> SlotPool: ...
+    @property
+    def device_state(self) -> SlotPool: ...
+    @property
+    def host_state(self) -> SlotPool: ...
+    @property
+    def evictable_pages(self) -> int: ...
+    @property
+    def protected_pages(self) -> int: ...
+    @property
+    def has_states(self) -> bool: ...
+    def residency_of(self, node: Node) -> Residency | None: ...
+    def state_content(self, page: PageHash) -> Hashable: ...
+    def prefetch_reserved(self) -> int: ...
+
+
 def _fail(invariant: str, detail: str) -> NoReturn:
     raise InvariantViolation(invariant, detail)
 
 
-def check_i1_keys(cache: CacheModel) -> None:
+def check_i1_keys(cache: CacheView) -> None:
     """I1: every key in the store was built by the one schema function and parses back (prevents
     the double tag: a key tagged twice never parses, and every lookup of it would miss)."""
     keys = cache.config.keys
@@ -63,7 +116,7 @@ def check_i1_keys(cache: CacheModel) -> None:
             _fail("I1", f"key outside this cache's key space: {key.text!r}")
 
 
-def check_i2_visible_durable(cache: CacheModel) -> None:
+def check_i2_visible_durable(cache: CacheView) -> None:
     """I2: a visible object holds exactly the bytes its key names (prevents hits on partial or
     poisoned objects: a stale offset pushed to the store would hold another page's bytes)."""
     for key, content in cache.store.visible_items():
@@ -75,7 +128,7 @@ def check_i2_visible_durable(cache: CacheModel) -> None:
         _fail("I2", f"keys both visible and being written: {sorted(k.text for k in overlap)}")
 
 
-def check_i3_host_anchored(cache: CacheModel) -> None:
+def check_i3_host_anchored(cache: CacheView) -> None:
     """I3: nodes with a host copy (or one on its way) form a root-anchored prefix, and so do nodes
     with a device copy (prevents load-back of a chain with a hole, and L2 hits that cannot be
     reached)."""
@@ -92,7 +145,7 @@ def check_i3_host_anchored(cache: CacheModel) -> None:
             _fail("I3", f"L1 node {node.node_id} ({state}) under {parent.node_id} ({parent_state})")
 
 
-def check_i4_coverage(cache: CacheModel) -> None:
+def check_i4_coverage(cache: CacheView) -> None:
     """I4: every page waiting for a copy is covered by exactly one pending op, and every op covers
     exactly pages in the matching state (prevents the lost split: an op that follows a node instead of
     its enqueued range leaves the split-off prefix without a host copy or without a backup)."""
@@ -139,7 +192,7 @@ def check_i4_coverage(cache: CacheModel) -> None:
             _fail("I4", f"an op covers the state of {page}, which is no longer cached")
 
 
-def check_i5_slots(cache: CacheModel) -> None:
+def check_i5_slots(cache: CacheView) -> None:
     """I5: every allocated slot is referenced exactly once (by a page or a prefetch op) and no page
     references a free slot (prevents use-after-free and double free of L1/L2 pages)."""
     device: Counter[int] = Counter()
@@ -190,7 +243,7 @@ def check_i5_slots(cache: CacheModel) -> None:
             )
 
 
-def check_i7_contents(cache: CacheModel) -> None:
+def check_i7_contents(cache: CacheView) -> None:
     """I7: every valid copy holds the bytes of its own page (prevents reading a slot that was never
     filled, or one refilled for another page)."""
     for page, info in cache.page_info.items():
@@ -225,7 +278,7 @@ def check_i7_contents(cache: CacheModel) -> None:
                 _fail("I7", f"L2 state slot {info.host_slot} of {page} holds another state")
 
 
-def check_i6_states(cache: CacheModel) -> None:
+def check_i6_states(cache: CacheView) -> None:
     """I6 (tree): what ``match`` relies on to report only usable prefixes. Every state sits at the
     end of a node (a split never moves one: the new node end simply has none; a state attached to
     another page of its node would name a prefix no match ends at), and a state is valid (or holds
@@ -246,7 +299,7 @@ def check_i6_states(cache: CacheModel) -> None:
 
 
 def check_i6_reported(
-    cache: CacheModel, pages: Sequence[PageHash], device_pages: int, host_pages: int
+    cache: CacheView, pages: Sequence[PageHash], device_pages: int, host_pages: int
 ) -> None:
     """I6 (tree): a prefix ``match`` reports over ``pages`` (the page hashes along its path) is
     usable in every pool of the tier it is read from: the first ``device_pages`` pages are valid on
@@ -273,7 +326,7 @@ def check_i6_reported(
                 )
 
 
-def check_i8_hashes(cache: CacheModel) -> None:
+def check_i8_hashes(cache: CacheView) -> None:
     """I8: every node's page hashes are what the chain function gives for its tokens and its parent
     (deterministic, namespace-seeded keys; prevents keys that differ between processes or runs)."""
     for node in cache.tree.non_root_nodes():
@@ -281,7 +334,7 @@ def check_i8_hashes(cache: CacheModel) -> None:
             _fail("I8", f"node {node.node_id} holds page hashes its tokens do not give")
 
 
-def check_accounting(cache: CacheModel) -> None:
+def check_accounting(cache: CacheView) -> None:
     """Accounting: the tree's shape, locks and sizes agree with what the cache counts (prevents
     evicting locked nodes, leaking pages, or refusing work because of a drifted counter)."""
     tree = cache.tree
@@ -335,7 +388,7 @@ def check_accounting(cache: CacheModel) -> None:
             _fail("accounting", f"prefetch {op.op_id} counters out of range")
 
 
-ALL_CHECKS: tuple[Callable[[CacheModel], None], ...] = (
+ALL_CHECKS: tuple[Callable[[CacheView], None], ...] = (
     check_i1_keys,
     check_i2_visible_durable,
     check_i3_host_anchored,
@@ -348,7 +401,7 @@ ALL_CHECKS: tuple[Callable[[CacheModel], None], ...] = (
 )
 
 
-def check_cache(cache: CacheModel) -> None:
+def check_cache(cache: CacheView) -> None:
     """Run every invariant; raises :class:`InvariantViolation` at the first one that fails."""
     for check in ALL_CHECKS:
         check(cache)

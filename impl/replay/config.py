@@ -20,7 +20,7 @@ from kvstrata.impl.replay.capacity import Capacity, CapacityKind
 from kvstrata.impl.replay.trace import Request
 from kvstrata.model.cache import WritePolicy
 from kvstrata.model.keys import KVKind, ModelIdentity
-from kvstrata.model.prefetch import PrefetchPolicy
+from kvstrata.model.l3.policy import PrefetchPolicy
 
 __all__ = [
     "DTYPE_BYTES",

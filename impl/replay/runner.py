@@ -13,8 +13,8 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol
 
+from kvstrata.impl.cache import HierarchicalRadixCache
 from kvstrata.impl.config import RadixCacheConfig
-from kvstrata.impl.radix_cache import HierarchicalRadixCache
 from kvstrata.impl.replay.background import Progress, signalling_executor
 from kvstrata.impl.replay.capacity import Capacity
 from kvstrata.impl.replay.config import ReplayConfig, TierPages, TimestampMode

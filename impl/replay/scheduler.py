@@ -48,9 +48,9 @@ import attrs
 import numpy as np
 import numpy.typing as npt
 
+from kvstrata.impl.cache import HierarchicalRadixCache, MatchResult
 from kvstrata.impl.errors import CapacityError
 from kvstrata.impl.pools import KVPool
-from kvstrata.impl.radix_cache import HierarchicalRadixCache, MatchResult
 from kvstrata.impl.replay.background import Progress
 from kvstrata.impl.replay.errors import ReplayStalled, VerifyError
 from kvstrata.impl.replay.kv import KVSynth
@@ -158,11 +158,11 @@ class ReferenceScheduler:
             self.cache.check_events()
 
     def _copies_done(self) -> bool:
-        return not self.cache.write_ops and not self.cache.load_ops
+        pending = self.cache.pending()
+        return not pending.write and not pending.load
 
     def _idle(self) -> bool:
-        l3 = self.cache.l3
-        return self._copies_done() and (l3 is None or l3.idle())
+        return self.cache.idle()
 
     def drain(self) -> Served:
         """Wait until no copy, backup or prefetch is pending (bounded); the time it took."""
@@ -193,7 +193,7 @@ class ReferenceScheduler:
 
         first = self._call(lambda: cache.match_prefix(tokens))  # 2
         committed = 0
-        if first.device_pages + first.host_pages < total and cache.l3 is not None:  # 3
+        if first.device_pages + first.host_pages < total and cache.has_l3:  # 3
             committed = self._prefetch(tokens)
         match = self._call(lambda: cache.match_prefix(tokens)) if committed else first
         if match.host_pages:  # 4
@@ -240,7 +240,7 @@ class ReferenceScheduler:
         the copy thread happened to be."""
         cache = self.cache
         started = self._call(lambda: cache.load_back(match.host_node))
-        if started is None and (cache.write_ops or cache.load_ops):
+        if started is None and not self._copies_done():
             self._wait(self._copies_done, "pending L1 copies")
             match = self._call(lambda: cache.match_prefix(tokens))
             if not match.host_pages:
@@ -262,7 +262,7 @@ class ReferenceScheduler:
             return self._call(lambda: cache.alloc_device(pages))
         except CapacityError:
             pass
-        if cache.write_ops or cache.load_ops:
+        if not self._copies_done():
             self._wait(self._copies_done, "pending L1 copies")
             try:
                 return self._call(lambda: cache.alloc_device(pages))

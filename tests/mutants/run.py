@@ -27,7 +27,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 MUTANTS = Path(__file__).resolve().parent
-COPIED = ("model", "impl", "tests", "pyproject.toml")
+COPIED = ("kvstrata", "model", "impl", "tests", "pyproject.toml")
 
 
 def prepare(scratch: Path, patch: Path) -> str | None:
@@ -52,6 +52,8 @@ def prepare(scratch: Path, patch: Path) -> str | None:
     for package in ("model", "impl"):
         if (scratch / package).is_dir():
             (site / package).symlink_to(scratch / package, target_is_directory=True)
+    if (scratch / "kvstrata" / "__init__.py").is_file():  # the public face
+        (site / "__init__.py").symlink_to(scratch / "kvstrata" / "__init__.py")
     return None
 
 

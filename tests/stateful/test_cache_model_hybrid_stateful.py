@@ -37,8 +37,8 @@ from kvstrata.model.keys import (
     chain_page_hashes,
     parse_store_key,
 )
+from kvstrata.model.l3.prefetch import PrefetchOp, PrefetchPolicy
 from kvstrata.model.lifecycles import BackupState, PrefetchState, Residency
-from kvstrata.model.prefetch import PrefetchOp, PrefetchPolicy
 from kvstrata.model.store import StoreModel
 
 NAMESPACES = (DEFAULT_NAMESPACE, Namespace(extra_key="lora-1"))

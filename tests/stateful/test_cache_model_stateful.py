@@ -28,8 +28,8 @@ from kvstrata.model.keys import (
     chain_page_hashes,
     parse_store_key,
 )
+from kvstrata.model.l3.policy import PrefetchPolicy
 from kvstrata.model.lifecycles import BackupState, PrefetchState
-from kvstrata.model.prefetch import PrefetchPolicy
 from kvstrata.model.store import StoreModel
 
 NAMESPACES = (DEFAULT_NAMESPACE, Namespace(extra_key="lora-1"))

@@ -79,8 +79,8 @@ from kvstrata.model.keys import (
     StoreKey,
     chain_page_hashes,
 )
+from kvstrata.model.l3.policy import PrefetchPolicy
 from kvstrata.model.lifecycles import HOST_VALID, PrefetchState, Residency
-from kvstrata.model.prefetch import PrefetchPolicy
 from kvstrata.model.store import StoreModel
 
 TAG = "ci-l3"

@@ -24,11 +24,11 @@ import torch
 from hypothesis import event
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+from kvstrata.impl.cache import HierarchicalRadixCache, Node
 from kvstrata.impl.config import RadixCacheConfig
 from kvstrata.impl.errors import CapacityError, MisuseError
 from kvstrata.impl.pools import DeviceKVPool, HostKVPool, HostLayout, KVShape
 from kvstrata.impl.pools.side import SideBuffer, SideSpec, indexer_spec, mamba_spec
-from kvstrata.impl.radix_cache import HierarchicalRadixCache, Node
 from kvstrata.impl.transfer import Direction, ManualExecutor, PoolTransfer
 from kvstrata.model.cache import CacheConfig, CacheModel, WritePolicy
 from kvstrata.model.keys import DEFAULT_NAMESPACE, KVKind, Namespace, PageHash, chain_page_hashes
@@ -439,8 +439,8 @@ class DifferentialMachine(RuleBasedStateMachine):
         impl_view = (
             impl.device_free,
             impl.host_free,
-            len(impl.write_ops),
-            len(impl.load_ops),
+            impl.pending().write,
+            impl.pending().load,
             impl.evictable_pages,
             impl.protected_pages,
             residency_impl,

@@ -9,10 +9,10 @@ import time
 
 import torch
 
+from kvstrata.impl.cache import HierarchicalRadixCache
 from kvstrata.impl.config import RadixCacheConfig, StorageConfig
 from kvstrata.impl.pools import DeviceKVPool, HostKVPool, HostLayout, KVShape
 from kvstrata.impl.pools.side import SideSpec
-from kvstrata.impl.radix_cache import HierarchicalRadixCache
 from kvstrata.impl.storage.base import StorageBackend
 from kvstrata.impl.transfer import Executor, ThreadExecutor
 from kvstrata.model.keys import PageHash, chain_page_hashes

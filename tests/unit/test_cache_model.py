@@ -16,8 +16,8 @@ from kvstrata.model.keys import (
     PageHash,
     chain_page_hashes,
 )
+from kvstrata.model.l3.policy import PrefetchPolicy, PrefetchTimeout
 from kvstrata.model.lifecycles import PrefetchState, Residency
-from kvstrata.model.prefetch import PrefetchPolicy, PrefetchTimeout
 from kvstrata.model.store import StoreModel
 
 KEYS = KeySpace(ModelIdentity("tiny", "bf16", KVKind.MHA, page_size=1))

@@ -19,13 +19,14 @@ from hypothesis import given, settings
 from kvstrata.impl import fingerprint as fingerprint_module
 from kvstrata.impl import hashing as hashing_module
 from kvstrata.impl import kernels
-from kvstrata.impl import radix_cache as radix_cache_module
+from kvstrata.impl.cache import HierarchicalRadixCache
+from kvstrata.impl.cache import api as cache_api_module
+from kvstrata.impl.cache import pages as cache_pages_module
 from kvstrata.impl.config import RadixCacheConfig
 from kvstrata.impl.errors import HashingError
 from kvstrata.impl.hashing import BackgroundHasher, InlineHasher, PendingDigests, resolve
 from kvstrata.impl.pools import PageAllocator
 from kvstrata.impl.pools import allocator as allocator_module
-from kvstrata.impl.radix_cache import HierarchicalRadixCache
 from kvstrata.model.keys import chain_page_hashes
 
 native_only = pytest.mark.skipif(not kernels.NATIVE, reason="the C kernels are not built")
@@ -36,8 +37,8 @@ PAGE = 4
 def portable_kernels() -> Iterator[None]:
     """The cache as it runs without kvstrata.impl._native: numpy and hashlib everywhere."""
     with (
-        mock.patch.object(radix_cache_module, "NATIVE", False),
-        mock.patch.object(radix_cache_module, "check_pages", kernels.check_pages_portable),
+        mock.patch.object(cache_api_module, "NATIVE", False),
+        mock.patch.object(cache_pages_module, "check_pages", kernels.check_pages_portable),
         mock.patch.object(fingerprint_module, "NATIVE", False),
         mock.patch.object(fingerprint_module, "nh_fingerprints", kernels.nh_fingerprints_portable),
         mock.patch.object(allocator_module, "take_lowest", None),

@@ -14,11 +14,11 @@ import pytest
 import torch
 from prometheus_client import generate_latest
 
+from kvstrata.impl.cache import HierarchicalRadixCache
 from kvstrata.impl.config import RadixCacheConfig, StorageConfig
 from kvstrata.impl.errors import ConfigError, MisuseError
 from kvstrata.impl.metrics import registry_for
 from kvstrata.impl.pools import DeviceKVPool, HostKVPool, HostLayout, KVShape
-from kvstrata.impl.radix_cache import HierarchicalRadixCache
 from kvstrata.impl.storage.base import PutStatus
 from kvstrata.impl.storage.memory import MemoryBackend, MemoryStore
 from kvstrata.impl.transfer import ManualExecutor

@@ -57,6 +57,7 @@ def test_wheel_installs_and_imports(tmp_path: Path) -> None:
     (wheel,) = dist.glob("kvstrata-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
     assert "kvstrata/model/py.typed" in names and "kvstrata/impl/py.typed" in names
+    assert "kvstrata/__init__.py" in names and "kvstrata/py.typed" in names  # the public face
     sources = [
         f"kvstrata/{path.relative_to(REPO).as_posix()}"
         for folder in ("model", "impl")
@@ -74,8 +75,10 @@ def test_wheel_installs_and_imports(tmp_path: Path) -> None:
     subprocess.run([*install, "attrs", "transitions"], check=True)
     probe = (
         "import kvstrata.model.cache as c, kvstrata.impl.errors as e, kvstrata.model.keys as k;"
-        "print(c.__file__); print(e.__file__);"
-        "assert issubclass(e.MisuseError, e.KvStrataError)"
+        "import kvstrata;"
+        "print(c.__file__); print(e.__file__); print(kvstrata.__file__);"
+        "assert issubclass(e.MisuseError, e.KvStrataError);"
+        "assert kvstrata.WritePolicy is c.WritePolicy and kvstrata.KeySpace is k.KeySpace"
     )
     result = subprocess.run(
         [str(python), "-c", probe], cwd=tmp_path, capture_output=True, text=True, check=True

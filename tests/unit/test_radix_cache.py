@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 import torch
 
+from kvstrata.impl.cache import HierarchicalRadixCache
 from kvstrata.impl.config import RadixCacheConfig
 from kvstrata.impl.errors import CapacityError, ConfigError, MisuseError
 from kvstrata.impl.pools import DeviceKVPool, HostKVPool, HostLayout, KVShape
-from kvstrata.impl.radix_cache import HierarchicalRadixCache
 from kvstrata.impl.transfer import ManualExecutor, ThreadExecutor
 from kvstrata.model.keys import KVKind, Namespace, chain_page_hashes
 from kvstrata.model.lifecycles import Residency

@@ -13,11 +13,11 @@ import pytest
 import torch
 from support.differential import kv_for, side_bytes
 
+from kvstrata.impl.cache import HierarchicalRadixCache
 from kvstrata.impl.config import RadixCacheConfig
 from kvstrata.impl.errors import CapacityError, ConfigError, MisuseError
 from kvstrata.impl.pools import DeviceKVPool, HostKVPool, HostLayout, KVShape
 from kvstrata.impl.pools.side import indexer_spec, mamba_spec
-from kvstrata.impl.radix_cache import HierarchicalRadixCache
 from kvstrata.impl.transfer import Executor, ManualExecutor, ThreadExecutor
 from kvstrata.model.hybrid import HitPolicy, SidePool
 from kvstrata.model.keys import KVKind, PageHash, chain_page_hashes

@@ -12,10 +12,10 @@ import pytest
 import torch
 from support.replay_traces import conversations, naive_max_hit_tokens, write_trace
 
+from kvstrata.impl.cache import HierarchicalRadixCache
 from kvstrata.impl.config import RadixCacheConfig
 from kvstrata.impl.errors import ConfigError
 from kvstrata.impl.pools import DeviceKVPool, KVShape
-from kvstrata.impl.radix_cache import HierarchicalRadixCache
 from kvstrata.impl.replay import sample_trace
 from kvstrata.impl.replay.background import Progress
 from kvstrata.impl.replay.capacity import Capacity, CapacityKind

@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 import torch
 
+from kvstrata.impl.cache import HierarchicalRadixCache
 from kvstrata.impl.config import RadixCacheConfig, StorageConfig
 from kvstrata.impl.pools import DeviceKVPool, HostKVPool, HostLayout, KVShape
-from kvstrata.impl.radix_cache import HierarchicalRadixCache
 from kvstrata.impl.storage.mooncake import LocalCluster, MooncakeBackend, MooncakeClient
 from kvstrata.model.keys import (
     DEFAULT_NAMESPACE,

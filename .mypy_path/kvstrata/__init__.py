@@ -1,0 +1,1 @@
+../../kvstrata/__init__.py

@@ -1,0 +1,618 @@
+"""The hierarchical radix cache's scheduler verbs (SPEC §3; contract:
+:class:`~kvstrata.impl.cache.protocol.SchedulerCache`), held to the reference model
+(``kvstrata.model.cache``) by the differential stateful tests.
+
+Theory of operation
+-------------------
+* :class:`HierarchicalRadixCache` is a facade: each verb validates its input (a typed error from
+  :mod:`kvstrata.impl.errors`, nothing changed), ticks the step clock and delegates to the piece that
+  owns the data: :mod:`.index` (the tree's shape, fingerprints, page hashes, the match memo),
+  :mod:`.locks` (path locks, evictable / protected counts, the L1 leaf heap), :mod:`.tiers` (the only
+  module that advances page residency: write-through, demotion, eviction, load-back, copy acks),
+  :mod:`.states` (trailing side-pool states), :mod:`.pages` (the L1 pages the scheduler holds) and
+  :mod:`kvstrata.impl.l3` (backup and prefetch, through :class:`~.port.CachePort`).
+* Everything is single-threaded on the scheduler's side. Copies and store I/O run on workers and
+  change the tree only inside :meth:`HierarchicalRadixCache.check_events`, in FIFO order.
+* Indices are page indices (one per ``page_size`` tokens), never token indices.
+
+Hot path
+--------
+``match_prefix`` and ``insert`` bind the pieces to locals once per call: composition costs no
+attribute hop per node. Nothing on the scheduler path reads a page hash, so ``insert`` does not wait
+for them (a C thread computes the chain; :mod:`kvstrata.impl.hashing`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+
+import numpy as np
+import numpy.typing as npt
+
+from kvstrata.impl.cache.build import build_cache
+from kvstrata.impl.cache.clock import StepClock
+from kvstrata.impl.cache.index import TreeIndex, as_tokens
+from kvstrata.impl.cache.locks import LockBook
+from kvstrata.impl.cache.lookup import Lookup
+from kvstrata.impl.cache.node import (
+    Allocator,
+    CacheEvent,
+    CacheStats,
+    CopyOp,
+    InsertResult,
+    MatchResult,
+    Node,
+    Pages,
+    PendingWork,
+)
+from kvstrata.impl.cache.pages import EMPTY, HeldPages
+from kvstrata.impl.cache.port import CachePort
+from kvstrata.impl.cache.protocol import SchedulerCache
+from kvstrata.impl.cache.states import StateBook
+from kvstrata.impl.cache.tiers import Tiers
+from kvstrata.impl.config import RadixCacheConfig, StorageConfig
+from kvstrata.impl.errors import CapacityError, ConfigError, MisuseError
+from kvstrata.impl.fingerprint import Fingerprinter, fingerprint_keys
+from kvstrata.impl.hashing import BackgroundHasher, InlineHasher, PageHasher, digests_tail, resolve
+from kvstrata.impl.kernels import NATIVE, sha256_chain
+from kvstrata.impl.l3 import L3Tier
+from kvstrata.impl.pools import KVPool, PageAllocator
+from kvstrata.impl.pools.group import PoolGroup
+from kvstrata.impl.pools.side import SideSpec
+from kvstrata.impl.storage.base import StorageBackend
+from kvstrata.impl.transfer import Direction, Executor, SideCopyFunction, TransferController
+from kvstrata.model.cache import WritePolicy
+from kvstrata.model.keys import Namespace, PageHash
+from kvstrata.model.lifecycles import DEVICE_VALID, HOST_CLAIMED, HOST_VALID, Residency
+
+__all__ = ["HierarchicalRadixCache"]
+
+Tokens = Sequence[int] | npt.NDArray[np.integer]
+_DEVICE_VALID_T = tuple(DEVICE_VALID)
+_HOST_VALID_T = tuple(HOST_VALID)
+_HOST_CLAIMED_T = tuple(HOST_CLAIMED)
+
+
+def _check_count(pages: object) -> None:
+    if not isinstance(pages, int) or isinstance(pages, bool) or pages < 0:
+        raise MisuseError(f"pages must be an int >= 0, got {pages!r}")
+
+
+class HierarchicalRadixCache:
+    """L1/L2 radix cache (L3 attached by :meth:`build`). See the module docstring."""
+
+    def __init__(
+        self,
+        config: RadixCacheConfig,
+        device: Allocator,
+        host: Allocator | None = None,
+        transfer: TransferController | None = None,
+        copy_now: Callable[[Direction, Pages, Pages], int] | None = None,
+        *,
+        device_states: Allocator | None = None,
+        host_states: Allocator | None = None,
+        side_copy_now: SideCopyFunction | None = None,
+    ) -> None:
+        if (host is None) != (transfer is None):
+            raise MisuseError("an L2 pool needs a transfer controller and vice versa")
+        if config.write_policy is WritePolicy.WRITE_BACK and host is not None and copy_now is None:
+            raise MisuseError("write_back needs a blocking copy function (copy_now)")
+        if config.trailing_pools:
+            if (host is not None) != (config.host_states > 0):
+                raise ConfigError(
+                    f"host_states: a TRAILING_PAGES side pool needs an int >= 1 with an L2 and 0 "
+                    f"without one, got {config.host_states} "
+                    f"({'with' if host is not None else 'without'} an L2)"
+                )
+            if device_states is None:
+                device_states = PageAllocator(config.device_states, "L1 states")
+            if host is not None and host_states is None:
+                host_states = PageAllocator(config.host_states, "L2 states")
+        elif device_states is not None or host_states is not None:
+            raise MisuseError("state slot allocators need a TRAILING_PAGES side pool in the config")
+        self.config = config
+        self.page_size = config.page_size
+        hasher: PageHasher = (
+            BackgroundHasher(4 * config.page_size)
+            if config.page_hashes and config.hash_worker and NATIVE
+            else InlineHasher(4 * config.page_size)
+        )
+        fingerprint = Fingerprinter(
+            fingerprint_keys(config.page_size, config.fingerprint_seed), config.page_size
+        )
+        self._clock = clock = StepClock()
+        self._locks = locks = LockBook(
+            clock, count_hits=config.write_policy is WritePolicy.WRITE_THROUGH_SELECTIVE
+        )
+        self._index = index = TreeIndex(
+            clock,
+            locks,
+            fingerprint,
+            hasher,
+            page_size=config.page_size,
+            hashing=config.page_hashes,
+        )
+        pools = [pool.name for pool in config.trailing_pools]
+        self._states = states = StateBook(clock, pools, device_states, host_states)
+        self._tiers = tiers = Tiers(
+            config,
+            clock,
+            index,
+            locks,
+            states,
+            device=device,
+            host=host,
+            transfer=transfer,
+            copy_now=copy_now,
+            side_copy_now=side_copy_now,
+        )
+        self._held = held = HeldPages(device.num_pages)
+        self._lookup = Lookup(
+            config, clock, index, locks, states, tiers=tiers, held=held, finish=self._finish
+        )
+        self.port = CachePort(clock, index, locks, states, tiers)
+        self._l3: L3Tier | None = None
+        self.device_group: PoolGroup | None = None  # set by build() with side pools
+        self.host_group: PoolGroup | None = None
+
+    @classmethod
+    def build(
+        cls,
+        config: RadixCacheConfig,
+        device_pool: KVPool,
+        host_pool: KVPool | None = None,
+        executor: Executor | None = None,
+        *,
+        storage: StorageBackend | None = None,
+        storage_config: StorageConfig | None = None,
+        storage_executor: Executor | None = None,
+        side_specs: Sequence[SideSpec] = (),
+    ) -> HierarchicalRadixCache:
+        """A cache over real pools: copies run on ``executor`` (a worker thread by default). With a
+        ``storage`` backend (which needs a page-first host pool) L2 is backed up to L3 and
+        prefetched from it; store I/O runs on ``storage_executor`` (a worker thread by default).
+
+        Side pools: ``side_specs`` gives the shapes of ``config.side_pools`` (one spec per pool, in
+        the same order). Their buffers sit next to each KV pool: an ``ALL_PAGES`` buffer of one
+        entry per KV page, a ``TRAILING_PAGES`` one of ``device_states`` / ``host_states`` slots
+        (``device_group`` / ``host_group``). Every L1 <-> L2 copy moves the indexer entries of its
+        pages and the state slots it carries in the same batch; with a ``storage`` backend the L3
+        tier drives a :class:`~kvstrata.impl.storage.hybrid.HybridStorage` over the host side
+        buffers."""
+        return build_cache(
+            cls,
+            config,
+            device_pool,
+            host_pool,
+            executor,
+            storage=storage,
+            storage_config=storage_config,
+            storage_executor=storage_executor,
+            side_specs=side_specs,
+        )
+
+    def attach_l3(self, tier: L3Tier) -> None:
+        """Back L2 up to ``tier`` and prefetch from it (``build`` calls this once)."""
+        if self._l3 is not None:
+            raise MisuseError("an L3 tier is attached already")
+        self._l3 = tier
+        self._tiers.backup = tier.backup.enqueue
+        self._index.on_split = tier.backup.on_split
+
+    # ------------------------------------------------------------------ parts and sizes
+    @property
+    def transfer(self) -> TransferController | None:
+        return self._tiers.transfer
+
+    @property
+    def l3(self) -> L3Tier | None:
+        """The L3 side (backup and prefetch state, counters), if a storage backend is attached."""
+        return self._l3
+
+    @property
+    def has_l3(self) -> bool:
+        return self._l3 is not None
+
+    @property
+    def hasher(self) -> PageHasher:
+        """What computes the page hashes of inserted pages (a worker thread or the caller's)."""
+        return self._index.hasher
+
+    @property
+    def stats(self) -> CacheStats:
+        return self._tiers.stats
+
+    @property
+    def page_nbytes(self) -> int:
+        """Bytes of one KV page (set by build; for the byte counters)."""
+        return self._tiers.page_nbytes
+
+    @page_nbytes.setter
+    def page_nbytes(self, value: int) -> None:
+        self._tiers.page_nbytes = value
+
+    @property
+    def clock(self) -> int:
+        """The step clock: one tick per public call."""
+        return self._clock.now
+
+    @property
+    def roots(self) -> dict[Namespace, Node]:
+        return self._index.roots
+
+    @property
+    def evictable_pages(self) -> int:
+        return self._locks.evictable_pages
+
+    @property
+    def protected_pages(self) -> int:
+        return self._locks.protected_pages
+
+    @property
+    def has_host(self) -> bool:
+        return self._tiers.host is not None
+
+    @property
+    def device_free(self) -> int:
+        return self._tiers.device.free_count
+
+    @property
+    def host_free(self) -> int:
+        host = self._tiers.host
+        return 0 if host is None else host.free_count
+
+    @property
+    def has_states(self) -> bool:
+        """Whether a ``TRAILING_PAGES`` side pool (a Mamba state per node end) is configured."""
+        return self._states.enabled
+
+    @property
+    def device_states_free(self) -> int:
+        """Free L1 state slots (0 without a ``TRAILING_PAGES`` pool)."""
+        pool = self._states.device
+        return 0 if pool is None else pool.free_count
+
+    @property
+    def host_states_free(self) -> int:
+        """Free L2 state slots (0 without a ``TRAILING_PAGES`` pool or without L2)."""
+        pool = self._states.host
+        return 0 if pool is None else pool.free_count
+
+    def pending(self) -> PendingWork:
+        """Background work not applied yet (applied only by :meth:`check_events`)."""
+        tiers, l3 = self._tiers, self._l3
+        return PendingWork(
+            len(tiers.write_ops),
+            len(tiers.load_ops),
+            0 if l3 is None else len(l3.backups),
+            0 if l3 is None else len(l3.prefetches),
+        )
+
+    def idle(self) -> bool:
+        """Whether every copy, backup and prefetch has been applied (nothing pending)."""
+        tiers = self._tiers
+        return not tiers.write_ops and not tiers.load_ops and (self._l3 is None or self._l3.idle())
+
+    def close(self) -> None:
+        """Finish queued copies, store I/O and page hashing, stop the workers and close the
+        backend."""
+        if self._tiers.transfer is not None:
+            self._tiers.transfer.close()
+        if self._l3 is not None:
+            self._l3.close()
+        self._index.hasher.close()
+
+    namespace_of = staticmethod(TreeIndex.namespace_of)
+    ancestors = staticmethod(TreeIndex.ancestors)
+
+    def nodes(self) -> Iterator[Node]:
+        """Every non-root node, parents before children."""
+        return self._index.nodes()
+
+    def _finish(self) -> None:
+        transfer = self._tiers.transfer
+        if transfer is not None:
+            transfer.flush()
+
+    def _check_node(self, node: Node) -> None:
+        if not isinstance(node, Node):
+            raise MisuseError(f"expected a Node, got {type(node).__name__}")
+        if node.is_root or node.state in (None, Residency.GONE):
+            raise MisuseError(f"{node!r} is not a node of this cache")
+
+    # ------------------------------------------------------------------ queries (no split, no touch)
+    def residency(
+        self, tokens: Tokens, extra_key: str | Namespace | None = None
+    ) -> tuple[Residency, ...]:
+        """Residency of each full page of ``tokens`` in the tree."""
+        out: list[Residency] = []
+        for node in self._index.cached_path(tokens, extra_key):
+            assert node.state is not None
+            out.extend([node.state] * node.num_pages)
+        return tuple(out)
+
+    def state_residency(
+        self, tokens: Tokens, extra_key: str | Namespace | None = None
+    ) -> tuple[Residency | None, ...]:
+        """Residency of the state at the end of each full page of ``tokens`` (``None``: none)."""
+        out: list[Residency | None] = []
+        for node in self._index.cached_path(tokens, extra_key):
+            out.extend([None] * (node.num_pages - 1))
+            out.append(self._states.of(node))
+        return tuple(out)
+
+    def page_hashes(
+        self, tokens: Tokens, extra_key: str | Namespace | None = None
+    ) -> tuple[PageHash, ...]:
+        """The page hashes the tree holds for the cached pages of ``tokens`` (for L3 keys).
+        :class:`MisuseError` when the cache keeps none (``RadixCacheConfig.page_hashes=False``)."""
+        if not self._index.hashing:
+            raise MisuseError(
+                "page hashes are off for this cache (RadixCacheConfig.page_hashes=False)"
+            )
+        path = self._index.cached_path(tokens, extra_key)
+        return tuple(node.page_hash(i) for node in path for i in range(node.num_pages))
+
+    def cached_pages(self) -> dict[str, int]:
+        """Pages per tier held by the tree."""
+        device = host = 0
+        for node in self._index.nodes():
+            device += node.num_pages if node.state in _DEVICE_VALID_T else 0
+            host += node.num_pages if node.state in _HOST_VALID_T else 0
+        return {"device": device, "host": host}
+
+    # ------------------------------------------------------------------ match
+    def match_prefix(self, tokens: Tokens, extra_key: str | Namespace | None = None) -> MatchResult:
+        """The cached prefix of ``tokens``: its L1 pages and the L2-only continuation after them,
+        splitting the node the match ends inside and touching the matched path (LRU). With a
+        ``TRAILING_PAGES`` pool both parts end where a state is valid in the tier read (I6)."""
+        return self._lookup.match(as_tokens(tokens), self._index.namespace_of(extra_key))
+
+    # ------------------------------------------------------------------ allocation and insert
+    def alloc_device(self, pages: int) -> Pages:
+        """Fresh L1 pages for a request's new KV (evicting unlocked L1 leaves as needed). Raises
+        :class:`CapacityError` if L1 is still short; the caller owns the pages until ``insert`` or
+        ``free_device``."""
+        _check_count(pages)
+        self._clock.tick()
+        device = self._tiers.device
+        if pages > device.free_count:
+            self._tiers.evict_device(pages - device.free_count)
+        if pages > device.free_count:
+            self._finish()
+            raise CapacityError(f"{pages} L1 pages asked, {device.free_count} free")
+        out = np.asarray(device.alloc(pages), dtype=np.int64)
+        self._held.held[out] = True
+        self._finish()
+        return out
+
+    def held_pages(self) -> Pages:
+        """L1 pages the scheduler took with :meth:`alloc_device` and has not handed back yet."""
+        return self._held.pages()
+
+    def free_device(self, pages: Sequence[int] | Pages) -> None:
+        """Give back pages taken with :meth:`alloc_device` (a request that went away)."""
+        array = self._held.as_array(pages, "pages")
+        self._held.claim(array, EMPTY, "pages")  # all of them the scheduler's; no longer held
+        self._clock.tick()
+        self._tiers.device.free(array)
+        self._finish()
+
+    def insert(
+        self,
+        tokens: Tokens,
+        device_indices: Sequence[int] | Pages,
+        extra_key: str | Namespace | None = None,
+        state_slot: int | None = None,
+    ) -> InsertResult:
+        """Cache the KV of ``tokens`` (whole pages; a trailing partial page is ignored).
+
+        ``device_indices`` has one L1 page per full page: the cached pages ``match_prefix`` returned
+        for the L1 prefix, pages from :meth:`alloc_device` (holding the computed KV) for the rest.
+        The cache owns all of them afterwards: pages it already holds on L1 give their fresh page
+        back, host-only pages are revived with it, new pages form a new leaf.
+
+        ``state_slot`` (a ``TRAILING_PAGES`` pool only): an L1 state slot from
+        :meth:`alloc_device_state` holding the state at the end of the last full page. It becomes
+        that page's L1 state unless the page already has one on L1 (or loading), or nothing was
+        cached below a loading node: then it is given back (``state_kept`` False). A slot the
+        scheduler does not hold is a :class:`MisuseError`."""
+        query = as_tokens(tokens)
+        namespace = self._index.namespace_of(extra_key)
+        total = len(query) // self.page_size
+        given = self._held.as_array(device_indices, "device_indices")
+        if len(given) != total:
+            raise MisuseError(f"{total} L1 pages needed for {total} pages, got {len(given)}")
+        if state_slot is not None:
+            self._states.check_held(state_slot)
+            if total == 0:
+                raise MisuseError("a state belongs to the end of a full page; tokens have none")
+        return self._lookup.insert(query, namespace, given, state_slot, tokens)
+
+    # ------------------------------------------------------------------ locks and eviction
+    def lock(self, node: Node) -> None:
+        """Lock ``node`` and its path: none of them is evicted until :meth:`unlock`."""
+        self._check_node(node)
+        self._clock.tick()
+        self._locks.lock(node, +1)
+
+    def unlock(self, node: Node) -> None:
+        self._check_node(node)
+        if node.pins - self._tiers.op_pins(node) <= 0:
+            raise MisuseError(f"{node!r} is not locked by the caller")
+        self._clock.tick()
+        self._locks.lock(node, -1)
+
+    def evict(self, pages: int) -> int:
+        """Free at least ``pages`` L1 pages if possible (LRU over unlocked L1 leaves)."""
+        _check_count(pages)
+        self._clock.tick()
+        freed = self._tiers.evict_device(pages)
+        self._finish()
+        return freed
+
+    def evict_host(self, pages: int) -> int:
+        """Free at least ``pages`` L2 pages if possible (LRU over unlocked host-only leaves)."""
+        _check_count(pages)
+        self._clock.tick()
+        freed = self._tiers.evict_host(pages)
+        self._finish()
+        return freed
+
+    def load_back(self, node: Node) -> int | None:
+        """Start loading the host-only chain ending at ``node`` back to L1, all or nothing. Returns
+        the op id, or ``None`` when skipped (below the threshold, over the quota, no L1 room).
+        With a ``TRAILING_PAGES`` pool the state at ``node``'s end comes along if it is on L2 only."""
+        self._check_node(node)
+        self._clock.tick()
+        op_id = self._tiers.load_back(node)
+        self._finish()
+        return op_id
+
+    # ------------------------------------------------------------------ side-pool states
+    def alloc_device_state(self) -> int:
+        """One fresh L1 state slot for the trailing state a request is about to compute, dropping
+        the least recently used unlocked L1 state copy if none is free. :class:`CapacityError` if
+        still none (a dropped copy stays dropped). The caller owns the slot until ``insert``
+        (``state_slot=``) or :meth:`free_device_state`; it writes the state into entry ``slot`` of
+        every trailing pool of ``device_group``."""
+        self._states.require()
+        self._clock.tick()
+        try:
+            return self._states.take_device_slot()
+        finally:
+            self._finish()
+
+    def free_device_state(self, slot: int) -> None:
+        """Give back a state slot taken with :meth:`alloc_device_state` (a request that went away)."""
+        self._states.check_held(slot)
+        self._clock.tick()
+        self._states.give_back_device_slot(slot)
+        self._finish()
+
+    def held_state_slots(self) -> frozenset[int]:
+        """L1 state slots the scheduler took and has not handed back yet."""
+        return frozenset(self._states.held)
+
+    def evict_state(self, node: Node, *, host: bool = False) -> None:
+        """Drop the state at ``node``'s end from L1 (or, with ``host``, from L2) without touching its
+        KV; matches then report less, never wrong. :class:`MisuseError`, nothing changed, unless the
+        state has an idle copy in that tier (not being copied) and the node is unlocked."""
+        self._states.require()
+        self._check_node(node)
+        self._states.check_evictable(node, host=host)
+        self._clock.tick()
+        self._states.drop(node, host=host)
+        self._finish()
+
+    # ------------------------------------------------------------------ background work
+    def check_events(self) -> list[CacheEvent]:
+        """Apply every copy batch that finished since the last call (FIFO), then every store
+        result; returns the copy events applied. The only place where background work changes the
+        tree."""
+        tiers = self._tiers
+        if tiers.transfer is None:
+            return []
+        events = [tiers.apply(completion) for completion in tiers.transfer.completed()]
+        if self._l3 is not None:
+            self._clock.tick()
+            self._l3.poll()
+            self._finish()
+        return events
+
+    # ------------------------------------------------------------------ prefetch (L3 -> L2)
+    def prefetch(self, tokens: Tokens, extra_key: str | Namespace | None = None) -> int | None:
+        """Start reading from L3 what follows the local match of ``tokens`` (SPEC §3). Returns an
+        op id for :meth:`prefetch_ready` / :meth:`prefetch_commit` / :meth:`prefetch_abort`, or
+        ``None`` when there is no L3, the match does not end at a host-backed node (or a root), or
+        fewer than ``prefetch_threshold`` tokens of whole pages follow it. The store query runs in
+        the background; its result is applied by :meth:`check_events`."""
+        query = as_tokens(tokens)
+        namespace = self._index.namespace_of(extra_key)
+        if self._l3 is None:
+            return None
+        self._clock.tick()
+        root, path, matched, _ = self._index.walk_split(query, namespace)
+        anchor = path[-1] if path else root
+        total = len(query) // self.page_size
+        remaining = total - matched
+        if (
+            not (anchor.is_root or anchor.state in _HOST_CLAIMED_T)
+            or remaining == 0
+            or remaining * self.page_size < self._l3.config.prefetch_threshold
+        ):
+            self._finish()
+            return None
+        whole = query[: total * self.page_size].copy()
+        rest = whole[matched * self.page_size :].tobytes()
+        seed = digests_tail(anchor.digests) if anchor.digests else namespace.seed()
+        page_bytes = 4 * self.page_size
+        op = self._l3.prefetch.start(
+            whole, namespace, anchor, matched, lambda: sha256_chain(resolve(seed), rest, page_bytes)
+        )
+        self._finish()
+        return op.op_id
+
+    def _l3_tier(self) -> L3Tier:
+        if self._l3 is None:
+            raise MisuseError("this cache has no L3 storage backend")
+        return self._l3
+
+    def prefetch_ready(self, op_id: int) -> bool:
+        """Whether the scheduler should stop waiting for prefetch ``op_id`` now (its policy:
+        ``best_effort`` always, ``wait_complete`` once every reserved page arrived or failed,
+        ``timeout`` then or after the configured time)."""
+        return self._l3_tier().prefetch.ready(op_id)
+
+    def prefetch_commit(self, op_id: int) -> int:
+        """Insert the pages of ``op_id`` that arrived as host-only nodes; returns how many pages
+        the tree gained. Pages still in flight are released when their read is drained."""
+        prefetches = self._l3_tier().prefetch
+        prefetches.op(op_id)
+        self._clock.tick()
+        added = prefetches.commit(op_id)
+        self._finish()
+        return added
+
+    def prefetch_abort(self, op_id: int) -> None:
+        """Release everything prefetch ``op_id`` reserved (the request went away)."""
+        prefetches = self._l3_tier().prefetch
+        prefetches.op(op_id)
+        self._clock.tick()
+        prefetches.abort(op_id)
+        self._finish()
+
+    def prefetch_reserved(self) -> int:
+        """Host pages currently reserved by prefetches (arrived or in flight, not committed)."""
+        return 0 if self._l3 is None else self._l3.prefetch.reserved()
+
+    # ------------------------------------------------------------------ reset
+    def reset(self) -> None:
+        """Drop every cached page (pending copies must have been drained first)."""
+        if not self.idle():
+            raise MisuseError(
+                "reset with copies, backups or prefetches in flight: "
+                "call check_events until none is pending"
+            )
+        if any(node.lock_ref for node in self._index.nodes()):
+            raise MisuseError("reset while nodes are locked")
+        self._tiers.reset()
+        self._states.reset()
+        self._locks.reset()
+        self._index.reset()
+
+    # ------------------------------------------------------------------ compatibility for tests
+    @property
+    def write_ops(self) -> tuple[CopyOp, ...]:
+        """Pending L1 -> L2 copies, oldest first (a snapshot; schedulers use :meth:`pending`)."""
+        return tuple(self._tiers.write_ops)
+
+    @property
+    def load_ops(self) -> tuple[CopyOp, ...]:
+        """Pending L2 -> L1 copies, oldest first (a snapshot; schedulers use :meth:`pending`)."""
+        return tuple(self._tiers.load_ops)
+
+
+def _satisfies_the_protocol(cache: HierarchicalRadixCache) -> SchedulerCache:
+    """Never called: ``mypy`` checks here that the cache satisfies :class:`SchedulerCache`."""
+    return cache

@@ -1,0 +1,248 @@
+"""L2 -> L3 backup (SPEC §3, §4, §9; model: ``kvstrata.model.l3.backup``).
+
+When a write-through (or a write_back staging copy) has put pages on L2, the cache hands
+:meth:`Backups.enqueue` the nodes covering them. The op captures, *at that moment*, the pages' hashes
+and host indices (a later split cannot change what it covers: I4) and pins every node
+(``Node.backup_pins``: a pinned node's host pages are never evicted or reused: I5), then submits a
+job at once. A result's pages that are in the store (stored, existed, or a non-writer's skip) are
+done; the rest (store full, failures, not yet visible) form a retry op with back-off, and after
+``StorageConfig.backup_retries`` retries they are abandoned and counted. Nodes are unpinned as soon
+as none of their pages is pending any more.
+
+Side pools: an op writes its pages' ``ALL_PAGES`` objects with them (a page is done only when all of
+its objects are) and the state at the end of the copied node (``BackupOp.states``: the state's page
+hash and host state slot fixed at enqueue, its :class:`StateInfo` pinned by ``host_pins`` so the
+slot is neither dropped nor reused until the store confirms it). A result unpins each state that is
+in the store and retries the rest with the failed pages (the model's ``ack_backup`` /
+``fail_backup``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import attrs
+import numpy as np
+
+from kvstrata.impl.config import StorageConfig
+from kvstrata.impl.l3.counters import L3Counters
+from kvstrata.impl.l3.port import Pages, TreePort
+from kvstrata.impl.storage.base import PutStatus
+from kvstrata.impl.storage.worker import BackupResult, StorageWorker
+from kvstrata.model.keys import Namespace
+from kvstrata.model.lifecycles import BACKUP_OP, BackupEvent, BackupState
+
+if TYPE_CHECKING:
+    from kvstrata.impl.cache.node import Node, StateInfo
+
+__all__ = ["BackupOp", "Backups", "PageRef"]
+
+_DIGEST = 32
+
+
+@attrs.define(eq=False)
+class PageRef:
+    """Which node holds one page of a backup op, and where in it (re-pointed by splits)."""
+
+    node: Node
+    offset: int
+
+
+@attrs.define(eq=False)
+class BackupOp:
+    """Pages of L2 being written to L3. ``digests``/``host`` are fixed at enqueue; ``refs[i]`` names
+    the node holding page ``i`` (splits re-point it). Every distinct node among ``refs`` carries
+    one ``backup_pins`` for this op until none of its pages is pending here. ``states[i]`` (side
+    pools) is the state at the end of the page named by ``state_digests[i]``, read from host state
+    slot ``state_slots[i]`` (both fixed at enqueue); it carries one ``host_pins`` for this op until
+    it is in the store or abandoned."""
+
+    op_id: int
+    namespace: Namespace
+    digests: bytes
+    host: Pages
+    refs: list[PageRef]
+    state: BackupState = BackupState.QUEUED
+    attempts: int = 0
+    retry_at: float = 0.0
+    states: list[StateInfo] = attrs.field(factory=list)
+    state_digests: bytes = b""
+    state_slots: Pages = attrs.field(factory=lambda: np.zeros(0, dtype=np.int64))
+
+    @property
+    def num_pages(self) -> int:
+        return len(self.host)
+
+    def nodes(self) -> list[Node]:
+        """The distinct nodes this op pins, in page order."""
+        seen: dict[int, Node] = {}
+        for ref in self.refs:
+            seen.setdefault(id(ref.node), ref.node)
+        return list(seen.values())
+
+
+class Backups:
+    """Every backup op of one cache, keyed by op id (retries keep their op's id)."""
+
+    def __init__(
+        self,
+        tree: TreePort,
+        worker: StorageWorker,
+        config: StorageConfig,
+        counters: L3Counters,
+        *,
+        states: bool,
+        now: Callable[[], float],
+        page_nbytes: int,
+    ) -> None:
+        self._tree = tree
+        self._worker = worker
+        self.config = config
+        self._counters = counters
+        self._states = states
+        self._now = now
+        self._page_nbytes = page_nbytes
+        self.ops: dict[int, BackupOp] = {}
+        self._retry: list[BackupOp] = []
+
+    def enqueue(
+        self, namespace: Namespace, nodes: list[Node], state_node: Node | None = None
+    ) -> None:
+        """Back up the pages of ``nodes`` (in order; each has a host copy and its hashes), in
+        batches of at most ``backup_batch_pages`` pages (a long node is cut across batches), and
+        (side pools) the L2 state at the end of ``state_node`` with the last batch."""
+        refs = [PageRef(node, i) for node in nodes for i in range(node.num_pages)]
+        digests = b"".join(node.hashes for node in nodes)
+        hosts = [node.host for node in nodes if node.host is not None]
+        host = np.concatenate(hosts) if hosts else np.zeros(0, dtype=np.int64)
+        assert len(host) * _DIGEST == len(digests) == len(refs) * _DIGEST, "a page lacks a copy"
+        info = None
+        if state_node is not None and self._states:
+            info = self._tree.host_state(state_node)
+        if not refs and info is None:
+            return
+        limit = self.config.backup_batch_pages
+        starts = list(range(0, len(refs), limit)) or [0]
+        for start in starts:
+            end = start + limit
+            op = BackupOp(
+                self._tree.new_op(),
+                namespace,
+                digests[start * _DIGEST : end * _DIGEST],
+                host[start:end].copy(),
+                refs[start:end],
+            )
+            if info is not None and start == starts[-1]:
+                assert state_node is not None and state_node.last_hash is not None
+                assert info.host is not None
+                op.states = [info]
+                op.state_digests = state_node.last_hash.digest
+                op.state_slots = np.array([info.host], dtype=np.int64)
+                info.host_pins += 1  # the host state slot is read until the store confirms
+            for node in op.nodes():
+                node.backup_pins += 1
+            self.ops[op.op_id] = op
+            self._counters.backup_ops += 1
+            self._start_backup(op)
+
+    def _start_backup(self, op: BackupOp) -> None:
+        op.state = BACKUP_OP.next(op.state, BackupEvent.START)
+        op.attempts += 1
+        self._worker.backup(
+            op.op_id,
+            op.namespace,
+            op.digests,
+            op.host,
+            state_digests=op.state_digests,
+            state_slots=op.state_slots,
+        )
+
+    def on_split(self, node: Node, prefix: Node) -> None:
+        """``node`` was split and ``prefix`` took its first pages: page references move to the
+        prefix where they fall in it, and each op pins exactly the nodes it still covers."""
+        cut = prefix.num_pages
+        prefix.backup_pins = 0
+        for op in self.ops.values():
+            had = False
+            for ref in op.refs:
+                if ref.node is node:
+                    had = True
+                    if ref.offset < cut:
+                        ref.node = prefix
+                    else:
+                        ref.offset -= cut
+            if not had:
+                continue
+            covers = {id(ref.node) for ref in op.refs}
+            if id(prefix) in covers:
+                prefix.backup_pins += 1
+            if id(node) not in covers:
+                node.backup_pins -= 1
+
+    def apply(self, result: BackupResult) -> None:
+        """The model's ``ack_backup`` (every part in the store) or its retry: pages and states in
+        the store are done (nodes with no page pending here and those states are unpinned); the
+        rest is retried with back-off, or abandoned (and unpinned) after ``backup_retries``."""
+        op = self.ops.get(result.op_id)
+        if op is None:
+            return
+        failed = [not status.ok for status in result.statuses]
+        states_failed = [not status.ok for status in result.states]
+        if len(states_failed) != len(op.states):  # a result without its states: none is stored
+            states_failed = [True] * len(op.states)
+        counters = self._counters
+        for status in result.statuses:
+            counters.backup_pages[status.value] += 1
+        counters.backup_bytes += self._page_nbytes * sum(
+            status is PutStatus.STORED for status in result.statuses
+        )
+        retry_any = any(failed) or any(states_failed)
+        event = BackupEvent.RETRY if retry_any else BackupEvent.ACK
+        op.state = BACKUP_OP.next(op.state, event)
+        del self.ops[op.op_id]
+        abandon = retry_any and op.attempts > self.config.backup_retries
+        pending = {id(ref.node) for ref, bad in zip(op.refs, failed, strict=True) if bad}
+        for node in op.nodes():  # unpin every node with nothing left to retry here
+            if abandon or id(node) not in pending:
+                node.backup_pins -= 1
+        for info, bad in zip(op.states, states_failed, strict=True):
+            if abandon or not bad:  # in the store (or given up): the host state slot is free
+                info.host_pins -= 1
+        if not retry_any:
+            return
+        if abandon:
+            counters.backup_abandoned_pages += sum(failed)
+            return
+        mask = np.asarray(failed, dtype=bool)
+        digests = b"".join(
+            op.digests[i * _DIGEST : (i + 1) * _DIGEST] for i in np.flatnonzero(mask)
+        )
+        state_mask = np.asarray(states_failed, dtype=bool)
+        retry = BackupOp(
+            op.op_id,
+            op.namespace,
+            digests,
+            op.host[mask] if len(mask) else op.host,
+            [ref for ref, bad in zip(op.refs, failed, strict=True) if bad],
+            attempts=op.attempts,
+            retry_at=self._now() + self.config.backoff(op.attempts),
+            states=[info for info, bad in zip(op.states, states_failed, strict=True) if bad],
+            state_digests=b"".join(
+                op.state_digests[i * _DIGEST : (i + 1) * _DIGEST]
+                for i in np.flatnonzero(state_mask)
+            ),
+            state_slots=op.state_slots[state_mask] if len(state_mask) else op.state_slots,
+        )
+        self.ops[retry.op_id] = retry
+        self._retry.append(retry)
+        counters.backup_retries += 1
+
+    def resubmit_due(self) -> None:
+        if not self._retry:
+            return
+        now = self._now()
+        due = [op for op in self._retry if op.retry_at <= now]
+        self._retry = [op for op in self._retry if op.retry_at > now]
+        for op in due:
+            self._start_backup(op)

@@ -1,0 +1,71 @@
+"""kvstrata: a hierarchical, shareable KV cache for LLM schedulers (SPEC §1).
+
+A paged radix tree over an L1 device pool and an L2 host pool, backed up to an L3 store (Mooncake,
+shared by every instance with the same key space), held to a pure reference model. This module is
+the public face: a scheduler imports from ``kvstrata`` and nothing deeper. ``SchedulerCache`` states
+the contract; docs/scheduler.md shows it in use. Names load on first use, so ``kvstrata.model`` (pure:
+no torch) stays importable on its own; ``tests/unit/test_face.py`` keeps the two lists below equal.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+# fmt: off
+_EXPORTS: dict[str, tuple[str, ...]] = {
+    "kvstrata.impl.cache": (
+        "CacheEvent", "HierarchicalRadixCache", "InsertResult", "MatchResult", "Node",
+        "PendingWork", "SchedulerCache",
+    ),
+    "kvstrata.impl.config": ("RadixCacheConfig", "StorageConfig"),
+    "kvstrata.impl.errors": (
+        "CapacityError", "ConfigError", "KvStrataError", "MisuseError", "StoreError",
+    ),
+    "kvstrata.impl.pools": ("DeviceKVPool", "HostKVPool", "HostLayout", "KVShape"),
+    "kvstrata.impl.pools.side": ("SideSpec", "indexer_spec", "mamba_spec"),
+    "kvstrata.impl.replay.background": ("Progress", "signalling_executor"),
+    "kvstrata.impl.storage.file": ("FileBackend",),
+    "kvstrata.impl.storage.memory": ("MemoryBackend",),
+    "kvstrata.impl.storage.mooncake": ("LocalCluster", "MooncakeBackend", "MooncakeConfig"),
+    "kvstrata.impl.transfer": ("Direction",),
+    "kvstrata.model.cache": ("WritePolicy",),
+    "kvstrata.model.keys": ("KeySpace", "KVKind", "ModelIdentity", "Namespace"),
+    "kvstrata.model.l3.policy": ("PrefetchPolicy",),
+}
+# fmt: on
+_WHERE = {name: module for module, names in _EXPORTS.items() for name in names}
+__all__ = sorted(_WHERE)  # noqa: PLE0605 (built from _EXPORTS, checked by the face's tests)
+
+
+def __getattr__(name: str) -> Any:
+    module = _WHERE.get(name)
+    if module is None:
+        raise AttributeError(f"module 'kvstrata' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # loaded once
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})
+
+
+if TYPE_CHECKING:  # what type checkers see: the same names, imported eagerly
+    # isort: off
+    from kvstrata.impl.cache import CacheEvent, HierarchicalRadixCache, InsertResult, MatchResult
+    from kvstrata.impl.cache import Node, PendingWork, SchedulerCache
+    from kvstrata.impl.config import RadixCacheConfig, StorageConfig
+    from kvstrata.impl.errors import CapacityError, ConfigError, KvStrataError, MisuseError
+    from kvstrata.impl.errors import StoreError
+    from kvstrata.impl.pools import DeviceKVPool, HostKVPool, HostLayout, KVShape
+    from kvstrata.impl.pools.side import SideSpec, indexer_spec, mamba_spec
+    from kvstrata.impl.replay.background import Progress, signalling_executor
+    from kvstrata.impl.storage.file import FileBackend
+    from kvstrata.impl.storage.memory import MemoryBackend
+    from kvstrata.impl.storage.mooncake import LocalCluster, MooncakeBackend, MooncakeConfig
+    from kvstrata.impl.transfer import Direction
+    from kvstrata.model.cache import WritePolicy
+    from kvstrata.model.keys import KeySpace, KVKind, ModelIdentity, Namespace
+    from kvstrata.model.l3.policy import PrefetchPolicy
+    # isort: on
