@@ -541,7 +541,7 @@ class CachePath:
         start = time.perf_counter()
         for tokens in requests:
             a.insert(tokens, a.alloc_device(cell.batch))
-        settle(a, lambda: not a.write_ops and tier_a.idle(), "cache backup")
+        settle(a, a.idle, "cache backup")
         backup_s = time.perf_counter() - start
         stored = counters.backup_pages["stored"] - stored
         if stored != cell.pages or counters.backup_abandoned_pages:

@@ -66,8 +66,12 @@ from benchmarks.traces import load_trace, resolve_trace_or_exit, synthesise  # n
 from kvstrata.impl import fingerprint as fingerprint_module  # noqa: E402
 from kvstrata.impl import hashing as hashing_module  # noqa: E402
 from kvstrata.impl import kernels as kernels_module  # noqa: E402
-from kvstrata.impl import radix_cache as radix_cache_module  # noqa: E402
 from kvstrata.impl.cache import HierarchicalRadixCache  # noqa: E402
+from kvstrata.impl.cache import api as cache_api_module  # noqa: E402
+from kvstrata.impl.cache import index as cache_index_module  # noqa: E402
+from kvstrata.impl.cache import locks as cache_locks_module  # noqa: E402
+from kvstrata.impl.cache import lookup as cache_lookup_module  # noqa: E402
+from kvstrata.impl.cache import tiers as cache_tiers_module  # noqa: E402
 from kvstrata.impl.config import RadixCacheConfig  # noqa: E402
 from kvstrata.impl.errors import CapacityError  # noqa: E402
 from kvstrata.impl.pools import PageAllocator  # noqa: E402
@@ -452,6 +456,34 @@ def _cache_state_size(value: object, seen: set[int]) -> tuple[str, int]:
     return "cache_state", size
 
 
+_PIECES = {"StepClock", "LockBook", "TreeIndex", "StateBook", "Tiers", "HeldPages", "Lookup"}
+_PIECES |= {"CachePort"}
+
+
+def _state_values(cache: HierarchicalRadixCache) -> list[object]:
+    """The values the cache and its pieces hold (the pieces are composed objects of
+    ``kvstrata.impl.cache``: walked once each, their own attributes counted, not themselves)."""
+    values: list[object] = []
+    pieces: list[object] = [cache]
+    visited: set[int] = set()
+    while pieces:
+        piece = pieces.pop()
+        if id(piece) in visited:
+            continue
+        visited.add(id(piece))
+        slots = getattr(type(piece), "__slots__", None)
+        names = slots if slots is not None and not hasattr(piece, "__dict__") else vars(piece)
+        for name in names:
+            value = getattr(piece, name, None)
+            if type(value).__name__ in _PIECES and type(value).__module__.startswith(
+                "kvstrata.impl.cache."
+            ):
+                pieces.append(value)
+            else:
+                values.append(value)
+    return values
+
+
 def walk_kvstrata(cache: HierarchicalRadixCache) -> dict[str, Any]:
     """Bytes the tree holds, by kind: every object reachable from the roots that belongs to the tree
     (node objects, page fingerprints, SHA-256 page hashes, child dicts and their keys, page-index
@@ -479,7 +511,7 @@ def walk_kvstrata(cache: HierarchicalRadixCache) -> dict[str, Any]:
     count = 0
     stack = list(cache.roots.values())
     parts["cache_state"] += sys.getsizeof(cache.roots)
-    for value in vars(cache).values():
+    for value in _state_values(cache):
         part, size = _cache_state_size(value, seen)
         parts[part] += size
     while stack:
@@ -670,7 +702,11 @@ def impl_sources() -> dict[str, str]:
     """SHA-256 (first 16 hex digits) of the implementation files measured, and the git commit."""
     out: dict[str, str] = {}
     for module in (
-        radix_cache_module,
+        cache_api_module,
+        cache_lookup_module,
+        cache_index_module,
+        cache_locks_module,
+        cache_tiers_module,
         fingerprint_module,
         allocator_module,
         hashing_module,

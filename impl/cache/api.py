@@ -2,24 +2,12 @@
 :class:`~kvstrata.impl.cache.protocol.SchedulerCache`), held to the reference model
 (``kvstrata.model.cache``) by the differential stateful tests.
 
-Theory of operation
--------------------
-* :class:`HierarchicalRadixCache` is a facade: each verb validates its input (a typed error from
-  :mod:`kvstrata.impl.errors`, nothing changed), ticks the step clock and delegates to the piece that
-  owns the data: :mod:`.index` (the tree's shape, fingerprints, page hashes, the match memo),
-  :mod:`.locks` (path locks, evictable / protected counts, the L1 leaf heap), :mod:`.tiers` (the only
-  module that advances page residency: write-through, demotion, eviction, load-back, copy acks),
-  :mod:`.states` (trailing side-pool states), :mod:`.pages` (the L1 pages the scheduler holds) and
-  :mod:`kvstrata.impl.l3` (backup and prefetch, through :class:`~.port.CachePort`).
-* Everything is single-threaded on the scheduler's side. Copies and store I/O run on workers and
-  change the tree only inside :meth:`HierarchicalRadixCache.check_events`, in FIFO order.
-* Indices are page indices (one per ``page_size`` tokens), never token indices.
-
-Hot path
---------
-``match_prefix`` and ``insert`` bind the pieces to locals once per call: composition costs no
-attribute hop per node. Nothing on the scheduler path reads a page hash, so ``insert`` does not wait
-for them (a C thread computes the chain; :mod:`kvstrata.impl.hashing`).
+:class:`HierarchicalRadixCache` is a facade: each verb validates its input (a typed error from
+:mod:`kvstrata.impl.errors`, nothing changed), ticks the step clock and delegates to the piece that
+owns the data (:mod:`.parts` wires them; docs/architecture.md draws them). Everything is
+single-threaded on the scheduler's side: copies and store I/O run on workers and change the tree only
+inside :meth:`HierarchicalRadixCache.check_events`, in FIFO order. Indices are page indices (one per
+``page_size`` tokens), never token indices.
 """
 
 from __future__ import annotations
@@ -30,38 +18,30 @@ import numpy as np
 import numpy.typing as npt
 
 from kvstrata.impl.cache.build import build_cache
-from kvstrata.impl.cache.clock import StepClock
 from kvstrata.impl.cache.index import TreeIndex, as_tokens
-from kvstrata.impl.cache.locks import LockBook
-from kvstrata.impl.cache.lookup import Lookup
 from kvstrata.impl.cache.node import (
     Allocator,
     CacheEvent,
     CacheStats,
-    CopyOp,
+    Delegate,
     InsertResult,
     MatchResult,
     Node,
     Pages,
     PendingWork,
 )
-from kvstrata.impl.cache.pages import EMPTY, HeldPages
-from kvstrata.impl.cache.port import CachePort
+from kvstrata.impl.cache.pages import EMPTY
+from kvstrata.impl.cache.parts import assemble
 from kvstrata.impl.cache.protocol import SchedulerCache
-from kvstrata.impl.cache.states import StateBook
-from kvstrata.impl.cache.tiers import Tiers
 from kvstrata.impl.config import RadixCacheConfig, StorageConfig
-from kvstrata.impl.errors import CapacityError, ConfigError, MisuseError
-from kvstrata.impl.fingerprint import Fingerprinter, fingerprint_keys
-from kvstrata.impl.hashing import BackgroundHasher, InlineHasher, PageHasher, digests_tail, resolve
-from kvstrata.impl.kernels import NATIVE, sha256_chain
+from kvstrata.impl.errors import CapacityError, MisuseError
+from kvstrata.impl.hashing import PageHasher
 from kvstrata.impl.l3 import L3Tier
-from kvstrata.impl.pools import KVPool, PageAllocator
+from kvstrata.impl.pools import KVPool
 from kvstrata.impl.pools.group import PoolGroup
 from kvstrata.impl.pools.side import SideSpec
 from kvstrata.impl.storage.base import StorageBackend
 from kvstrata.impl.transfer import Direction, Executor, SideCopyFunction, TransferController
-from kvstrata.model.cache import WritePolicy
 from kvstrata.model.keys import Namespace, PageHash
 from kvstrata.model.lifecycles import DEVICE_VALID, HOST_CLAIMED, HOST_VALID, Residency
 
@@ -92,65 +72,25 @@ class HierarchicalRadixCache:
         device_states: Allocator | None = None,
         host_states: Allocator | None = None,
         side_copy_now: SideCopyFunction | None = None,
+        page_nbytes: int = 0,
     ) -> None:
-        if (host is None) != (transfer is None):
-            raise MisuseError("an L2 pool needs a transfer controller and vice versa")
-        if config.write_policy is WritePolicy.WRITE_BACK and host is not None and copy_now is None:
-            raise MisuseError("write_back needs a blocking copy function (copy_now)")
-        if config.trailing_pools:
-            if (host is not None) != (config.host_states > 0):
-                raise ConfigError(
-                    f"host_states: a TRAILING_PAGES side pool needs an int >= 1 with an L2 and 0 "
-                    f"without one, got {config.host_states} "
-                    f"({'with' if host is not None else 'without'} an L2)"
-                )
-            if device_states is None:
-                device_states = PageAllocator(config.device_states, "L1 states")
-            if host is not None and host_states is None:
-                host_states = PageAllocator(config.host_states, "L2 states")
-        elif device_states is not None or host_states is not None:
-            raise MisuseError("state slot allocators need a TRAILING_PAGES side pool in the config")
         self.config = config
         self.page_size = config.page_size
-        hasher: PageHasher = (
-            BackgroundHasher(4 * config.page_size)
-            if config.page_hashes and config.hash_worker and NATIVE
-            else InlineHasher(4 * config.page_size)
-        )
-        fingerprint = Fingerprinter(
-            fingerprint_keys(config.page_size, config.fingerprint_seed), config.page_size
-        )
-        self._clock = clock = StepClock()
-        self._locks = locks = LockBook(
-            clock, count_hits=config.write_policy is WritePolicy.WRITE_THROUGH_SELECTIVE
-        )
-        self._index = index = TreeIndex(
-            clock,
-            locks,
-            fingerprint,
-            hasher,
-            page_size=config.page_size,
-            hashing=config.page_hashes,
-        )
-        pools = [pool.name for pool in config.trailing_pools]
-        self._states = states = StateBook(clock, pools, device_states, host_states)
-        self._tiers = tiers = Tiers(
+        parts = assemble(
             config,
-            clock,
-            index,
-            locks,
-            states,
-            device=device,
-            host=host,
-            transfer=transfer,
-            copy_now=copy_now,
+            device,
+            host,
+            transfer,
+            copy_now,
+            device_states=device_states,
+            host_states=host_states,
             side_copy_now=side_copy_now,
         )
-        self._held = held = HeldPages(device.num_pages)
-        self._lookup = Lookup(
-            config, clock, index, locks, states, tiers=tiers, held=held, finish=self._finish
-        )
-        self.port = CachePort(clock, index, locks, states, tiers)
+        self._clock, self._locks, self._index = parts.clock, parts.locks, parts.index
+        self._states, self._tiers, self._held = parts.states, parts.tiers, parts.held
+        self._lookup, self.port = parts.lookup, parts.port
+        self._finish = parts.tiers.flush
+        parts.tiers.page_nbytes = page_nbytes
         self._l3: L3Tier | None = None
         self.device_group: PoolGroup | None = None  # set by build() with side pools
         self.host_group: PoolGroup | None = None
@@ -168,17 +108,8 @@ class HierarchicalRadixCache:
         storage_executor: Executor | None = None,
         side_specs: Sequence[SideSpec] = (),
     ) -> HierarchicalRadixCache:
-        """A cache over real pools: copies run on ``executor`` (a worker thread by default). With a
-        ``storage`` backend (which needs a page-first host pool) L2 is backed up to L3 and
-        prefetched from it; store I/O runs on ``storage_executor`` (a worker thread by default).
-
-        Side pools: ``side_specs`` gives the shapes of ``config.side_pools`` (one spec per pool, in
-        the same order). Their buffers sit next to each KV pool: an ``ALL_PAGES`` buffer of one
-        entry per KV page, a ``TRAILING_PAGES`` one of ``device_states`` / ``host_states`` slots
-        (``device_group`` / ``host_group``). Every L1 <-> L2 copy moves the indexer entries of its
-        pages and the state slots it carries in the same batch; with a ``storage`` backend the L3
-        tier drives a :class:`~kvstrata.impl.storage.hybrid.HybridStorage` over the host side
-        buffers."""
+        """A cache over real pools, with side pools and an L3 store if given
+        (:func:`~kvstrata.impl.cache.build.build_cache` says what it builds)."""
         return build_cache(
             cls,
             config,
@@ -200,9 +131,7 @@ class HierarchicalRadixCache:
         self._index.on_split = tier.backup.on_split
 
     # ------------------------------------------------------------------ parts and sizes
-    @property
-    def transfer(self) -> TransferController | None:
-        return self._tiers.transfer
+    transfer = Delegate["TransferController | None"]("_tiers", "transfer")
 
     @property
     def l3(self) -> L3Tier | None:
@@ -213,70 +142,20 @@ class HierarchicalRadixCache:
     def has_l3(self) -> bool:
         return self._l3 is not None
 
-    @property
-    def hasher(self) -> PageHasher:
-        """What computes the page hashes of inserted pages (a worker thread or the caller's)."""
-        return self._index.hasher
+    hasher = Delegate[PageHasher]("_index", "hasher")  # a worker thread or the caller's
+    stats = Delegate[CacheStats]("_tiers", "stats")
+    page_nbytes = Delegate[int]("_tiers", "page_nbytes")  # bytes of one KV page (byte counters)
+    clock = Delegate[int]("_clock", "now")  # the step clock: one tick per public call
+    roots = Delegate[dict[Namespace, Node]]("_index", "roots")
+    evictable_pages = Delegate[int]("_locks", "evictable_pages")
+    protected_pages = Delegate[int]("_locks", "protected_pages")
+    has_states = Delegate[bool]("_states", "enabled")  # a TRAILING_PAGES pool: states per node end
+    device_free = Delegate[int]("_tiers", "device_free")
+    host_free = Delegate[int]("_tiers", "host_free")  # 0 without an L2
+    device_states_free = Delegate[int]("_states", "device_free")  # 0 without a TRAILING_PAGES pool
+    host_states_free = Delegate[int]("_states", "host_free")  # 0 without one, or without an L2
 
-    @property
-    def stats(self) -> CacheStats:
-        return self._tiers.stats
-
-    @property
-    def page_nbytes(self) -> int:
-        """Bytes of one KV page (set by build; for the byte counters)."""
-        return self._tiers.page_nbytes
-
-    @page_nbytes.setter
-    def page_nbytes(self, value: int) -> None:
-        self._tiers.page_nbytes = value
-
-    @property
-    def clock(self) -> int:
-        """The step clock: one tick per public call."""
-        return self._clock.now
-
-    @property
-    def roots(self) -> dict[Namespace, Node]:
-        return self._index.roots
-
-    @property
-    def evictable_pages(self) -> int:
-        return self._locks.evictable_pages
-
-    @property
-    def protected_pages(self) -> int:
-        return self._locks.protected_pages
-
-    @property
-    def has_host(self) -> bool:
-        return self._tiers.host is not None
-
-    @property
-    def device_free(self) -> int:
-        return self._tiers.device.free_count
-
-    @property
-    def host_free(self) -> int:
-        host = self._tiers.host
-        return 0 if host is None else host.free_count
-
-    @property
-    def has_states(self) -> bool:
-        """Whether a ``TRAILING_PAGES`` side pool (a Mamba state per node end) is configured."""
-        return self._states.enabled
-
-    @property
-    def device_states_free(self) -> int:
-        """Free L1 state slots (0 without a ``TRAILING_PAGES`` pool)."""
-        pool = self._states.device
-        return 0 if pool is None else pool.free_count
-
-    @property
-    def host_states_free(self) -> int:
-        """Free L2 state slots (0 without a ``TRAILING_PAGES`` pool or without L2)."""
-        pool = self._states.host
-        return 0 if pool is None else pool.free_count
+    has_host = Delegate[bool]("_tiers", "has_host")
 
     def pending(self) -> PendingWork:
         """Background work not applied yet (applied only by :meth:`check_events`)."""
@@ -309,11 +188,6 @@ class HierarchicalRadixCache:
         """Every non-root node, parents before children."""
         return self._index.nodes()
 
-    def _finish(self) -> None:
-        transfer = self._tiers.transfer
-        if transfer is not None:
-            transfer.flush()
-
     def _check_node(self, node: Node) -> None:
         if not isinstance(node, Node):
             raise MisuseError(f"expected a Node, got {type(node).__name__}")
@@ -325,41 +199,24 @@ class HierarchicalRadixCache:
         self, tokens: Tokens, extra_key: str | Namespace | None = None
     ) -> tuple[Residency, ...]:
         """Residency of each full page of ``tokens`` in the tree."""
-        out: list[Residency] = []
-        for node in self._index.cached_path(tokens, extra_key):
-            assert node.state is not None
-            out.extend([node.state] * node.num_pages)
-        return tuple(out)
+        return self._index.residency(tokens, extra_key)
 
     def state_residency(
         self, tokens: Tokens, extra_key: str | Namespace | None = None
     ) -> tuple[Residency | None, ...]:
         """Residency of the state at the end of each full page of ``tokens`` (``None``: none)."""
-        out: list[Residency | None] = []
-        for node in self._index.cached_path(tokens, extra_key):
-            out.extend([None] * (node.num_pages - 1))
-            out.append(self._states.of(node))
-        return tuple(out)
+        return self._states.along(self._index.cached_path(tokens, extra_key))
 
     def page_hashes(
         self, tokens: Tokens, extra_key: str | Namespace | None = None
     ) -> tuple[PageHash, ...]:
-        """The page hashes the tree holds for the cached pages of ``tokens`` (for L3 keys).
-        :class:`MisuseError` when the cache keeps none (``RadixCacheConfig.page_hashes=False``)."""
-        if not self._index.hashing:
-            raise MisuseError(
-                "page hashes are off for this cache (RadixCacheConfig.page_hashes=False)"
-            )
-        path = self._index.cached_path(tokens, extra_key)
-        return tuple(node.page_hash(i) for node in path for i in range(node.num_pages))
+        """The page hashes the tree holds for the cached pages of ``tokens`` (for L3 keys);
+        :class:`MisuseError` when it keeps none (``RadixCacheConfig.page_hashes=False``)."""
+        return self._index.page_hashes(tokens, extra_key)
 
     def cached_pages(self) -> dict[str, int]:
         """Pages per tier held by the tree."""
-        device = host = 0
-        for node in self._index.nodes():
-            device += node.num_pages if node.state in _DEVICE_VALID_T else 0
-            host += node.num_pages if node.state in _HOST_VALID_T else 0
-        return {"device": device, "host": host}
+        return self._index.cached_pages()
 
     # ------------------------------------------------------------------ match
     def match_prefix(self, tokens: Tokens, extra_key: str | Namespace | None = None) -> MatchResult:
@@ -532,26 +389,10 @@ class HierarchicalRadixCache:
         if self._l3 is None:
             return None
         self._clock.tick()
-        root, path, matched, _ = self._index.walk_split(query, namespace)
-        anchor = path[-1] if path else root
-        total = len(query) // self.page_size
-        remaining = total - matched
-        if (
-            not (anchor.is_root or anchor.state in _HOST_CLAIMED_T)
-            or remaining == 0
-            or remaining * self.page_size < self._l3.config.prefetch_threshold
-        ):
+        try:
+            return self._l3.prefetch.request(query, namespace)
+        finally:
             self._finish()
-            return None
-        whole = query[: total * self.page_size].copy()
-        rest = whole[matched * self.page_size :].tobytes()
-        seed = digests_tail(anchor.digests) if anchor.digests else namespace.seed()
-        page_bytes = 4 * self.page_size
-        op = self._l3.prefetch.start(
-            whole, namespace, anchor, matched, lambda: sha256_chain(resolve(seed), rest, page_bytes)
-        )
-        self._finish()
-        return op.op_id
 
     def _l3_tier(self) -> L3Tier:
         if self._l3 is None:
@@ -600,17 +441,6 @@ class HierarchicalRadixCache:
         self._states.reset()
         self._locks.reset()
         self._index.reset()
-
-    # ------------------------------------------------------------------ compatibility for tests
-    @property
-    def write_ops(self) -> tuple[CopyOp, ...]:
-        """Pending L1 -> L2 copies, oldest first (a snapshot; schedulers use :meth:`pending`)."""
-        return tuple(self._tiers.write_ops)
-
-    @property
-    def load_ops(self) -> tuple[CopyOp, ...]:
-        """Pending L2 -> L1 copies, oldest first (a snapshot; schedulers use :meth:`pending`)."""
-        return tuple(self._tiers.load_ops)
 
 
 def _satisfies_the_protocol(cache: HierarchicalRadixCache) -> SchedulerCache:

@@ -31,7 +31,6 @@ __all__ = ["BuildTarget", "build_cache"]
 class BuildTarget(Protocol):
     """What :func:`build_cache` sets on the cache it makes (``HierarchicalRadixCache``)."""
 
-    page_nbytes: int
     device_group: PoolGroup | None
     host_group: PoolGroup | None
 
@@ -128,7 +127,16 @@ def build_cache(
     storage_executor: Executor | None,
     side_specs: Sequence[SideSpec],
 ) -> C:
-    """:meth:`HierarchicalRadixCache.build` (its docstring says what it builds)."""
+    """A cache over real pools: copies run on ``executor`` (a worker thread by default). With a
+    ``storage`` backend (which needs a page-first host pool) L2 is backed up to L3 and prefetched
+    from it; store I/O runs on ``storage_executor`` (a worker thread by default).
+
+    Side pools: ``side_specs`` gives the shapes of ``config.side_pools`` (one spec per pool, in the
+    same order). Their buffers sit next to each KV pool: an ``ALL_PAGES`` buffer of one entry per
+    KV page, a ``TRAILING_PAGES`` one of ``device_states`` / ``host_states`` slots
+    (``device_group`` / ``host_group``). Every L1 <-> L2 copy moves the indexer entries of its
+    pages and the state slots it carries in the same batch; with a ``storage`` backend the L3 tier
+    drives a :class:`~kvstrata.impl.storage.hybrid.HybridStorage` over the host side buffers."""
     specs = tuple(side_specs)
     _check(config, device_pool, host_pool, specs)
     device_group = _side_group(specs, device_pool, config.device_states, host=False)
@@ -139,8 +147,8 @@ def build_cache(
             config,
             device_pool.allocator,
             device_states=_state_allocator(device_group) if config.trailing_pools else None,
+            page_nbytes=device_pool.shape.bytes_per_page,
         )
-        alone.page_nbytes = device_pool.shape.bytes_per_page
         alone.device_group = device_group if specs else None
         return alone
     if storage is not None:
@@ -160,8 +168,14 @@ def build_cache(
         return copy_pages(host_pool, src, device_pool, dst)
 
     transfer = TransferController(copy, executor)
-    cache = cls(config, device_pool.allocator, host_pool.allocator, transfer, copy)
-    cache.page_nbytes = device_pool.shape.bytes_per_page
+    cache = cls(
+        config,
+        device_pool.allocator,
+        host_pool.allocator,
+        transfer,
+        copy,
+        page_nbytes=device_pool.shape.bytes_per_page,
+    )
     if storage is not None:
         _attach_l3(cache, storage, storage_config, storage_executor, host_pool)
     return cache
@@ -239,8 +253,8 @@ def _build_hybrid(
         device_states=_state_allocator(device_group) if trailing else None,
         host_states=_state_allocator(host_group) if trailing else None,
         side_copy_now=side_copy,
+        page_nbytes=device_group.kv.shape.bytes_per_page,
     )
-    cache.page_nbytes = device_group.kv.shape.bytes_per_page
     cache.device_group = device_group
     cache.host_group = host_group
     return cache

@@ -30,12 +30,14 @@ from kvstrata.impl.cache.node import Node, Pages
 from kvstrata.impl.errors import MisuseError
 from kvstrata.impl.fingerprint import FINGERPRINT_BYTES, Fingerprinter, common_pages
 from kvstrata.impl.hashing import Digests, PageHasher, split_digests
-from kvstrata.model.keys import DEFAULT_NAMESPACE, Namespace
-from kvstrata.model.lifecycles import Residency
+from kvstrata.model.keys import DEFAULT_NAMESPACE, Namespace, PageHash
+from kvstrata.model.lifecycles import DEVICE_VALID, HOST_VALID, Residency
 
 __all__ = ["MatchMemo", "TreeIndex", "as_tokens", "frozen"]
 
 _MAX_TOKEN = 2**32 - 1
+_DEVICE_VALID_T = tuple(DEVICE_VALID)
+_HOST_VALID_T = tuple(HOST_VALID)
 _UINT32 = np.dtype("<u4")
 
 
@@ -283,6 +285,36 @@ class TreeIndex:
         query = as_tokens(tokens)
         path, _, _, _ = self.descend(self.fingerprint(query), self.namespace_of(extra_key))
         return path
+
+    def residency(
+        self, tokens: Sequence[int] | npt.NDArray[np.integer], extra_key: str | Namespace | None
+    ) -> tuple[Residency, ...]:
+        """Residency of each full page of ``tokens`` in the tree (no split, no LRU touch)."""
+        out: list[Residency] = []
+        for node in self.cached_path(tokens, extra_key):
+            assert node.state is not None
+            out.extend([node.state] * node.num_pages)
+        return tuple(out)
+
+    def page_hashes(
+        self, tokens: Sequence[int] | npt.NDArray[np.integer], extra_key: str | Namespace | None
+    ) -> tuple[PageHash, ...]:
+        """The page hashes held for the cached pages of ``tokens``; :class:`MisuseError` when
+        page hashes are off."""
+        if not self.hashing:
+            raise MisuseError(
+                "page hashes are off for this cache (RadixCacheConfig.page_hashes=False)"
+            )
+        path = self.cached_path(tokens, extra_key)
+        return tuple(node.page_hash(i) for node in path for i in range(node.num_pages))
+
+    def cached_pages(self) -> dict[str, int]:
+        """Pages per tier held by the tree."""
+        device = host = 0
+        for node in self.nodes():
+            device += node.num_pages if node.state in _DEVICE_VALID_T else 0
+            host += node.num_pages if node.state in _HOST_VALID_T else 0
+        return {"device": device, "host": host}
 
     def reset(self) -> None:
         self.roots.clear()

@@ -12,8 +12,6 @@ once per call: composition costs no attribute hop per node.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import numpy as np
 import numpy.typing as npt
 
@@ -45,7 +43,7 @@ def _valid_device(node: Node) -> Pages:
 
 
 class Lookup:
-    """See the module docstring. ``finish`` flushes the copies a call queued."""
+    """See the module docstring."""
 
     def __init__(
         self,
@@ -57,7 +55,6 @@ class Lookup:
         *,
         tiers: Tiers,
         held: HeldPages,
-        finish: Callable[[], None],
     ) -> None:
         self.config = config
         self.page_size = config.page_size
@@ -67,7 +64,7 @@ class Lookup:
         self._states = states
         self._tiers = tiers
         self._held = held
-        self._finish = finish
+        self._finish = tiers.flush
 
     def match(self, query: npt.NDArray[np.uint32], namespace: Namespace) -> MatchResult:
         """``match_prefix`` of validated tokens (see the cache's docstring)."""

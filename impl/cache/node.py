@@ -9,7 +9,7 @@ and :mod:`kvstrata.impl.cache.states` (states), through the model's tables. A no
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Any, Generic, Protocol, TypeVar, cast
 
 import attrs
 import numpy as np
@@ -26,6 +26,7 @@ __all__ = [
     "CacheEvent",
     "CacheStats",
     "CopyOp",
+    "Delegate",
     "InsertResult",
     "MatchResult",
     "Node",
@@ -235,3 +236,20 @@ class CacheStats:
     load_pages: int = 0
     write_bytes: int = 0
     load_bytes: int = 0
+
+
+T = TypeVar("T")
+
+
+class Delegate(Generic[T]):
+    """A read-only attribute of the cache facade that is a piece's attribute (``piece.name``):
+    the piece owns the value, the facade only shows it."""
+
+    def __init__(self, piece: str, name: str) -> None:
+        self.piece, self.name = piece, name
+
+    def __get__(self, instance: object, owner: type | None = None) -> T:
+        return cast("T", getattr(getattr(instance, self.piece), self.name))
+
+    def __set__(self, instance: object, value: object) -> None:
+        raise AttributeError(f"{self.name} is read-only here: {self.piece} owns it")

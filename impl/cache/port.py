@@ -5,6 +5,8 @@ only in :mod:`.tiers` and states only in :mod:`.states`.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import numpy.typing as npt
 
@@ -15,6 +17,8 @@ from kvstrata.impl.cache.node import Node, Pages, StateInfo
 from kvstrata.impl.cache.states import StateBook
 from kvstrata.impl.cache.tiers import Tiers
 from kvstrata.impl.fingerprint import FINGERPRINT_BYTES
+from kvstrata.impl.hashing import digests_tail, resolve
+from kvstrata.impl.kernels import sha256_chain
 from kvstrata.model.keys import Namespace
 from kvstrata.model.lifecycles import HOST_CLAIMED
 
@@ -51,6 +55,23 @@ class CachePort:
 
     def lock(self, node: Node, delta: int) -> None:
         self._locks.lock(node, delta)
+
+    def continuation(
+        self, query: npt.NDArray[np.uint32], namespace: Namespace
+    ) -> tuple[Node, int, Callable[[], bytes]] | None:
+        """Where a prefetch of ``query`` would attach: the node its local match ends at (the node
+        it ends inside is split), the pages matched, and a function that hashes the chain of the
+        whole pages after them (run by the store worker). ``None`` unless that node is a root or
+        host-claimed (I3: L3 pages join after host-backed nodes only)."""
+        root, path, matched, _ = self._index.walk_split(query, namespace)
+        anchor = path[-1] if path else root
+        if not (anchor.is_root or anchor.state in _HOST_CLAIMED_T):
+            return None
+        size = self.page_size
+        rest = query[matched * size : len(query) // size * size].tobytes()
+        seed = digests_tail(anchor.digests) if anchor.digests else namespace.seed()
+        page_bytes = 4 * size
+        return anchor, matched, lambda: sha256_chain(resolve(seed), rest, page_bytes)
 
     def reserve_host(self, pages: int, *, state: bool) -> tuple[Pages, int | None] | None:
         """The model's rule: pages first, then room for one L2 state slot (the anchor locked by the

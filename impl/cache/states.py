@@ -84,6 +84,24 @@ class StateBook:
         """One state's copy, as one :class:`PoolTransfer` per trailing pool (fixed at enqueue)."""
         return tuple(PoolTransfer(name, [src], [dst]) for name in self.pools)
 
+    @property
+    def device_free(self) -> int:
+        """Free L1 state slots (0 without a ``TRAILING_PAGES`` pool)."""
+        return 0 if self.device is None else self.device.free_count
+
+    @property
+    def host_free(self) -> int:
+        """Free L2 state slots (0 without a ``TRAILING_PAGES`` pool or without an L2)."""
+        return 0 if self.host is None else self.host.free_count
+
+    def along(self, path: Sequence[Node]) -> tuple[Residency | None, ...]:
+        """The residency of the state at the end of each page of ``path`` (``None``: none)."""
+        out: list[Residency | None] = []
+        for node in path:
+            out.extend([None] * (node.num_pages - 1))
+            out.append(self.of(node))
+        return tuple(out)
+
     def require(self) -> None:
         if not self.enabled:
             raise MisuseError("no TRAILING_PAGES side pool: this cache keeps no states")

@@ -85,6 +85,24 @@ class Tiers:
         self.page_nbytes = 0  # bytes of one KV page (for the byte counters)
         self.backup: BackupSink | None = None  # set when an L3 tier is attached
 
+    @property
+    def has_host(self) -> bool:
+        return self.host is not None
+
+    @property
+    def device_free(self) -> int:
+        return self.device.free_count
+
+    @property
+    def host_free(self) -> int:
+        """Free L2 pages (0 without an L2)."""
+        return 0 if self.host is None else self.host.free_count
+
+    def flush(self) -> None:
+        """Hand the copies queued by this call to the transfer worker (one batch per direction)."""
+        if self.transfer is not None:
+            self.transfer.flush()
+
     def advance(self, node: Node, event: ResidencyEvent) -> None:
         assert node.state is not None
         node.state = PAGE_RESIDENCY.next(node.state, event)

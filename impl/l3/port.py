@@ -10,6 +10,7 @@ the port, which advances them through the model's tables.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
@@ -42,6 +43,13 @@ class TreePort(Protocol):
 
     def lock(self, node: Node, delta: int) -> None:
         """Add ``delta`` to ``node``'s path lock (a prefetch's anchor)."""
+
+    def continuation(
+        self, query: npt.NDArray[np.uint32], namespace: Namespace
+    ) -> tuple[Node, int, Callable[[], bytes]] | None:
+        """The node a prefetch of ``query`` attaches at (a root or host-claimed; the node the
+        match ends inside is split), the pages matched, and the hash chain of the rest (a
+        function the store worker runs); ``None`` if the match ends where L3 pages cannot join."""
 
     def reserve_host(self, pages: int, *, state: bool) -> tuple[Pages, int | None] | None:
         """``pages`` L2 pages and (``state``) one L2 state slot, all or nothing."""

@@ -102,6 +102,22 @@ class Prefetches:
         """Host pages currently reserved by prefetches (arrived or in flight, not committed)."""
         return sum(op.reserved for op in self.ops.values())
 
+    def request(self, query: npt.NDArray[np.uint32], namespace: Namespace) -> int | None:
+        """Start a prefetch of what follows the local match of ``query``: an op id, or ``None``
+        when the match does not end where L3 pages may join or fewer than ``prefetch_threshold``
+        tokens of whole pages follow it (SPEC §3)."""
+        size = self._tree.page_size
+        total = len(query) // size
+        found = self._tree.continuation(query, namespace)
+        if found is None:
+            return None
+        anchor, matched, hasher = found
+        remaining = total - matched
+        if remaining == 0 or remaining * size < self.config.prefetch_threshold:
+            return None
+        whole = query[: total * size].copy()
+        return self.start(whole, namespace, anchor, matched, hasher).op_id
+
     def start(
         self,
         tokens: npt.NDArray[np.uint32],

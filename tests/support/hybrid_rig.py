@@ -88,7 +88,7 @@ class HybridRig:
         assert l3 is not None
         for _ in range(self.rounds):
             self.cache.check_events()
-            if not self.cache.write_ops and not self.cache.load_ops and l3.idle():
+            if self.cache.idle():
                 return
             time.sleep(self.poll_s)
         raise AssertionError("background work did not finish")

@@ -20,8 +20,8 @@ from kvstrata.impl import fingerprint as fingerprint_module
 from kvstrata.impl import hashing as hashing_module
 from kvstrata.impl import kernels
 from kvstrata.impl.cache import HierarchicalRadixCache
-from kvstrata.impl.cache import api as cache_api_module
 from kvstrata.impl.cache import pages as cache_pages_module
+from kvstrata.impl.cache import parts as cache_parts_module
 from kvstrata.impl.config import RadixCacheConfig
 from kvstrata.impl.errors import HashingError
 from kvstrata.impl.hashing import BackgroundHasher, InlineHasher, PendingDigests, resolve
@@ -37,7 +37,7 @@ PAGE = 4
 def portable_kernels() -> Iterator[None]:
     """The cache as it runs without kvstrata.impl._native: numpy and hashlib everywhere."""
     with (
-        mock.patch.object(cache_api_module, "NATIVE", False),
+        mock.patch.object(cache_parts_module, "NATIVE", False),
         mock.patch.object(cache_pages_module, "check_pages", kernels.check_pages_portable),
         mock.patch.object(fingerprint_module, "NATIVE", False),
         mock.patch.object(fingerprint_module, "nh_fingerprints", kernels.nh_fingerprints_portable),

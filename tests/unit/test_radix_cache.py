@@ -57,10 +57,10 @@ def serve(cache: HierarchicalRadixCache, device: DeviceKVPool, tokens: list[int]
 
 def wait_for_copies(cache: HierarchicalRadixCache) -> None:
     deadline = time.monotonic() + 10
-    while (cache.write_ops or cache.load_ops) and time.monotonic() < deadline:
+    while (cache.pending().write or cache.pending().load) and time.monotonic() < deadline:
         cache.check_events()
         time.sleep(0.001)
-    assert not cache.write_ops and not cache.load_ops
+    assert not cache.pending().write and not cache.pending().load
 
 
 @pytest.mark.parametrize("layout", list(HostLayout))

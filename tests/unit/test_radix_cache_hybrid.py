@@ -84,10 +84,10 @@ def serve(cache: HierarchicalRadixCache, tokens: list[int], *, state: bool = Tru
 
 def wait_for_copies(cache: HierarchicalRadixCache) -> None:
     deadline = time.monotonic() + 10
-    while (cache.write_ops or cache.load_ops) and time.monotonic() < deadline:
+    while (cache.pending().write or cache.pending().load) and time.monotonic() < deadline:
         cache.check_events()
         time.sleep(0.001)
-    assert not cache.write_ops and not cache.load_ops
+    assert not cache.pending().write and not cache.pending().load
 
 
 def same_bits(got: Sequence[torch.Tensor], want: Sequence[torch.Tensor]) -> bool:
@@ -107,8 +107,8 @@ def snapshot(cache: HierarchicalRadixCache) -> tuple[object, ...]:
         cache.device_states_free,
         cache.host_states_free,
         cache.held_state_slots(),
-        len(cache.write_ops),
-        len(cache.load_ops),
+        cache.pending().write,
+        cache.pending().load,
         cache.evictable_pages,
         cache.protected_pages,
     )

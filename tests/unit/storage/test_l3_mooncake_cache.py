@@ -83,7 +83,7 @@ class Instance:
             self.cache.check_events()
             l3 = self.cache.l3
             assert l3 is not None
-            if not self.cache.write_ops and not self.cache.load_ops and l3.idle():
+            if self.cache.idle():
                 return
             time.sleep(0.02)
         raise AssertionError("background work did not finish in time")
