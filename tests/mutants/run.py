@@ -27,7 +27,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 MUTANTS = Path(__file__).resolve().parent
-COPIED = ("kvstrata", "model", "impl", "tests", "pyproject.toml")
+COPIED = ("model", "impl", "tests", "pyproject.toml")
 
 
 def prepare(scratch: Path, patch: Path) -> str | None:
@@ -52,8 +52,9 @@ def prepare(scratch: Path, patch: Path) -> str | None:
     for package in ("model", "impl"):
         if (scratch / package).is_dir():
             (site / package).symlink_to(scratch / package, target_is_directory=True)
-    if (scratch / "kvstrata" / "__init__.py").is_file():  # the public face
-        (site / "__init__.py").symlink_to(scratch / "kvstrata" / "__init__.py")
+    face = REPO / "kvstrata" / "__init__.py"  # the public face, beside the copied packages (a
+    if face.is_file():  # kvstrata/ folder in the scratch root would shadow them from its cwd)
+        shutil.copy2(face, site / "__init__.py")
     return None
 
 
