@@ -70,11 +70,11 @@ __all__ = [
     "EmbeddingCacheModel",
     "EmbeddingStats",
     "Entry",
-    "InsertReport",
+    "InsertResult",
     "Offset",
     "OpHandle",
     "OpKind",
-    "PrefetchReport",
+    "PrefetchResult",
     "Unit",
     "embedding_content",
 ]
@@ -137,7 +137,7 @@ class Entry:
 
 
 @attrs.frozen
-class InsertReport:
+class InsertResult:
     """What one ``insert_batch`` did. ``re_pushed`` local hits were handed to the batch PUT
     again; ``stored`` keys were accepted by the store, ``store_skipped`` ones it already had (or
     was writing); ``busy`` local entries were loading or already pushing and were left alone."""
@@ -152,7 +152,7 @@ class InsertReport:
 
 
 @attrs.frozen
-class PrefetchReport:
+class PrefetchResult:
     """What one ``prefetch`` did: ``loading`` entries are in the GET ``op``; ``local`` were already
     here; ``missing`` are not visible in the store; ``skipped_no_space`` did not fit."""
 
@@ -257,7 +257,7 @@ class EmbeddingCacheModel:
 
     # ----------------------------------------------------------------------------- operations
 
-    def insert_batch(self, hashes: Iterable[PageHash], sizes: Iterable[int]) -> InsertReport:
+    def insert_batch(self, hashes: Iterable[PageHash], sizes: Iterable[int]) -> InsertResult:
         """Insert freshly computed embeddings and push the whole batch to the store as one PUT.
 
         New items are allocated (evicting LRU READY entries outside the batch if needed), filled and
@@ -299,7 +299,7 @@ class EmbeddingCacheModel:
             self.stats, new=self.stats.new + len(fresh), re_pushed=self.stats.re_pushed + re_pushed
         )
         self.check_invariants()
-        return InsertReport(
+        return InsertResult(
             op=op,
             new=len(fresh),
             re_pushed=re_pushed,
@@ -345,7 +345,7 @@ class EmbeddingCacheModel:
 
     def prefetch(
         self, request_id: str, hashes: Iterable[PageHash], sizes: Iterable[int]
-    ) -> PrefetchReport:
+    ) -> PrefetchResult:
         """Start one batch GET for the items of a request that are not local but in the store.
 
         Their entries are allocated (evicting LRU READY entries outside the request if needed) and
@@ -380,7 +380,7 @@ class EmbeddingCacheModel:
         op = self._open_op(OpKind.GET, offsets)
         self._requests[request_id] = op
         self.check_invariants()
-        return PrefetchReport(
+        return PrefetchResult(
             op=op,
             loading=len(offsets),
             local=len(local),

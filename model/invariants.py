@@ -279,7 +279,7 @@ def check_i7_contents(cache: CacheView) -> None:
 
 
 def check_i6_states(cache: CacheView) -> None:
-    """I6 (tree): what ``match`` relies on to report only usable prefixes. Every state sits at the
+    """I6 (tree): what ``match_prefix`` relies on to report only usable prefixes. Every state sits at the
     end of a node (a split never moves one: the new node end simply has none; a state attached to
     another page of its node would name a prefix no match ends at), and a state is valid (or holds
     a slot) in a tier only where its page is (a state on L1 whose KV is not would make an L1 prefix
@@ -301,7 +301,7 @@ def check_i6_states(cache: CacheView) -> None:
 def check_i6_reported(
     cache: CacheView, pages: Sequence[PageHash], device_pages: int, host_pages: int
 ) -> None:
-    """I6 (tree): a prefix ``match`` reports over ``pages`` (the page hashes along its path) is
+    """I6 (tree): a prefix ``match_prefix`` reports over ``pages`` (the page hashes along its path) is
     usable in every pool of the tier it is read from: the first ``device_pages`` pages are valid on
     L1 and, with a ``TRAILING_PAGES`` pool, so is the state at the last of them; the next
     ``host_pages`` are valid on L2 and so is the state at the last of them. ``ALL_PAGES`` pools

@@ -71,7 +71,7 @@ class Entry:
 
 @attrs.frozen
 class InsertResult:
-    """What one ``insert_batch`` did (the fields of the model's ``InsertReport``)."""
+    """What one ``insert_batch`` did (the fields of the model's ``InsertResult``)."""
 
     op: int | None
     new: int
@@ -84,7 +84,7 @@ class InsertResult:
 
 @attrs.frozen
 class PrefetchResult:
-    """What one ``prefetch`` did (the fields of the model's ``PrefetchReport``)."""
+    """What one ``prefetch`` did (the fields of the model's ``PrefetchResult``)."""
 
     op: int | None
     loading: int

@@ -187,7 +187,9 @@ class CacheModel:
         return self._prefetch.ready(op_id)
 
     # ----------------------------------------------------------------- match
-    def match(self, tokens: Sequence[int], namespace: Namespace = DEFAULT_NAMESPACE) -> MatchResult:
+    def match_prefix(
+        self, tokens: Sequence[int], namespace: Namespace = DEFAULT_NAMESPACE
+    ) -> MatchResult:
         """Longest cached page-aligned prefix; splits a node the match ends inside.
 
         With a ``TRAILING_PAGES`` side pool both parts are cut back to node ends whose state is
@@ -363,7 +365,7 @@ class CacheModel:
             raise MisuseError(f"node {node_id} is not locked by the caller")
         self._step(self._locks.lock, node, -1)
 
-    def evict_device(self, pages: int) -> int:
+    def evict(self, pages: int) -> int:
         """Free at least ``pages`` L1 pages if possible (LRU over unlocked L1 leaves)."""
         if not isinstance(pages, int) or pages < 0:
             raise MisuseError(f"pages must be an int >= 0, got {pages!r}")

@@ -191,7 +191,7 @@ class HybridCacheMachine(RuleBasedStateMachine):
 
     def checked_match(self, cache: CacheModel, tokens: tuple[int, ...], ns: Namespace) -> object:
         nodes_before = len(cache.tree.nodes)
-        result = cache.match(tokens, ns)
+        result = cache.match_prefix(tokens, ns)
         device, host = self.expected_match(cache, tokens, ns)
         assert (result.device_pages, result.host_pages) == (device, host), (result, device, host)
         pages = self.pages_of(tokens, ns)
@@ -213,7 +213,7 @@ class HybridCacheMachine(RuleBasedStateMachine):
         self, cache: CacheModel, tokens: tuple[int, ...], ns: Namespace, with_state: bool
     ) -> bool:
         """match, lock, take fresh L1 pages (and a state slot), compute, insert, unlock."""
-        result = cache.match(tokens, ns)
+        result = cache.match_prefix(tokens, ns)
         pages = self.pages_of(tokens, ns)
         locked = not cache.tree.nodes[result.device_node].is_root
         if locked:
@@ -272,7 +272,7 @@ class HybridCacheMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def lock(self, data: st.DataObject) -> None:
         index, cache = self.pick(data)
-        node = cache.match(*self.draw_tokens(data)).device_node
+        node = cache.match_prefix(*self.draw_tokens(data)).device_node
         if not cache.tree.nodes[node].is_root:
             cache.lock(node)
             self.locked[index].append(node)
@@ -291,7 +291,7 @@ class HybridCacheMachine(RuleBasedStateMachine):
         if host:
             cache.evict_host(pages)
         else:
-            cache.evict_device(pages)
+            cache.evict(pages)
 
     @precondition(lambda self: any(c.state_info for c in self.caches))
     @rule(data=st.data(), host=st.booleans())
@@ -307,7 +307,7 @@ class HybridCacheMachine(RuleBasedStateMachine):
             return
         node_id, node = data.draw(st.sampled_from(ends))
         tokens = cache.tree.prefix_tokens(node)
-        before = cache.match(tokens, node.namespace)  # may start a write-through (selective)
+        before = cache.match_prefix(tokens, node.namespace)  # may start a write-through (selective)
         info = cache.state_info[node.pages[-1]]
         allowed = (Residency.BOTH, Residency.HOST) if host else (Residency.DEVICE, Residency.BOTH)
         ok = info.residency in allowed and not node.lock_ref and not (host and info.host_pins)
@@ -340,8 +340,8 @@ class HybridCacheMachine(RuleBasedStateMachine):
             ns, tokens = data.draw(st.sampled_from(sorted(self.inserted[index], key=repr)))
         else:
             tokens, ns = self.draw_tokens(data)
-        cache.evict_device(data.draw(st.integers(0, 3), label="L1 pages evicted first"))
-        result = cache.match(tokens, ns)
+        cache.evict(data.draw(st.integers(0, 3), label="L1 pages evicted first"))
+        result = cache.match_prefix(tokens, ns)
         if result.host_pages and cache.load_back(result.host_node) is not None:
             if not cache.load_ops[-1].pages:
                 event("state-only load-back started")

@@ -131,7 +131,7 @@ class CacheModelMachine(RuleBasedStateMachine):
         """What a scheduler does for one request: match, lock the L1 prefix, take fresh L1 pages
         for the rest, compute their KV, insert, unlock. False if L1 had no room."""
         nodes_before = len(cache.tree.nodes)
-        result = cache.match(tokens, ns)
+        result = cache.match_prefix(tokens, ns)
         if len(cache.tree.nodes) > nodes_before + (nodes_before == 0):
             event("request split a node")
         pages = self.expected_pages(tokens, ns)
@@ -180,7 +180,7 @@ class CacheModelMachine(RuleBasedStateMachine):
         tokens, ns = self.draw_tokens(data)
         nodes_before = len(cache.tree.nodes)
         in_flight = bool(cache.write_ops)
-        result = cache.match(tokens, ns)
+        result = cache.match_prefix(tokens, ns)
         expected = self.expected_pages(tokens, ns)[: result.device_pages]
         assert cache.device_content(result.device_slots) == expected
         assert result.device_pages + result.host_pages <= len(tokens) // self.page_size
@@ -190,7 +190,7 @@ class CacheModelMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def lock(self, data: st.DataObject) -> None:
         index, cache = self.pick(data)
-        node = cache.match(*self.draw_tokens(data)).device_node
+        node = cache.match_prefix(*self.draw_tokens(data)).device_node
         if not cache.tree.nodes[node].is_root:
             cache.lock(node)
             self.locked[index].append(node)
@@ -209,12 +209,12 @@ class CacheModelMachine(RuleBasedStateMachine):
         if host:
             cache.evict_host(pages)
         else:
-            cache.evict_device(pages)
+            cache.evict(pages)
 
     @rule(data=st.data())
     def load_back(self, data: st.DataObject) -> None:
         _, cache = self.pick(data)
-        result = cache.match(*self.draw_tokens(data))
+        result = cache.match_prefix(*self.draw_tokens(data))
         if result.host_pages and cache.load_back(result.host_node) is not None:
             event("load-back started")
 
@@ -389,7 +389,7 @@ class CacheModelMachine(RuleBasedStateMachine):
             tokens = tuple(range(100, 100 + self.page_size))  # a page the tree never holds
             call = lambda: cache.insert(tokens, DEFAULT_NAMESPACE, owned[:1])  # noqa: E731
         elif bad == "evict":
-            call = lambda: cache.evict_device(-1)  # noqa: E731
+            call = lambda: cache.evict(-1)  # noqa: E731
         elif bad == "prefetch_op":
             call = lambda: cache.prefetch_arrive(10**6)  # noqa: E731
         else:

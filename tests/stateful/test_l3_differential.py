@@ -282,7 +282,7 @@ class L3Differential(DifferentialMachine):
         ns = data.draw(st.sampled_from([n for n, t in sorted(self.seen, key=repr) if t == tokens]))
         self.drain()
         total = 64  # more than any pool here
-        assert self.impl.evict(total) == self.model.evict_device(total)
+        assert self.impl.evict(total) == self.model.evict(total)
         assert self.impl.evict_host(total) == self.model.evict_host(total)
         op_id = self.do_prefetch(tokens, ns)
         if op_id is None:
@@ -700,7 +700,7 @@ class HybridL3TierDifferential(HybridDifferentialMachine, L3Differential):
         self.drain()
         self.peer_back_up(ns, pages, [len(pages) - 1])
         total = 64  # more than any pool here
-        assert self.impl.evict(total) == self.model.evict_device(total)
+        assert self.impl.evict(total) == self.model.evict(total)
         assert self.impl.evict_host(total) == self.model.evict_host(total)
         op_id = self.do_prefetch(tokens, ns)
         if op_id is None or self.prefetch_ops[op_id] is None:
@@ -712,7 +712,7 @@ class HybridL3TierDifferential(HybridDifferentialMachine, L3Differential):
         self.request_tokens(tokens, ns, with_state=False)
         while self.executor.jobs:
             self.complete_copy_batch(fail=False)
-        assert self.impl.evict(total) == self.model.evict_device(total)
+        assert self.impl.evict(total) == self.model.evict(total)
         ends = [  # the node holding the last page (matches report no stateless node end)
             node.node_id
             for node in self.model.tree.non_root_nodes()

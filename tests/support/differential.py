@@ -206,7 +206,7 @@ class DifferentialMachine(RuleBasedStateMachine):
         raise AssertionError(f"the implementation has no node {node_id}")
 
     def both_match(self, tokens: tuple[int, ...], ns: Namespace) -> tuple[object, object]:
-        expected = self.model.match(tokens, ns)
+        expected = self.model.match_prefix(tokens, ns)
         actual = self.impl.match_prefix(tokens, ns)
         assert actual.device_pages == expected.device_pages, (actual, expected)
         assert actual.host_pages == expected.host_pages, (actual, expected)
@@ -339,7 +339,7 @@ class DifferentialMachine(RuleBasedStateMachine):
         if host:
             assert self.impl.evict_host(pages) == self.model.evict_host(pages)
         else:
-            assert self.impl.evict(pages) == self.model.evict_device(pages)
+            assert self.impl.evict(pages) == self.model.evict(pages)
 
     @rule(data=st.data())
     def load_back(self, data: st.DataObject) -> None:
@@ -401,7 +401,7 @@ class DifferentialMachine(RuleBasedStateMachine):
                 lambda: self.impl.insert(tokens, [0, 1]),
             )
         elif bad == "evict":
-            calls = (lambda: self.model.evict_device(-1), lambda: self.impl.evict(-1))
+            calls = (lambda: self.model.evict(-1), lambda: self.impl.evict(-1))
         elif bad == "alloc":
             calls = (lambda: self.model.alloc_device(-2), lambda: self.impl.alloc_device(-2))
         elif bad == "unlock":

@@ -38,7 +38,7 @@ def make(store: StoreModel | None = None, **overrides: object) -> CacheModel:
 
 def request(cache: CacheModel, tokens: tuple[int, ...], ns: Namespace = DEFAULT_NAMESPACE) -> None:
     """The scheduler protocol: match, lock, allocate the rest, compute, insert, unlock."""
-    result = cache.match(tokens, ns)
+    result = cache.match_prefix(tokens, ns)
     pages = chain_page_hashes(tokens, cache.page_size, ns)
     fresh = cache.alloc_device(len(pages) - result.device_pages)
     for slot, page in zip(fresh, pages[result.device_pages :], strict=True):
@@ -60,7 +60,7 @@ def test_split_while_write_through_in_flight_keeps_coverage() -> None:
     cache = make()
     request(cache, (1, 2, 3, 4))
     assert cache.residency((1, 2, 3, 4)) == (W, W, W, W)
-    cache.match((1, 2, 9))  # splits the node after two pages while the copy is in flight
+    cache.match_prefix((1, 2, 9))  # splits the node after two pages while the copy is in flight
     assert len(cache.tree.nodes) == 3
     drain(cache)
     assert cache.residency((1, 2, 3, 4)) == (B, B, B, B)
@@ -75,14 +75,14 @@ def test_write_policies() -> None:
     selective = make(write_policy=WritePolicy.WRITE_THROUGH_SELECTIVE, write_through_threshold=2)
     request(selective, (1, 2))
     assert selective.residency((1, 2)) == (D, D)
-    selective.match((1, 2))
-    selective.match((1, 2))
+    selective.match_prefix((1, 2))
+    selective.match_prefix((1, 2))
     assert selective.residency((1, 2)) == (W, W)
 
     back = make(write_policy=WritePolicy.WRITE_BACK, device_pages=2)
     request(back, (1, 2))
     assert back.residency((1, 2)) == (D, D)
-    back.evict_device(2)
+    back.evict(2)
     assert back.residency((1, 2)) == (H, H)  # staged to L2 on eviction
     assert back.host_content([back.page_info[p].host_slot for p in chain_page_hashes((1, 2), 1)])  # type: ignore[misc]
 
@@ -90,11 +90,11 @@ def test_write_policies() -> None:
 def test_eviction_demotes_or_deletes_and_respects_locks() -> None:
     cache = make(host_pages=0)
     request(cache, (1, 2))
-    node = cache.match((1, 2)).device_node
+    node = cache.match_prefix((1, 2)).device_node
     cache.lock(node)
-    assert cache.evict_device(8) == 0
+    assert cache.evict(8) == 0
     cache.unlock(node)
-    assert cache.evict_device(1) == 2  # a whole leaf goes
+    assert cache.evict(1) == 2  # a whole leaf goes
     assert cache.residency((1, 2)) == ()
     with pytest.raises(MisuseError):
         cache.unlock(node)
@@ -104,16 +104,16 @@ def test_load_back_is_all_or_nothing_and_pinned_until_ack() -> None:
     cache = make(device_pages=4, load_back_quota=3)
     request(cache, (1, 2, 3, 4))
     drain(cache)
-    cache.evict_device(4)
+    cache.evict(4)
     assert cache.residency((1, 2, 3, 4)) == (H, H, H, H)
-    host_node = cache.match((1, 2, 3, 4)).host_node
+    host_node = cache.match_prefix((1, 2, 3, 4)).host_node
     assert cache.load_back(host_node) is None  # 4 pages > quota 3: nothing moves
     assert cache.residency((1, 2, 3, 4)) == (H, H, H, H)
-    cache.match((1, 2, 3))  # split so that a chain of 3 fits the quota
-    assert cache.load_back(cache.match((1, 2, 3)).host_node) is not None
+    cache.match_prefix((1, 2, 3))  # split so that a chain of 3 fits the quota
+    assert cache.load_back(cache.match_prefix((1, 2, 3)).host_node) is not None
     assert cache.evict_host(8) == 1  # only the unloaded last page can go
     cache.ack_load()
-    assert cache.match((1, 2, 3)).device_pages == 3
+    assert cache.match_prefix((1, 2, 3)).device_pages == 3
 
 
 def test_prefetch_from_another_instance_commit_and_drain() -> None:
@@ -189,7 +189,7 @@ def test_namespaces_never_share_pages_or_keys() -> None:
     cache = make()
     request(cache, (1, 2), Namespace(extra_key="tenant-a"))
     drain(cache)
-    assert cache.match((1, 2)).device_pages == 0
+    assert cache.match_prefix((1, 2)).device_pages == 0
     assert cache.l3_exists((1, 2)) == 0
     assert cache.l3_exists((1, 2), Namespace(extra_key="tenant-a")) == 2
 
@@ -207,7 +207,7 @@ def test_bad_input_is_rejected_without_change() -> None:
     with pytest.raises(MisuseError):
         cache.prefetch_drain(1)  # no such op
     assert (repr(cache.page_info), cache.clock, cache.device.allocated()) == before
-    cache.lock(cache.match((1, 2)).device_node)
+    cache.lock(cache.match_prefix((1, 2)).device_node)
     with pytest.raises(CapacityError):
         cache.alloc_device(1)
     with pytest.raises(MisuseError):
@@ -233,7 +233,7 @@ def hybrid_request(
     cache: CacheModel, tokens: tuple[int, ...], *, state: bool = True
 ) -> InsertResult:
     """The scheduler protocol with a trailing state computed at the end of the last page."""
-    result = cache.match(tokens)
+    result = cache.match_prefix(tokens)
     pages = chain_page_hashes(tokens, cache.page_size, DEFAULT_NAMESPACE)
     fresh = cache.alloc_device(len(pages) - result.device_pages)
     for slot, page in zip(fresh, pages[result.device_pages :], strict=True):
@@ -278,18 +278,18 @@ def test_side_pool_config_is_validated() -> None:
 def test_a_state_sits_at_a_node_end_and_a_split_reports_less() -> None:
     cache = make_hybrid(device_states=3)
     assert hybrid_request(cache, (1, 2, 3, 4)).state_kept
-    full = cache.match((1, 2, 3, 4))
+    full = cache.match_prefix((1, 2, 3, 4))
     assert (full.device_pages, full.host_pages) == (4, 0)
     assert full.device_state_slot is not None
     assert cache.device_state.read(full.device_state_slot) == ("state", pages_of((1, 2, 3, 4))[3])
     # the match splits the node after page 2: the new node end has no state, so nothing is usable
-    half = cache.match((1, 2))
+    half = cache.match_prefix((1, 2))
     assert (half.device_pages, half.host_pages, half.device_state_slot) == (0, 0, None)
     assert cache.state_residency((1, 2, 3, 4)) == (None, None, None, W)
-    assert cache.match((1, 2, 3, 4)).device_pages == 4  # the split moved nothing
+    assert cache.match_prefix((1, 2, 3, 4)).device_pages == 4  # the split moved nothing
     # a request that ends at the split brings its own state; a second copy is given back
     assert hybrid_request(cache, (1, 2)).state_kept
-    assert cache.match((1, 2, 3)).device_pages == 2
+    assert cache.match_prefix((1, 2, 3)).device_pages == 2
     drain(cache)  # the state-only write-through of (1, 2)'s state, then its backup
     assert cache.state_residency((1, 2)) == (None, B)
     assert cache.l3_exists((1, 2)) == 2
@@ -302,18 +302,18 @@ def test_dropped_state_reports_less_and_a_state_only_load_back_restores_it() -> 
     hybrid_request(cache, (1, 2, 3))
     drain(cache)
     assert cache.state_residency((1, 2, 3))[-1] is B
-    leaf = cache.match((1, 2, 3)).device_node
+    leaf = cache.match_prefix((1, 2, 3)).device_node
     cache.evict_state(leaf)  # L1 copy dropped, L2 copy kept: readable from L2 only
-    result = cache.match((1, 2, 3))
+    result = cache.match_prefix((1, 2, 3))
     assert (result.device_pages, result.host_pages, result.host_node) == (0, 3, leaf)
     op = cache.load_back(result.host_node)
     assert op is not None and cache.load_ops[-1].pages == () and cache.load_ops[-1].states
-    assert cache.match((1, 2, 3)).device_pages == 0  # not usable on L1 before the ack
+    assert cache.match_prefix((1, 2, 3)).device_pages == 0  # not usable on L1 before the ack
     cache.ack_load()
-    assert cache.match((1, 2, 3)).device_pages == 3
+    assert cache.match_prefix((1, 2, 3)).device_pages == 3
     cache.evict_state(leaf, host=True)  # now drop the L2 copy: L1 stays usable
     assert cache.state_residency((1, 2, 3))[-1] is D
-    assert cache.match((1, 2, 3)).device_pages == 3
+    assert cache.match_prefix((1, 2, 3)).device_pages == 3
     cache.evict_state(leaf)  # and the L1 copy: the state is gone
     assert cache.state_residency((1, 2, 3))[-1] is None
     assert cache.device_state.used_count == cache.host_state.used_count == 0
@@ -322,12 +322,12 @@ def test_dropped_state_reports_less_and_a_state_only_load_back_restores_it() -> 
 def test_evict_state_misuse_is_rejected_without_change() -> None:
     cache = make_hybrid()
     hybrid_request(cache, (1, 2, 3))
-    leaf = cache.match((1, 2, 3)).device_node
+    leaf = cache.match_prefix((1, 2, 3)).device_node
     cache.ack_write()  # the backup is queued and pins the L2 state copy
     before = hybrid_snapshot(cache)
     with pytest.raises(MisuseError, match="pinned"):
         cache.evict_state(leaf, host=True)
-    cache.match((1, 9))  # splits: a node end without a state
+    cache.match_prefix((1, 9))  # splits: a node end without a state
     stateless = cache.tree.walk((1,), DEFAULT_NAMESPACE, split=False).last.node_id
     before = hybrid_snapshot(cache)
     with pytest.raises(MisuseError, match="no idle"):
@@ -344,7 +344,7 @@ def test_evict_state_misuse_is_rejected_without_change() -> None:
     plain = make()
     request(plain, (1,))
     with pytest.raises(MisuseError, match="keeps no states"):
-        plain.evict_state(plain.match((1,)).device_node)
+        plain.evict_state(plain.match_prefix((1,)).device_node)
 
 
 def test_state_slot_misuse_is_rejected_without_change() -> None:
@@ -371,9 +371,9 @@ def test_l1_state_slots_are_reused_least_recently_used_first() -> None:
     hybrid_request(cache, (1,))
     hybrid_request(cache, (2,))  # takes the only L1 state slot from (1,)'s state (L1 only: gone)
     assert cache.state_residency((1,)) == (None,)
-    assert cache.match((1,)).device_pages == 0
-    assert cache.match((2,)).device_pages == 1
-    cache.lock(cache.match((2,)).device_node)
+    assert cache.match_prefix((1,)).device_pages == 0
+    assert cache.match_prefix((2,)).device_pages == 1
+    cache.lock(cache.match_prefix((2,)).device_node)
     with pytest.raises(CapacityError):
         cache.alloc_device_state()  # the only state is in use
 
@@ -396,10 +396,10 @@ def test_l1_eviction_demotes_or_deletes_states_with_their_pages() -> None:
     cache = make_hybrid(device_pages=2)
     hybrid_request(cache, (1, 2))
     drain(cache)
-    cache.evict_device(2)
+    cache.evict(2)
     assert cache.residency((1, 2)) == (H, H)
     assert cache.state_residency((1, 2)) == (None, H)
-    result = cache.match((1, 2))
+    result = cache.match_prefix((1, 2))
     assert (result.device_pages, result.host_pages) == (0, 2)
     cache.evict_host(2)
     assert cache.residency((1, 2)) == ()
@@ -446,12 +446,12 @@ def test_prefetch_reads_the_state_after_the_kv_range_and_commits_it_on_l2() -> N
     assert target.prefetch_commit(op_id) == 2
     assert target.residency((1, 2, 3, 4)) == (H, H)
     assert target.state_residency((1, 2)) == (None, H)
-    result = target.match((1, 2, 3, 4))
+    result = target.match_prefix((1, 2, 3, 4))
     assert (result.device_pages, result.host_pages) == (0, 2)
     assert target.host.used_count == 2 and target.host_state.used_count == 1
     assert target.load_back(result.host_node) is not None
     target.ack_load()
-    assert target.match((1, 2)).device_pages == 2
+    assert target.match_prefix((1, 2)).device_pages == 2
 
 
 def test_prefetch_never_reserves_a_page_whose_indexer_object_is_missing() -> None:
