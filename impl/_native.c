@@ -10,7 +10,7 @@
  *    64-bit lanes per page, lane = sum over token pairs of ((a + k) mod 2^32) * ((b + k') mod 2^32)
  *    mod 2^64, with one secret uint32 key per token position and lane.
  *
- * Both must give byte for byte what the portable Python versions give (tests/unit/test_native.py).
+ * Both must give byte for byte what the portable Python versions give (tests/unit/impl/test_kernels.py).
  * Everything is plain C99 over caller-owned buffers; there is no global mutable state.
  */
 #define PY_SSIZE_T_CLEAN
@@ -94,7 +94,7 @@ static PyObject *sha256_chain(PyObject *module, PyObject *const *args, Py_ssize_
 /* NH of `pages` pages of `page` tokens at `ids` under the lane keys k0, k1 (each `page` rounded up to
  * even): two uint64 lanes per page to `target`. The portable loop, and an AVX2 one (8 tokens per
  * step: the pair products of one lane are one _mm256_mul_epu32) picked at import when the CPU has it;
- * both give the same bytes (tests/unit/test_fingerprint.py compares them with NH written out). */
+ * both give the same bytes (tests/unit/impl/test_fingerprint.py compares them with NH written out). */
 static void nh_scalar(const uint32_t *ids, const uint32_t *k0, const uint32_t *k1, Py_ssize_t pages,
                       Py_ssize_t page, char *target) {
     uint64_t lanes[2];

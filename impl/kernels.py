@@ -12,7 +12,7 @@ time (docs/benchmarks.md):
 OpenSSL headers are present) loops over the pages in C, hashing with OpenSSL's SHA-256 and with the GIL
 released, so a worker thread can hash while the scheduler thread runs (:mod:`kvstrata.impl.hashing`).
 The portable versions here (``hashlib``, numpy) give the same bytes; :data:`NATIVE` says which ones
-this process uses, and ``tests/unit/test_kernels.py`` holds the two to each other.
+this process uses, and ``tests/unit/impl/test_kernels.py`` holds the two to each other.
 """
 
 from __future__ import annotations

@@ -2,12 +2,12 @@
 
 The model and the implementation advance through these tables with :meth:`Lifecycle.next`;
 ``docs/model.md`` shows them and ``transitions`` builds checked machines from them
-(``tests/unit/test_slots_store_lifecycle.py``). Change a lifecycle here first, then the docs, then
+(``tests/unit/model/test_slots_store_lifecycles.py``). Change a lifecycle here first, then the docs, then
 the code.
 
 Guard sets (which states allow a step) are derived here, from the tables and the two validity sets,
 and imported by both sides; no other module spells a set of residencies out by hand
-(``tests/unit/test_slots_store_lifecycle.py`` checks the derivations).
+(``tests/unit/model/test_slots_store_lifecycles.py`` checks the derivations).
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ order ``[L, page_size, H, D]`` whatever the host layout, so instances with diffe
 share pages bit for bit (the key does not name the layout). For ``page_first_direct`` that is the
 page slab itself (zero-copy); ``page_first`` is transposed on the way (a staging copy).
 
-Semantics every backend keeps (the contract tests in ``tests/unit/storage`` check them):
+Semantics every backend keeps (the contract tests in ``tests/unit/impl/storage`` check them):
 
 - a page **exists** only if every component object of it exists and is complete;
   :meth:`StorageBackend.exists` returns the number of consecutive existing pages from the start;

@@ -1,6 +1,6 @@
 """The trace replay as a library (issue 5): capacities, trace reading, token synthesis, the
 theoretical maximum, synthetic KV and its verification, and whole replays through L1/L2/L3 with the
-in-memory L3 (tests/unit/test_cli.py runs the command line, including the Mooncake default)."""
+in-memory L3 (tests/unit/impl/test_cli.py runs the command line, including the Mooncake default)."""
 
 from __future__ import annotations
 

@@ -285,7 +285,7 @@ def test_build_validation() -> None:
     no_l2_states = RadixCacheConfig(page_size=PAGE, side_pools=POOLS, device_states=1)
     with pytest.raises(ConfigError, match="host_states"):
         HierarchicalRadixCache.build(no_l2_states, device, host, side_specs=SPECS)
-    # side pools with an L3 backend: tests/unit/test_l3_hybrid_cache.py (layer_first refused there)
+    # side pools with an L3 backend: tests/unit/impl/test_l3_hybrid.py (layer_first refused there)
 
 
 def test_several_trailing_pools_share_one_state_slot() -> None:
