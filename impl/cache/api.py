@@ -161,16 +161,16 @@ class HierarchicalRadixCache:
         """Background work not applied yet (applied only by :meth:`check_events`)."""
         tiers, l3 = self._tiers, self._l3
         return PendingWork(
-            len(tiers.write_ops),
-            len(tiers.load_ops),
+            len(tiers.copies.write),
+            len(tiers.copies.load),
             0 if l3 is None else len(l3.backups),
             0 if l3 is None else len(l3.prefetches),
         )
 
     def idle(self) -> bool:
         """Whether every copy, backup and prefetch has been applied (nothing pending)."""
-        tiers = self._tiers
-        return not tiers.write_ops and not tiers.load_ops and (self._l3 is None or self._l3.idle())
+        copies = self._tiers.copies
+        return not copies.write and not copies.load and (self._l3 is None or self._l3.idle())
 
     def close(self) -> None:
         """Finish queued copies, store I/O and page hashing, stop the workers and close the
@@ -295,7 +295,7 @@ class HierarchicalRadixCache:
 
     def unlock(self, node: Node) -> None:
         self._check_node(node)
-        if node.pins - self._tiers.op_pins(node) <= 0:
+        if node.pins - self._tiers.copies.op_pins(node) <= 0:
             raise MisuseError(f"{node!r} is not locked by the caller")
         self._clock.tick()
         self._locks.lock(node, -1)
@@ -370,7 +370,8 @@ class HierarchicalRadixCache:
         tiers = self._tiers
         if tiers.transfer is None:
             return []
-        events = [tiers.apply(completion) for completion in tiers.transfer.completed()]
+        copies = tiers.copies
+        events = [copies.apply(c, tiers.ack, tiers.fail) for c in tiers.transfer.completed()]
         if self._l3 is not None:
             self._clock.tick()
             self._l3.poll()

@@ -162,13 +162,28 @@ def build_cache(
             _attach_l3(cache, hybrid, storage_config, storage_executor, host_pool)
         return cache
 
+    cache = _build_plain(cls, config, device_pool, host_pool, executor)
+    if storage is not None:
+        _attach_l3(cache, storage, storage_config, storage_executor, host_pool)
+    return cache
+
+
+def _build_plain(
+    cls: Callable[..., C],
+    config: RadixCacheConfig,
+    device_pool: KVPool,
+    host_pool: KVPool,
+    executor: Executor | None,
+) -> C:
+    """``build`` with an L2 and no side pools: KV page copies between the two pools."""
+
     def copy(direction: Direction, src: Pages, dst: Pages) -> int:
         if direction is Direction.WRITE:
             return copy_pages(device_pool, src, host_pool, dst)
         return copy_pages(host_pool, src, device_pool, dst)
 
     transfer = TransferController(copy, executor)
-    cache = cls(
+    return cls(
         config,
         device_pool.allocator,
         host_pool.allocator,
@@ -176,9 +191,6 @@ def build_cache(
         copy,
         page_nbytes=device_pool.shape.bytes_per_page,
     )
-    if storage is not None:
-        _attach_l3(cache, storage, storage_config, storage_executor, host_pool)
-    return cache
 
 
 def _attach_l3(

@@ -34,12 +34,18 @@ _DEVICE_VALID_T = tuple(DEVICE_VALID)
 _HOST_VALID_T = tuple(HOST_VALID)
 
 
-def _valid_device(node: Node) -> Pages:
-    """The node's L1 pages if they hold valid KV, else -1 per page."""
-    if node.state in _DEVICE_VALID_T:
-        assert node.device is not None
-        return node.device
-    return np.full(node.num_pages, -1, dtype=np.int64)
+def _valid_devices(path: list[Node]) -> Pages:
+    """The L1 pages of ``path``'s nodes where they hold valid KV, -1 per page elsewhere."""
+    if not path:
+        return EMPTY
+    parts = []
+    for node in path:
+        if node.state in _DEVICE_VALID_T:
+            assert node.device is not None
+            parts.append(node.device)
+        else:
+            parts.append(np.full(node.num_pages, -1, dtype=np.int64))
+    return np.concatenate(parts)
 
 
 class Lookup:
@@ -117,20 +123,24 @@ class Lookup:
             clock.version,
             query if frozen(query) else None,
         )
-        config = self.config
-        if config.write_policy is WritePolicy.WRITE_THROUGH_SELECTIVE:
-            tiers = self._tiers
-            for node in path:
-                if node.hits >= config.write_through_threshold and (
-                    node.state is Residency.DEVICE or (states.enabled and states.alone(node))
-                ):
-                    tiers.write_through_chain(node)
+        if self.config.write_policy is WritePolicy.WRITE_THROUGH_SELECTIVE:
+            self._write_through_hits(path)
         self._finish()
         stats = self._tiers.stats
         stats.match_tokens += len(query)
         stats.l1_hit_tokens += len(indices) * self.page_size
         stats.l2_hit_tokens += host_pages * self.page_size
         return MatchResult(indices, device_node, host_pages, host_node, state_slot)
+
+    def _write_through_hits(self, path: list[Node]) -> None:
+        """``write_through_selective``: write through the L1-only nodes (or lone end states) of a
+        matched path that reached the hit threshold."""
+        states, threshold = self._states, self.config.write_through_threshold
+        for node in path:
+            if node.hits >= threshold and (
+                node.state is Residency.DEVICE or (states.enabled and states.alone(node))
+            ):
+                self._tiers.write_through_chain(node)
 
     def insert(
         self,
@@ -159,10 +169,7 @@ class Lookup:
             path, matched, partial, common = index.descend(fps, namespace)
             devices = None
         # every given page is the scheduler's, or the tree's own valid L1 page at that position
-        if devices is not None:
-            own = devices
-        else:
-            own = np.concatenate([_valid_device(node) for node in path]) if path else EMPTY
+        own = devices if devices is not None else _valid_devices(path)
         differing = self._held.claim(given, own, "device_indices")  # no longer held afterwards
         self._clock.tick()
         root = index.root(namespace, create=True)
@@ -187,12 +194,7 @@ class Lookup:
             deepest = tiers.add_device_leaf(
                 deepest, fps[matched * FINGERPRINT_BYTES :], hashes, fresh
             )
-        kept = False
-        if state_slot is not None:
-            states.held.discard(state_slot)
-            kept = not loading and states.attach(deepest, state_slot)
-            if not kept:
-                states.free(state_slot, host=False)
+        kept = False if state_slot is None else states.keep(deepest, state_slot, loading=loading)
         if (new_pages or kept) and self.config.write_policy is WritePolicy.WRITE_THROUGH:
             tiers.write_through_chain(deepest)
         self._finish()

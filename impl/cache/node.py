@@ -237,6 +237,15 @@ class CacheStats:
     write_bytes: int = 0
     load_bytes: int = 0
 
+    def count_copy(self, pages: int, page_nbytes: int, *, write: bool) -> None:
+        """``pages`` pages of ``page_nbytes`` bytes each were copied L1 -> L2 (``write``) or back."""
+        if write:
+            self.write_pages += pages
+            self.write_bytes += pages * page_nbytes
+        else:
+            self.load_pages += pages
+            self.load_bytes += pages * page_nbytes
+
 
 T = TypeVar("T")
 

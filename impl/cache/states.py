@@ -176,6 +176,56 @@ class StateBook:
         info = self.info.get(node)
         return info if info is not None and info.residency is Residency.HOST else None
 
+    def start_copy(self, node: Node, *, write: bool) -> tuple[PoolTransfer, ...]:
+        """A copy of the state at ``node``'s end starts (L1 -> L2 with ``write``, else L2 -> L1;
+        both slots held): WRITE_START / LOAD_START, and the transfers it moves."""
+        info = self.info[node]
+        assert info.device is not None and info.host is not None
+        event = StateEvent.WRITE_START if write else StateEvent.LOAD_START
+        self.advance(node, info, event)
+        if write:
+            return self.transfers(info.device, info.host)
+        return self.transfers(info.host, info.device)
+
+    def end_copy(self, node: Node, *, write: bool, ok: bool) -> None:
+        """The copy of ``node``'s end state finished: acked, or failed (its destination slot given
+        back, the state where it was)."""
+        info = self.info[node]
+        if ok:
+            self.advance(node, info, StateEvent.WRITE_ACK if write else StateEvent.LOAD_ACK)
+            return
+        if write:
+            assert info.host is not None
+            self.free(info.host, host=True)
+            info.host = None
+            self.advance(node, info, StateEvent.WRITE_FAIL)
+        else:
+            assert info.device is not None
+            self.free(info.device, host=False)
+            info.device = None
+            self.advance(node, info, StateEvent.LOAD_FAIL)
+
+    def staging(self, node: Node) -> tuple[PoolTransfer, ...]:
+        """The blocking copy of ``node``'s L1-only end state to its reserved L2 slot (write_back)."""
+        info = self.info[node]
+        assert info.device is not None and info.host is not None
+        return self.transfers(info.device, info.host)
+
+    def unstage(self, node: Node) -> None:
+        """A failed staging copy: the reserved L2 state slot goes back."""
+        info = self.info[node]
+        if info.host is not None:
+            self.free(info.host, host=True)
+            info.host = None
+
+    def staged(self, node: Node) -> None:
+        """A staging copy landed: the L1 copy is freed, the state is on L2 only (STAGE)."""
+        info = self.info[node]
+        assert info.device is not None
+        self.free(info.device, host=False)
+        info.device = None
+        self.advance(node, info, StateEvent.STAGE)
+
     def attach(self, node: Node, slot: int) -> bool:
         """Make ``slot`` the L1 state at the end of ``node`` (whose pages are valid on L1); False if
         that end already has a state on L1 (or one being loaded there)."""
@@ -190,6 +240,16 @@ class StateBook:
             self.advance(node, info, StateEvent.REVIVE)
             return True
         return False
+
+    def keep(self, node: Node, slot: int, *, loading: bool) -> bool:
+        """The scheduler hands L1 state ``slot`` to ``insert`` with pages ending at ``node``: it
+        becomes that node end's L1 state unless the end has one on L1 already (or the insert
+        stopped below a node that is loading back); else it goes back to the pool."""
+        self.held.discard(slot)
+        kept = not loading and self.attach(node, slot)
+        if not kept:
+            self.free(slot, host=False)
+        return kept
 
     def commit_prefetched(self, end: Node | None, slot: int) -> bool:
         """A prefetched state read into L2 ``slot`` becomes the state at ``end``'s end if that node

@@ -1,34 +1,31 @@
 """Page residency: the only module that moves a node's pages between L1 and L2 (SPEC §3; model:
-``kvstrata.model.cache.tiers``). Write-through, demotion, write_back staging, L2 eviction, load-back
-and the copy acks live here, and so do the pending copy ops (FIFO per direction).
+``kvstrata.model.cache.tiers``): write-through, demotion, write_back staging, L2 eviction, load-back,
+and what a copy's ack or failure does (the queues of pending copies: :mod:`.copies`).
 
-Invariants upheld here:
-* residency changes only through the model's ``PAGE_RESIDENCY`` table (:meth:`Tiers.advance`), and a
-  state moves with its node's pages (through :class:`~kvstrata.impl.cache.states.StateBook`);
-* I3: host-backed nodes form a root-anchored prefix (a write-through or staging starts only under a
-  host-claimed parent or a root; L2 eviction takes host-only leaves);
-* a copy pins its source until acked (the op's node is locked) and its destination pages belong to
-  the op's nodes; an ack reaches every node the op covers, splits included (I4), in FIFO order;
-* a failed copy gives its destination pages back and leaves the source as it was (a smaller cache);
-* a host page read by a backup (``backup_pins``) is never evicted or reused (I5).
+Invariants: residency changes only through ``PAGE_RESIDENCY`` (:meth:`Tiers.advance`) and a state
+moves with its node's pages (:mod:`.states`); I3, host-backed nodes form a root-anchored prefix (a
+write-through or staging starts only under a host-claimed parent or a root; L2 eviction takes
+host-only leaves); a copy pins its source until acked and an ack reaches every node the op covers,
+splits included (I4); a failed copy gives its destination back and leaves the source as it was; a
+host page read by a backup (``backup_pins``) is never evicted or reused (I5).
 """
 
 from __future__ import annotations
 
 import heapq
-from collections import deque
 from collections.abc import Callable
 
 import numpy as np
 
 from kvstrata.impl.cache.clock import StepClock
+from kvstrata.impl.cache.copies import CopyQueues
 from kvstrata.impl.cache.index import TreeIndex
 from kvstrata.impl.cache.locks import LockBook, is_device_leaf
-from kvstrata.impl.cache.node import Allocator, CacheEvent, CacheStats, CopyOp, Node, Pages
+from kvstrata.impl.cache.node import Allocator, CacheStats, CopyOp, Node, Pages
 from kvstrata.impl.cache.pages import EMPTY
 from kvstrata.impl.cache.states import StateBook
 from kvstrata.impl.config import RadixCacheConfig
-from kvstrata.impl.transfer import Completion, Direction, PoolTransfer, TransferController
+from kvstrata.impl.transfer import Direction, PoolTransfer, TransferController
 from kvstrata.model.cache import WritePolicy
 from kvstrata.model.keys import Namespace
 from kvstrata.model.lifecycles import (
@@ -39,15 +36,13 @@ from kvstrata.model.lifecycles import (
     OpEvent,
     Residency,
     ResidencyEvent,
-    StateEvent,
 )
 
 __all__ = ["BackupSink", "Tiers"]
 
 _HOST_CLAIMED_T = tuple(HOST_CLAIMED)
 
-#: where pages that reached L2 are sent for an L3 backup: (namespace, nodes, node whose end state
-#: goes along)
+#: where pages that reached L2 go for an L3 backup: (namespace, nodes, node whose end state goes too)
 BackupSink = Callable[[Namespace, list[Node], Node | None], None]
 
 
@@ -79,24 +74,14 @@ class Tiers:
         self.transfer = transfer
         self._copy_now = copy_now
         self._side_copy_now = side_copy_now
-        self.write_ops: deque[CopyOp] = deque()
-        self.load_ops: deque[CopyOp] = deque()
+        self.copies = CopyQueues(clock)
         self.stats = CacheStats()
         self.page_nbytes = 0  # bytes of one KV page (for the byte counters)
         self.backup: BackupSink | None = None  # set when an L3 tier is attached
 
-    @property
-    def has_host(self) -> bool:
-        return self.host is not None
-
-    @property
-    def device_free(self) -> int:
-        return self.device.free_count
-
-    @property
-    def host_free(self) -> int:
-        """Free L2 pages (0 without an L2)."""
-        return 0 if self.host is None else self.host.free_count
+    has_host = property(lambda self: self.host is not None)
+    device_free = property(lambda self: self.device.free_count)
+    host_free = property(lambda self: 0 if self.host is None else self.host.free_count)
 
     def flush(self) -> None:
         """Hand the copies queued by this call to the transfer worker (one batch per direction)."""
@@ -119,11 +104,9 @@ class Tiers:
         return leaf
 
     def adopt(self, path: list[Node], given: Pages) -> tuple[int, int, bool]:
-        """The cached ``path`` takes its pages of ``given``: host-only nodes are revived with them;
-        where the tree already holds an L1 page (valid or loading) a different given page is spare
-        and goes back to the pool. Below a node still loading back nothing is adopted: all its
-        given pages are spare (the model's rule; a failed load would leave L1 pages under a
-        host-only parent). Returns (revived pages, spare pages, whether a loading node cut it)."""
+        """The cached ``path`` takes its pages of ``given``: host-only nodes are revived with them; a
+        given page where the tree holds one (valid or loading) is spare and freed; below a loading
+        node nothing is adopted (I3 if it fails). Returns (revived, spare, whether loading cut it)."""
         revived = 0
         offset = 0
         owned: list[Pages] = []
@@ -180,15 +163,11 @@ class Tiers:
             self.advance(current, ResidencyEvent.WRITE_START)
             op = CopyOp(self._clock.new_op(), Direction.WRITE, current, [current])
             side: tuple[PoolTransfer, ...] = ()
-            if states.enabled:
-                info = states.moving(current)
-                if info is not None:  # its host slot came with the pages (_alloc_host_for)
-                    assert info.device is not None and info.host is not None
-                    states.advance(current, info, StateEvent.WRITE_START)
-                    op.state_node = current
-                    side = states.transfers(info.device, info.host)
+            if states.enabled and states.moving(current) is not None:
+                op.state_node = current  # its host slot came with the pages (_alloc_host_for)
+                side = states.start_copy(current, write=True)
             current.write_op = op
-            self.write_ops.append(op)
+            self.copies.write.append(op)
             assert current.device is not None
             transfer.enqueue(Direction.WRITE, op.op_id, current.device, host, side)
         if states.enabled and states.alone(node):
@@ -204,16 +183,12 @@ class Tiers:
         LockBook.raw_lock(node, -1)
         if not room:
             return
-        info = states.info[node]
-        assert info.device is not None
-        info.host = states.alloc(host=True)
+        states.info[node].host = states.alloc(host=True)
         self._locks.lock(node, +1)
-        states.advance(node, info, StateEvent.WRITE_START)
         op = CopyOp(self._clock.new_op(), Direction.WRITE, node, [], state_node=node)
-        self.write_ops.append(op)
-        self.transfer.enqueue(
-            Direction.WRITE, op.op_id, EMPTY, EMPTY, states.transfers(info.device, info.host)
-        )
+        self.copies.write.append(op)
+        side = states.start_copy(node, write=True)
+        self.transfer.enqueue(Direction.WRITE, op.op_id, EMPTY, EMPTY, side)
 
     def _alloc_host_for(self, node: Node) -> Pages | None:
         """Host pages for every page of ``node`` and, with states, a host state slot for its L1-only
@@ -238,12 +213,6 @@ class Tiers:
                     return None
                 info.host = states.alloc(host=True)
         return np.asarray(host.alloc(needed), dtype=np.int64)
-
-    def op_pins(self, node: Node) -> int:
-        """Locks on ``node`` held by pending copy ops (not the scheduler's)."""
-        if not self.write_ops and not self.load_ops:
-            return 0
-        return sum(1 for op in (*self.write_ops, *self.load_ops) if op.node is node)
 
     # ------------------------------------------------------------------ eviction
     def evict_device(self, pages: int) -> int:
@@ -299,29 +268,24 @@ class Tiers:
             return False
         assert self._copy_now is not None and node.device is not None
         states = self._states
-        info = states.moving(node) if states.enabled else None
+        moving = states.enabled and states.moving(node) is not None
         try:
             self._copy_now(Direction.WRITE, node.device, host)
-            if info is not None:
+            if moving:
                 assert self._side_copy_now is not None
-                assert info.device is not None and info.host is not None
-                for transfer in states.transfers(info.device, info.host):
+                for transfer in states.staging(node):
                     self._side_copy_now(Direction.WRITE, transfer)
         except Exception:  # a failed staging copy: the node is dropped instead (smaller cache)
             host_pool.free(host)
-            if info is not None and info.host is not None:
-                states.free(info.host, host=True)
-                info.host = None
+            if moving:
+                states.unstage(node)
             return False
         node.host = host
         self.advance(node, ResidencyEvent.STAGE)
-        if info is not None:
-            assert info.device is not None
-            states.free(info.device, host=False)
-            info.device = None
-            states.advance(node, info, StateEvent.STAGE)
+        if moving:
+            states.staged(node)
         if self.backup is not None:
-            self.backup(node.namespace, [node], node if info is not None else None)
+            self.backup(node.namespace, [node], node if moving else None)
         return True
 
     def _is_host_leaf(self, node: Node) -> bool:
@@ -402,12 +366,10 @@ class Tiers:
             self.advance(current, ResidencyEvent.LOAD_START)
         side: tuple[PoolTransfer, ...] = ()
         if info is not None:
-            assert info.host is not None
             info.device = states.alloc(host=False)
-            states.advance(node, info, StateEvent.LOAD_START)
             op.state_node = node
-            side = states.transfers(info.host, info.device)
-        self.load_ops.append(op)
+            side = states.start_copy(node, write=False)
+        self.copies.load.append(op)
         transfer.enqueue(
             Direction.LOAD,
             op.op_id,
@@ -418,38 +380,13 @@ class Tiers:
         return op.op_id
 
     # ------------------------------------------------------------------ acks
-    def apply(self, completion: Completion) -> CacheEvent:
-        """Apply one finished copy batch: ack its ops in FIFO order, or fail every op pending in
-        that direction (a batch fails as a whole)."""
-        queue = self.write_ops if completion.direction is Direction.WRITE else self.load_ops
-        pending = [op for op in completion.op_ids if queue and any(o.op_id == op for o in queue)]
-        if not pending:  # already failed together with an earlier batch
-            return CacheEvent(completion.direction, (), completion.ok)
-        if not completion.ok:
-            self._clock.tick()
-            failed = tuple(op.op_id for op in queue)
-            while queue:
-                self._fail(queue.popleft())
-            return CacheEvent(completion.direction, failed, False)
-        for op_id in pending:
-            op = queue[0]
-            assert op.op_id == op_id, "copy batches complete out of FIFO order"
-            self._clock.tick()
-            queue.popleft()
-            self._ack(op)
-        return CacheEvent(completion.direction, tuple(pending), True)
-
-    def _ack(self, op: CopyOp) -> None:
+    def ack(self, op: CopyOp) -> None:
+        """A copy op landed: its nodes are valid in the destination tier; a write goes to L3."""
         write = op.direction is Direction.WRITE
         op.state = (WRITE_OP if write else LOAD_OP).next(op.state, OpEvent.ACK)
-        pages = sum(node.num_pages for node in op.nodes)
-        stats = self.stats
-        if write:
-            stats.write_pages += pages
-            stats.write_bytes += pages * self.page_nbytes
-        else:
-            stats.load_pages += pages
-            stats.load_bytes += pages * self.page_nbytes
+        self.stats.count_copy(
+            sum(node.num_pages for node in op.nodes), self.page_nbytes, write=write
+        )
         for node in op.nodes:
             if write:
                 self.advance(node, ResidencyEvent.WRITE_ACK)
@@ -459,15 +396,15 @@ class Tiers:
                 node.load_op = None
                 self._locks.count_device(node, +1)
         if op.state_node is not None:
-            event = StateEvent.WRITE_ACK if write else StateEvent.LOAD_ACK
-            self._states.advance(op.state_node, self._states.info[op.state_node], event)
+            self._states.end_copy(op.state_node, write=write, ok=True)
         self._locks.lock(op.node, -1)
         if op.nodes:
             self._locks.refresh(op.nodes)
         if write and self.backup is not None:
             self.backup(op.node.namespace, op.nodes, op.state_node)
 
-    def _fail(self, op: CopyOp) -> None:
+    def fail(self, op: CopyOp) -> None:
+        """A copy op failed: its destination pages go back; the source is as it was."""
         write = op.direction is Direction.WRITE
         op.state = (WRITE_OP if write else LOAD_OP).next(op.state, OpEvent.FAIL)
         for node in op.nodes:
@@ -484,18 +421,7 @@ class Tiers:
                 node.load_op = None
                 self.advance(node, ResidencyEvent.LOAD_FAIL)
         if op.state_node is not None:
-            states = self._states
-            info = states.info[op.state_node]
-            if write:
-                assert info.host is not None
-                states.free(info.host, host=True)
-                info.host = None
-                states.advance(op.state_node, info, StateEvent.WRITE_FAIL)
-            else:
-                assert info.device is not None
-                states.free(info.device, host=False)
-                info.device = None
-                states.advance(op.state_node, info, StateEvent.LOAD_FAIL)
+            self._states.end_copy(op.state_node, write=write, ok=False)
         self._locks.lock(op.node, -1)
         if op.nodes:
             self._locks.refresh(op.nodes)

@@ -144,14 +144,9 @@ def replay(
         result.tiers = _tiers(config, pages, store)
         with _cache(config, pages, store, background) as (cache, device):
             kv = KVSynth(_kv_shape(config), seed=config.seed)
+            knobs = {"verify": config.verify, "settle": config.settle}
             scheduler = ReferenceScheduler(
-                cache,
-                device,
-                kv,
-                background,
-                verify=config.verify,
-                settle=config.settle,
-                wait_limit_s=config.wait_limit_s,
+                cache, device, kv, background, **knobs, wait_limit_s=config.wait_limit_s
             )
             loop_start = clock()
             result.timings.startup_s = loop_start - started

@@ -10,19 +10,20 @@ identity of a KV page is its page hash; that of a trailing state is ``("state", 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Generic, TypeVar, cast
+from typing import Generic, Protocol, TypeVar, cast
 
 import attrs
 
 from kvstrata.model.errors import MisuseError
 from kvstrata.model.hybrid import state_content, state_page
-from kvstrata.model.keys import PageHash
+from kvstrata.model.keys import Namespace, PageHash
 from kvstrata.model.lifecycles import OpState, Residency
 from kvstrata.model.tree import Node
 
 T = TypeVar("T")
 
 __all__ = [
+    "BackupQueue",
     "CopyOp",
     "InsertResult",
     "MatchResult",
@@ -127,3 +128,11 @@ def check_tokens(tokens: object) -> tuple[int, ...]:
         if not isinstance(token, int) or isinstance(token, bool) or not 0 <= token < 2**32:
             raise MisuseError(f"token ids must be ints in [0, 2**32), got {token!r}")
     return out
+
+
+class BackupQueue(Protocol):
+    """Where pages that reached L2 go for an L3 backup (``kvstrata.model.l3.backup.Backup``)."""
+
+    def enqueue(
+        self, namespace: Namespace, pages: tuple[PageHash, ...], states: tuple[PageHash, ...] = ()
+    ) -> None: ...

@@ -18,14 +18,13 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Hashable, Iterable, Sequence
-from typing import Protocol
 
 import attrs
 
 from kvstrata.model.cache.clock import Clock
 from kvstrata.model.cache.config import CacheConfig, WritePolicy
 from kvstrata.model.cache.locks import Locks
-from kvstrata.model.cache.node import CopyOp, PageInfo, PageTable, Placed
+from kvstrata.model.cache.node import BackupQueue, CopyOp, PageInfo, PageTable, Placed
 from kvstrata.model.cache.states import States
 from kvstrata.model.errors import MisuseError
 from kvstrata.model.keys import Namespace, PageHash, chain_page_hashes
@@ -44,15 +43,6 @@ from kvstrata.model.lifecycles import (
 )
 from kvstrata.model.slots import SlotPool
 from kvstrata.model.tree import Node, RadixTree, Walk
-
-
-class BackupQueue(Protocol):
-    """Where pages that reached L2 go for an L3 backup (``kvstrata.model.l3.backup.Backup``)."""
-
-    def enqueue(
-        self, namespace: Namespace, pages: tuple[PageHash, ...], states: tuple[PageHash, ...] = ()
-    ) -> None: ...
-
 
 __all__ = ["Tiers"]
 
