@@ -23,13 +23,18 @@ model's ``ack_push(op, failed)`` / ``ack_get(op, failed)``: an item whose *every
 completes; an item with *any* failed object failed (a put item is READY again and is pushed again
 by a later insert; a get item is freed and forgotten), whatever the other items of the batch did.
 
-Invariants (checked by the differential machine against the model)
-    * an entry is PUSHING (LOADING) exactly while one pending put (get) holds its extents, and
-      those extents are the units of the entry's *current* generation: pinned entries are never
-      evicted, and their units never reused, until the result is applied;
-    * only READY entries are read (``get``) or pushed; a failed get frees and forgets its entry;
-    * the pool's allocated units are exactly the units of the live entries;
-    * a call with bad input raises a typed error before it changes anything.
+The facade validates and delegates to pieces that own their state, mirroring the model's file
+names: :mod:`.entries` (the entry table, the only module that advances ``EMBEDDING_ENTRY``) and
+:mod:`.ops` (the ops in flight, the requests, the executor and its results, the store keys).
+
+Upheld here (the facade; checked by the differential machine against the model):
+    * a call with bad input raises a typed error before it changes anything, and plans its room
+      before it evicts;
+    * a batch's own local hits are never its LRU victims, and their extents are captured only
+      once they are pinned (PUSHING), so every extent handed to the store belongs to its entry's
+      current generation;
+    * only READY entries are read (``get``) or pushed (the model's guard sets); a failed get
+      frees and forgets its entry (:mod:`.ops`, through :mod:`.entries`).
 
 Deviation from the bare issue API, forced by the model: ``prefetch`` and ``exists`` take each
 item's token count (the model's prefetch takes sizes: a reader must know how much room to
@@ -39,34 +44,22 @@ allocate), and ``insert_batch`` / ``prefetch`` ask the store which keys exist (o
 
 from __future__ import annotations
 
-import queue
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 
 import attrs
 import torch
 
+from kvstrata.impl.embedding.entries import Entries, Entry
+from kvstrata.impl.embedding.ops import Item, Ops
 from kvstrata.impl.embedding.pool import EmbeddingPool
-from kvstrata.impl.embedding.store import EmbeddingStore, Extent, ExtentStatus
-from kvstrata.impl.errors import CapacityError, InvariantViolation, MisuseError
+from kvstrata.impl.embedding.store import EmbeddingStore
+from kvstrata.impl.errors import CapacityError, MisuseError
 from kvstrata.impl.transfer import Executor, ThreadExecutor
+from kvstrata.model.embedding.entries import PUSHABLE, READABLE
 from kvstrata.model.keys import DEFAULT_NAMESPACE, KeySpace, KVKind, Namespace, PageHash, StoreKey
-from kvstrata.model.lifecycles import EMBEDDING_ENTRY, EntryEvent, EntryState
+from kvstrata.model.lifecycles import EntryEvent
 
 __all__ = ["EmbeddingCache", "EmbeddingCounters", "Entry", "InsertResult", "PrefetchResult"]
-
-POOL = "emb"
-
-
-@attrs.frozen
-class Entry:
-    """One cached media item; ``generation`` is new for every allocation, ``stamp`` orders LRU."""
-
-    media: PageHash
-    tokens: int
-    units: tuple[int, ...]
-    state: EntryState
-    generation: int
-    stamp: int
 
 
 @attrs.frozen
@@ -111,22 +104,6 @@ class EmbeddingCounters:
     evicted: int = 0
 
 
-@attrs.frozen
-class _Item:
-    """One entry of a pending op, as it was when the op started (its generation and units)."""
-
-    media: PageHash
-    generation: int
-    extents: tuple[Extent, ...]
-
-
-@attrs.frozen
-class _Op:
-    op_id: int
-    push: bool
-    items: tuple[_Item, ...]
-
-
 class EmbeddingCache:
     """One node's embedding cache. See the module docstring for the rules."""
 
@@ -154,17 +131,24 @@ class EmbeddingCache:
         self.executor: Executor = (
             executor if executor is not None else ThreadExecutor("kvstrata-embedding")
         )
-        self.counters = EmbeddingCounters()
-        self._entries: dict[PageHash, Entry] = {}
-        self._ops: dict[int, _Op] = {}
-        self._requests: dict[str, int | None] = {}
-        self._results: queue.SimpleQueue[tuple[int, list[ExtentStatus]]] = queue.SimpleQueue()
-        self._clock = 0
-        self._generation = 0
-        self._next_op = 0
+        self._counted = EmbeddingCounters()  # what the facade counts; results are counted by ops
+        self._entries = Entries(pool)
+        self._ops = Ops(self._entries, store, keyspace, namespace, self.executor)
         self.store.register(pool.ptr, pool.nbytes)
 
     # ----------------------------------------------------------------------------- queries
+
+    @property
+    def counters(self) -> EmbeddingCounters:
+        """Counters since construction (see :class:`EmbeddingCounters`)."""
+        ops = self._ops
+        return attrs.evolve(
+            self._counted,
+            failed=ops.failed,
+            store_full=ops.store_full,
+            pushed=ops.pushed,
+            loaded=ops.loaded,
+        )
 
     @property
     def used_units(self) -> int:
@@ -174,39 +158,29 @@ class EmbeddingCache:
         return self._entries.get(media)
 
     def entries(self) -> tuple[Entry, ...]:
-        return tuple(sorted(self._entries.values(), key=lambda entry: entry.media.digest))
+        return self._entries.sorted()
 
     def pending_ops(self) -> tuple[int, ...]:
-        return tuple(sorted(self._ops))
+        return self._ops.handles()
 
     def object_keys(self, media: PageHash, tokens: int) -> tuple[StoreKey, ...]:
         """The store keys of the embedding of ``media`` with ``tokens`` rows, unit by unit."""
-        count = self.pool.shape.units_for(tokens)
-        return tuple(
-            self.keyspace.key(self.namespace, POOL, f"u{i}of{count}", media) for i in range(count)
-        )
+        return self._ops.object_keys(media, tokens)
 
     def exists(self, hashes: Iterable[PageHash], tokens: Iterable[int]) -> tuple[bool, ...]:
         """Whether each embedding is visible, every unit of it, in the (shared) store."""
         batch = self._check_sizes(hashes, tokens, merge=False)
-        return tuple(self._visible(batch))
+        return tuple(self._ops.visible(batch))
 
     def is_ready(self, request_id: str) -> bool:
         """Whether the get that ``prefetch(request_id, ...)`` started was applied (or was empty)."""
         self.poll()
-        return self._request(request_id) not in self._ops
+        return not self._ops.is_pending(self._ops.request(request_id))
 
     def wait(self, request_id: str, timeout: float | None = None) -> bool:
         """Block until :meth:`is_ready` (the I/O must be running: not for a ManualExecutor);
         ``False`` if ``timeout`` seconds passed first."""
-        op = self._request(request_id)
-        while op in self._ops:
-            try:
-                result = self._results.get(timeout=timeout)
-            except queue.Empty:
-                return False
-            self._apply(*result)
-        return True
+        return self._ops.wait(self._ops.request(request_id), timeout)
 
     # ----------------------------------------------------------------------------- operations
 
@@ -216,49 +190,36 @@ class EmbeddingCache:
         """Insert freshly computed embeddings; push every READY one the store lacks (local hits
         included) in one batch put."""
         self.poll()
-        hashes, tensors = _check_hashes(hashes), tuple(tensors)
-        if len(hashes) != len(tensors):
-            raise MisuseError(f"insert_batch: {len(hashes)} hashes but {len(tensors)} tensors")
-        for tensor in tensors:
-            self._check_tensor(tensor)
-        batch = self._check_sizes(hashes, [int(t.shape[0]) for t in tensors], merge=True)
-        first = {media: tensors[hashes.index(media)] for media, _tokens in batch}
+        batch, first = self._check_insert(hashes, tensors)
         protect = frozenset(media for media, _tokens in batch)
         hits = {media: self._entries[media] for media, _tokens in batch if media in self._entries}
         misses = [(media, tokens) for media, tokens in batch if media not in hits]
-        victims, fits, no_space = self._plan_room(misses, protect)
-        ready = [(m, t) for m, t in batch if m in hits and hits[m].state is EntryState.READY]
-        visible = dict(zip([m for m, _ in ready + fits], self._visible(ready + fits), strict=True))
+        victims, fits, no_space = self._entries.plan_room(misses, protect)
+        ready = [(m, t) for m, t in batch if m in hits and hits[m].state in PUSHABLE]
+        seen = self._ops.visible(ready + fits)
+        visible = dict(zip([m for m, _ in ready + fits], seen, strict=True))
         # Nothing has changed so far; every step below is legal by construction.
-        for victim in victims:
-            self._forget(victim, EntryEvent.EVICT)
-        fresh = {media: self._fill(media, first[media]) for media, _tokens in fits}
-        items: list[_Item] = []
+        self._evict(victims)
+        fresh = {media: self._entries.fill(media, first[media]) for media, _tokens in fits}
+        items: list[Item] = []
         re_pushed = skipped = busy = 0
         for media, _tokens in batch:
             entry = fresh.get(media) or hits.get(media)
             if entry is None:
                 continue
-            if entry.state is not EntryState.READY:
+            if entry.state not in PUSHABLE:
                 busy += 1
                 continue
             re_pushed += media in hits
-            entry = attrs.evolve(entry, stamp=self._tick())
+            entry = self._entries.stamp(entry)
             if visible[media]:
                 skipped += 1
             else:
-                entry = attrs.evolve(
-                    entry, state=EMBEDDING_ENTRY.next(entry.state, EntryEvent.PUSH)
-                )
-                items.append(self._item(entry))
-            self._entries[media] = entry
-        op = self._submit(True, items)
-        self.counters = attrs.evolve(
-            self.counters,
-            new=self.counters.new + len(fresh),
-            re_pushed=self.counters.re_pushed + re_pushed,
-            skipped_no_space=self.counters.skipped_no_space + no_space,
-        )
+                entry = self._entries.step(entry, EntryEvent.PUSH)
+                items.append(self._ops.item(entry))
+            self._entries.put(entry)
+        op = self._ops.submit(True, items)
+        self._count(new=len(fresh), re_pushed=re_pushed, skipped_no_space=no_space)
         return InsertResult(op, len(fresh), re_pushed, len(items), skipped, busy, no_space)
 
     def prefetch(
@@ -267,43 +228,30 @@ class EmbeddingCache:
         """Start one batch get for the items that are not local but visible in the store; their
         entries are LOADING (pinned) until the result is applied."""
         self.poll()
-        if not isinstance(request_id, str) or request_id in self._requests:
-            raise MisuseError(f"prefetch: request id must be a new string, got {request_id!r}")
+        self._ops.check_new_request(request_id)
         batch = self._check_sizes(hashes, tokens, merge=True)
         local = [media for media, _tokens in batch if media in self._entries]
         others = [(media, count) for media, count in batch if media not in self._entries]
-        remote = [item for item, seen in zip(others, self._visible(others), strict=True) if seen]
-        victims, fits, no_space = self._plan_room(remote, frozenset(m for m, _ in batch))
+        remote = [
+            item for item, seen in zip(others, self._ops.visible(others), strict=True) if seen
+        ]
+        protect = frozenset(media for media, _tokens in batch)
+        victims, fits, no_space = self._entries.plan_room(remote, protect)
         # Nothing has changed so far; every step below is legal by construction.
-        for victim in victims:
-            self._forget(victim, EntryEvent.EVICT)
+        self._evict(victims)
         for media in local:
-            self._entries[media] = attrs.evolve(self._entries[media], stamp=self._tick())
-        items: list[_Item] = []
-        for media, count in fits:
-            entry = Entry(
-                media=media,
-                tokens=count,
-                units=self.pool.alloc(self.pool.shape.units_for(count)),
-                state=EMBEDDING_ENTRY.next(EMBEDDING_ENTRY.initial, EntryEvent.LOAD),
-                generation=self._new_generation(),
-                stamp=self._tick(),
-            )
-            self._entries[media] = entry
-            items.append(self._item(entry))
-        op = self._submit(False, items)
-        self._requests[request_id] = op
-        self.counters = attrs.evolve(
-            self.counters, skipped_no_space=self.counters.skipped_no_space + no_space
-        )
+            self._entries.touch(media)
+        items = [self._ops.item(self._entries.load(media, count)) for media, count in fits]
+        op = self._ops.submit(False, items)
+        self._ops.start_request(request_id, op)
+        self._count(skipped_no_space=no_space)
         return PrefetchResult(
             op, len(items), len(local), len(batch) - len(local) - len(remote), no_space
         )
 
     def release(self, request_id: str) -> None:
         """Forget a request (its get, if still pending, completes on its own)."""
-        self._request(request_id)
-        del self._requests[request_id]
+        self._ops.release(request_id)
 
     def get(self, hashes: Iterable[PageHash]) -> tuple[torch.Tensor | None, ...]:
         """A copy of each READY entry's embedding (touched for LRU); ``None`` for anything else."""
@@ -311,11 +259,11 @@ class EmbeddingCache:
         out: list[torch.Tensor | None] = []
         for media in _check_hashes(hashes):
             entry = self._entries.get(media)
-            if entry is None or entry.state is not EntryState.READY:
+            if entry is None or entry.state not in READABLE:
                 out.append(None)
                 continue
-            out.append(self.pool.read(entry.units, entry.tokens))
-            self._entries[media] = attrs.evolve(entry, stamp=self._tick())
+            out.append(self._entries.read(entry))
+            self._entries.touch(media)
         return tuple(out)
 
     def evict(self, n_units: int) -> int:
@@ -324,34 +272,21 @@ class EmbeddingCache:
             raise MisuseError(f"evict takes an int >= 0, got {n_units!r}")
         self.poll()
         freed = 0
-        for victim in self._lru(frozenset()):
+        for victim in self._entries.lru(frozenset()):
             if freed >= n_units:
                 break
-            self._forget(victim, EntryEvent.EVICT)
+            self._evict([victim])
             freed += len(victim.units)
         return freed
 
     def flush(self, timeout: float | None = None) -> bool:
         """Block until every pending op was applied (the I/O must be running: not for a
         ManualExecutor); ``False`` if ``timeout`` seconds passed first."""
-        while self._ops:
-            try:
-                result = self._results.get(timeout=timeout)
-            except queue.Empty:
-                return False
-            self._apply(*result)
-        return True
+        return self._ops.flush(timeout)
 
     def poll(self) -> int:
         """Apply every I/O result queued so far (on this thread); how many ops completed."""
-        count = 0
-        while True:
-            try:
-                result = self._results.get_nowait()
-            except queue.Empty:
-                return count
-            self._apply(*result)
-            count += 1
+        return self._ops.poll()
 
     def close(self) -> None:
         """Finish the pending I/O, apply it and unregister the pool from the store."""
@@ -359,88 +294,30 @@ class EmbeddingCache:
         self.poll()
         self.store.unregister(self.pool.ptr)
 
-    # ----------------------------------------------------------------------------- I/O
-
-    def _item(self, entry: Entry) -> _Item:
-        """The extents of ``entry``'s current generation (it is pinned by the caller)."""
-        shape = self.pool.shape
-        keys = self.object_keys(entry.media, entry.tokens)
-        extents = tuple(
-            Extent(
-                key,
-                self.pool.unit_ptr(unit),
-                shape.rows(entry.tokens, i) * shape.dim * shape.itemsize,
-            )
-            for i, (key, unit) in enumerate(zip(keys, entry.units, strict=True))
-        )
-        return _Item(entry.media, entry.generation, extents)
-
-    def _submit(self, push: bool, items: Sequence[_Item]) -> int | None:
-        if not items:
-            return None
-        op = _Op(self._next_op, push, tuple(items))
-        self._next_op += 1
-        self._ops[op.op_id] = op
-        extents = [extent for item in items for extent in item.extents]
-        call = self.store.put if push else self.store.get
-
-        def job() -> None:
-            try:
-                done = call(extents)
-            except Exception:  # a job never raises into the executor: the op failed
-                done = [ExtentStatus.FAILED] * len(extents)
-            self._results.put((op.op_id, done))
-
-        self.executor.submit(job)
-        return op.op_id
-
-    def _apply(self, op_id: int, done: list[ExtentStatus]) -> None:
-        """Apply one op's per-extent results, item by item: an item whose every extent is DONE
-        completes (``PUSH_ACK`` / ``LOADED``); any other item failed (a put item is READY again,
-        a get item is freed and forgotten). A result list of the wrong length fails what it does
-        not cover."""
-        op = self._ops.pop(op_id)
-        statuses = iter(done)
-        ok = failed = full = 0
-        for item in op.items:
-            entry = self._entries.get(item.media)
-            if entry is None or entry.generation != item.generation:
-                raise InvariantViolation("I5", f"op {op_id}: stale offset for {item.media}")
-            mine = [next(statuses, ExtentStatus.FAILED) for _ in item.extents]
-            good = all(status is ExtentStatus.DONE for status in mine)
-            ok += good
-            failed += not good
-            if op.push:
-                full += ExtentStatus.FULL in mine
-                event = EntryEvent.PUSH_ACK if good else EntryEvent.PUSH_FAILED
-                self._entries[item.media] = attrs.evolve(
-                    entry, state=EMBEDDING_ENTRY.next(entry.state, event)
-                )
-            elif good:
-                self._entries[item.media] = attrs.evolve(
-                    entry, state=EMBEDDING_ENTRY.next(entry.state, EntryEvent.LOADED)
-                )
-            else:
-                self._forget(entry, EntryEvent.LOAD_FAILED)
-        self.counters = attrs.evolve(
-            self.counters,
-            failed=self.counters.failed + failed,
-            store_full=self.counters.store_full + full,
-            pushed=self.counters.pushed + (ok if op.push else 0),
-            loaded=self.counters.loaded + (0 if op.push else ok),
-        )
-
-    def _visible(self, batch: Sequence[tuple[PageHash, int]]) -> list[bool]:
-        """Per item: all its unit objects are visible in the store (one batch exists call)."""
-        keys = [self.object_keys(media, tokens) for media, tokens in batch]
-        flat = self.store.exists([key for group in keys for key in group]) if batch else []
-        out, at = [], 0
-        for group in keys:
-            out.append(all(flat[at : at + len(group)]))
-            at += len(group)
-        return out
-
     # ----------------------------------------------------------------------------- helpers
+
+    def _evict(self, victims: Iterable[Entry]) -> None:
+        for victim in victims:
+            self._entries.forget(victim, EntryEvent.EVICT)
+            self._count(evicted=1)
+
+    def _count(self, **deltas: int) -> None:
+        counted = self._counted
+        changes = {name: getattr(counted, name) + delta for name, delta in deltas.items()}
+        self._counted = attrs.evolve(counted, **changes)
+
+    def _check_insert(
+        self, hashes: Iterable[PageHash], tensors: Iterable[torch.Tensor]
+    ) -> tuple[list[tuple[PageHash, int]], dict[PageHash, torch.Tensor]]:
+        """The batch as (media, tokens) pairs, duplicates merged, and each item's first tensor;
+        raises on misuse."""
+        hashes, tensors = _check_hashes(hashes), tuple(tensors)
+        if len(hashes) != len(tensors):
+            raise MisuseError(f"insert_batch: {len(hashes)} hashes but {len(tensors)} tensors")
+        for tensor in tensors:
+            self._check_tensor(tensor)
+        batch = self._check_sizes(hashes, [int(t.shape[0]) for t in tensors], merge=True)
+        return batch, {media: tensors[hashes.index(media)] for media, _tokens in batch}
 
     def _check_tensor(self, tensor: object) -> None:
         shape = self.pool.shape
@@ -479,76 +356,6 @@ class EmbeddingCache:
             batch[media] = count
             pairs.append((media, count))
         return list(batch.items()) if merge else pairs
-
-    def _lru(self, protect: frozenset[PageHash]) -> list[Entry]:
-        return sorted(
-            (
-                e
-                for e in self._entries.values()
-                if e.state is EntryState.READY and e.media not in protect
-            ),
-            key=lambda entry: entry.stamp,
-        )
-
-    def _plan_room(
-        self, needs: Sequence[tuple[PageHash, int]], protect: frozenset[PageHash]
-    ) -> tuple[list[Entry], list[tuple[PageHash, int]], int]:
-        """The victims (LRU first), the needs that fit (in order) and how many did not; changes
-        nothing."""
-        candidates = self._lru(protect)
-        spare = sum(len(entry.units) for entry in candidates)
-        free = self.pool.free_count
-        victims: list[Entry] = []
-        fits: list[tuple[PageHash, int]] = []
-        for media, tokens in needs:
-            size = self.pool.shape.units_for(tokens)
-            if size > free + spare:
-                continue
-            while free < size:
-                victim = candidates[len(victims)]
-                victims.append(victim)
-                free += len(victim.units)
-                spare -= len(victim.units)
-            free -= size
-            fits.append((media, tokens))
-        return victims, fits, len(needs) - len(fits)
-
-    def _fill(self, media: PageHash, tensor: torch.Tensor) -> Entry:
-        filling = EMBEDDING_ENTRY.next(EMBEDDING_ENTRY.initial, EntryEvent.FILL)
-        units = self.pool.alloc(self.pool.shape.units_for(int(tensor.shape[0])))
-        self.pool.write(units, tensor)
-        entry = Entry(
-            media=media,
-            tokens=int(tensor.shape[0]),
-            units=units,
-            state=EMBEDDING_ENTRY.next(filling, EntryEvent.FILLED),
-            generation=self._new_generation(),
-            stamp=self._tick(),
-        )
-        self._entries[media] = entry
-        return entry
-
-    def _forget(self, entry: Entry, event: EntryEvent) -> None:
-        """Take ``entry`` to FREE through ``event``: forgotten, its units freed."""
-        if EMBEDDING_ENTRY.next(entry.state, event) is not EntryState.FREE:
-            raise InvariantViolation("I5", f"{event} does not free {entry!r}")
-        del self._entries[entry.media]
-        self.pool.free(entry.units)
-        if event is EntryEvent.EVICT:
-            self.counters = attrs.evolve(self.counters, evicted=self.counters.evicted + 1)
-
-    def _request(self, request_id: str) -> int | None:
-        if not isinstance(request_id, str) or request_id not in self._requests:
-            raise MisuseError(f"unknown request {request_id!r}")
-        return self._requests[request_id]
-
-    def _tick(self) -> int:
-        self._clock += 1
-        return self._clock
-
-    def _new_generation(self) -> int:
-        self._generation += 1
-        return self._generation
 
 
 def _check_hashes(hashes: Iterable[PageHash]) -> tuple[PageHash, ...]:

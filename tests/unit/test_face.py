@@ -254,3 +254,19 @@ def test_every_size_exception_is_explained_in_the_architecture_doc() -> None:
     section = doc[doc.index("### Sizes, and the exceptions") :]
     for path in EXCEPTIONS:
         assert f"`{path}`" in section, path
+
+
+def test_l3_reaches_the_tree_only_through_its_port() -> None:
+    """impl/l3 imports nothing of impl/cache at run time, and under TYPE_CHECKING only the value
+    types of ``impl/cache/node.py`` (what the port's signatures name)."""
+    for path in (REPO / "impl" / "l3").rglob("*.py"):
+        tree = ast.parse(path.read_text())
+        guarded = _guarded(tree)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith(
+                "kvstrata.impl.cache"
+            ):
+                assert id(node) in guarded, f"{path.name} imports {node.module} at run time"
+                assert node.module == "kvstrata.impl.cache.node", f"{path.name}: {node.module}"
+            elif isinstance(node, ast.Import):
+                assert not any(a.name.startswith("kvstrata.impl.cache") for a in node.names)

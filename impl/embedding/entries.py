@@ -1,0 +1,170 @@
+"""The entry table of the embedding cache (SPEC §6), the implementation of
+:mod:`kvstrata.model.embedding.entries`: the entry values and the per-entry lifecycle bookkeeping
+over the :class:`~kvstrata.impl.embedding.pool.EmbeddingPool`.
+
+Owned here: every live :class:`Entry` (by media hash), the LRU stamps and the generation counter;
+the units come from the pool. This is the only module of the implementation that advances
+:data:`~kvstrata.model.lifecycles.EMBEDDING_ENTRY`, with the model's guard sets (derived from that
+table in :mod:`kvstrata.model.embedding.entries`).
+
+Invariants upheld here alone:
+
+* only READY entries are read or pushed, and LRU eviction takes READY entries only: an entry being
+  pushed or loaded is pinned, never evicted, its units never reused until its op's result is
+  applied;
+* every allocation gets a new generation, so an extent captured for an older one is stale;
+* an entry leaves the table only through an event that frees it (eviction, or a failed get:
+  ``LOAD_FAILED`` frees and forgets it), and :meth:`Entries.forget` is the only place its units
+  are freed: the pool's allocated units are exactly the units of the live entries.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+import attrs
+import torch
+
+from kvstrata.impl.embedding.pool import EmbeddingPool
+from kvstrata.impl.errors import InvariantViolation
+from kvstrata.model.embedding.entries import EVICTABLE
+from kvstrata.model.keys import PageHash
+from kvstrata.model.lifecycles import EMBEDDING_ENTRY, EntryEvent, EntryState
+
+__all__ = ["Entries", "Entry"]
+
+
+@attrs.frozen
+class Entry:
+    """One cached media item; ``generation`` is new for every allocation, ``stamp`` orders LRU."""
+
+    media: PageHash
+    tokens: int
+    units: tuple[int, ...]
+    state: EntryState
+    generation: int
+    stamp: int
+
+
+class Entries:
+    """One node's live entries over its pool. See the module docstring for the rules."""
+
+    def __init__(self, pool: EmbeddingPool) -> None:
+        self.pool = pool
+        self._table: dict[PageHash, Entry] = {}
+        self._clock = 0
+        self._generation = 0
+
+    # ----------------------------------------------------------------------------- queries
+
+    def get(self, media: PageHash) -> Entry | None:
+        return self._table.get(media)
+
+    def __getitem__(self, media: PageHash) -> Entry:
+        return self._table[media]
+
+    def __contains__(self, media: object) -> bool:
+        return media in self._table
+
+    def __iter__(self) -> Iterator[Entry]:
+        return iter(self._table.values())
+
+    def sorted(self) -> tuple[Entry, ...]:
+        return tuple(sorted(self._table.values(), key=lambda entry: entry.media.digest))
+
+    def read(self, entry: Entry) -> torch.Tensor:
+        """A copy of ``entry``'s embedding."""
+        return self.pool.read(entry.units, entry.tokens)
+
+    def lru(self, protect: frozenset[PageHash]) -> list[Entry]:
+        """Evictable entries (READY, unpinned, not protected), least recently used first."""
+        return sorted(
+            (e for e in self._table.values() if e.state in EVICTABLE and e.media not in protect),
+            key=lambda entry: entry.stamp,
+        )
+
+    def plan_room(
+        self, needs: Sequence[tuple[PageHash, int]], protect: frozenset[PageHash]
+    ) -> tuple[list[Entry], list[tuple[PageHash, int]], int]:
+        """The victims (LRU first), the needs (media, tokens) that fit (in order) and how many did
+        not; changes nothing."""
+        candidates = self.lru(protect)
+        spare = sum(len(entry.units) for entry in candidates)
+        free = self.pool.free_count
+        victims: list[Entry] = []
+        fits: list[tuple[PageHash, int]] = []
+        for media, tokens in needs:
+            size = self.pool.shape.units_for(tokens)
+            if size > free + spare:
+                continue
+            while free < size:
+                victim = candidates[len(victims)]
+                victims.append(victim)
+                free += len(victim.units)
+                spare -= len(victim.units)
+            free -= size
+            fits.append((media, tokens))
+        return victims, fits, len(needs) - len(fits)
+
+    # ----------------------------------------------------------------------------- lifecycle
+
+    def fill(self, media: PageHash, tensor: torch.Tensor) -> Entry:
+        """A new READY entry of ``media`` (FREE -> FILLING -> READY), ``tensor`` written."""
+        filling = EMBEDDING_ENTRY.next(EMBEDDING_ENTRY.initial, EntryEvent.FILL)
+        units = self.pool.alloc(self.pool.shape.units_for(int(tensor.shape[0])))
+        self.pool.write(units, tensor)
+        entry = Entry(
+            media=media,
+            tokens=int(tensor.shape[0]),
+            units=units,
+            state=EMBEDDING_ENTRY.next(filling, EntryEvent.FILLED),
+            generation=self._new_generation(),
+            stamp=self._tick(),
+        )
+        self._table[media] = entry
+        return entry
+
+    def load(self, media: PageHash, tokens: int) -> Entry:
+        """A new LOADING (pinned) entry of ``media`` (FREE -> LOADING), its units unwritten."""
+        entry = Entry(
+            media=media,
+            tokens=tokens,
+            units=self.pool.alloc(self.pool.shape.units_for(tokens)),
+            state=EMBEDDING_ENTRY.next(EMBEDDING_ENTRY.initial, EntryEvent.LOAD),
+            generation=self._new_generation(),
+            stamp=self._tick(),
+        )
+        self._table[media] = entry
+        return entry
+
+    def stamp(self, entry: Entry) -> Entry:
+        """``entry`` touched for LRU (not stored: :meth:`put` it)."""
+        return attrs.evolve(entry, stamp=self._tick())
+
+    def step(self, entry: Entry, event: EntryEvent) -> Entry:
+        """``entry`` after ``event`` (not stored: :meth:`put` it); never to FREE (:meth:`forget`)."""
+        return attrs.evolve(entry, state=EMBEDDING_ENTRY.next(entry.state, event))
+
+    def put(self, entry: Entry) -> None:
+        self._table[entry.media] = entry
+
+    def touch(self, media: PageHash) -> None:
+        self.put(self.stamp(self._table[media]))
+
+    def advance(self, entry: Entry, event: EntryEvent) -> None:
+        self.put(self.step(entry, event))
+
+    def forget(self, entry: Entry, event: EntryEvent) -> None:
+        """Take ``entry`` to FREE through ``event``: forgotten, its units freed."""
+        if EMBEDDING_ENTRY.next(entry.state, event) is not EntryState.FREE:
+            raise InvariantViolation("I5", f"{event} does not free {entry!r}")
+        del self._table[entry.media]
+        self.pool.free(entry.units)
+
+    def _tick(self) -> int:
+        self._clock += 1
+        return self._clock
+
+    def _new_generation(self) -> int:
+        self._generation += 1
+        return self._generation

@@ -1,0 +1,216 @@
+"""The batch puts and gets in flight of the embedding cache (SPEC §6), the implementation of
+:mod:`kvstrata.model.embedding.ops`.
+
+Owned here: every pending op (the extents it handed to the store, per item with the generation it
+was captured for), the request ids of ``prefetch``, the op sequence, the I/O executor and the queue
+its results come back on, and the counters of applied results. Keys are rendered here
+(:meth:`Ops.object_keys`: one object per unit, ``KeySpace.key(namespace, "emb", "u<i>of<n>",
+media)``). Entry states change only through :class:`~kvstrata.impl.embedding.entries.Entries`.
+
+Invariants upheld here alone:
+
+* an entry is PUSHING (LOADING) exactly while one pending put (get) holds its extents, and those
+  extents are the units of the entry's *current* generation (an extent is captured from a pinned
+  entry, :meth:`Ops.item`); a result for another generation is a stale offset (``I5``);
+* results are applied only on the caller's thread (:meth:`Ops.poll`), item by item as the model's
+  ``ack_push(op, failed)`` / ``ack_get(op, failed)``: an item whose *every* object is DONE
+  completes; an item with *any* failed object failed (a put item is READY again, a get item is
+  freed and forgotten), whatever the other items of the batch did;
+* a job never raises into the executor: an exception fails every extent of its op.
+"""
+
+from __future__ import annotations
+
+import queue
+from collections.abc import Sequence
+
+import attrs
+
+from kvstrata.impl.embedding.entries import Entries, Entry
+from kvstrata.impl.embedding.store import EmbeddingStore, Extent, ExtentStatus
+from kvstrata.impl.errors import InvariantViolation, MisuseError
+from kvstrata.impl.transfer import Executor
+from kvstrata.model.keys import KeySpace, Namespace, PageHash, StoreKey
+from kvstrata.model.lifecycles import EntryEvent
+
+__all__ = ["POOL", "Item", "Op", "Ops"]
+
+POOL = "emb"
+
+
+@attrs.frozen
+class Item:
+    """One entry of a pending op, as it was when the op started (its generation and units)."""
+
+    media: PageHash
+    generation: int
+    extents: tuple[Extent, ...]
+
+
+@attrs.frozen
+class Op:
+    op_id: int
+    push: bool
+    items: tuple[Item, ...]
+
+
+class Ops:
+    """One node's pending ops and requests. See the module docstring for the rules."""
+
+    def __init__(
+        self,
+        entries: Entries,
+        store: EmbeddingStore,
+        keyspace: KeySpace,
+        namespace: Namespace,
+        executor: Executor,
+    ) -> None:
+        self.entries = entries
+        self.pool = entries.pool
+        self.store = store
+        self.keyspace = keyspace
+        self.namespace = namespace
+        self.executor = executor
+        self.pushed = self.loaded = self.failed = self.store_full = 0
+        self._ops: dict[int, Op] = {}
+        self._requests: dict[str, int | None] = {}
+        self._results: queue.SimpleQueue[tuple[int, list[ExtentStatus]]] = queue.SimpleQueue()
+        self._next_op = 0
+
+    # ----------------------------------------------------------------------------- queries
+
+    def handles(self) -> tuple[int, ...]:
+        return tuple(sorted(self._ops))
+
+    def object_keys(self, media: PageHash, tokens: int) -> tuple[StoreKey, ...]:
+        """The store keys of the embedding of ``media`` with ``tokens`` rows, unit by unit."""
+        count = self.pool.shape.units_for(tokens)
+        return tuple(
+            self.keyspace.key(self.namespace, POOL, f"u{i}of{count}", media) for i in range(count)
+        )
+
+    def visible(self, batch: Sequence[tuple[PageHash, int]]) -> list[bool]:
+        """Per item: all its unit objects are visible in the store (one batch exists call)."""
+        keys = [self.object_keys(media, tokens) for media, tokens in batch]
+        flat = self.store.exists([key for group in keys for key in group]) if batch else []
+        out, at = [], 0
+        for group in keys:
+            out.append(all(flat[at : at + len(group)]))
+            at += len(group)
+        return out
+
+    def request(self, request_id: str) -> int | None:
+        if not isinstance(request_id, str) or request_id not in self._requests:
+            raise MisuseError(f"unknown request {request_id!r}")
+        return self._requests[request_id]
+
+    def check_new_request(self, request_id: str) -> None:
+        if not isinstance(request_id, str) or request_id in self._requests:
+            raise MisuseError(f"prefetch: request id must be a new string, got {request_id!r}")
+
+    def is_pending(self, op_id: int | None) -> bool:
+        return op_id in self._ops
+
+    # ----------------------------------------------------------------------------- changes
+
+    def start_request(self, request_id: str, op_id: int | None) -> None:
+        self._requests[request_id] = op_id
+
+    def release(self, request_id: str) -> None:
+        self.request(request_id)
+        del self._requests[request_id]
+
+    def item(self, entry: Entry) -> Item:
+        """The extents of ``entry``'s current generation (it is pinned by the caller)."""
+        shape = self.pool.shape
+        keys = self.object_keys(entry.media, entry.tokens)
+        extents = tuple(
+            Extent(
+                key,
+                self.pool.unit_ptr(unit),
+                shape.rows(entry.tokens, i) * shape.dim * shape.itemsize,
+            )
+            for i, (key, unit) in enumerate(zip(keys, entry.units, strict=True))
+        )
+        return Item(entry.media, entry.generation, extents)
+
+    def submit(self, push: bool, items: Sequence[Item]) -> int | None:
+        if not items:
+            return None
+        op = Op(self._next_op, push, tuple(items))
+        self._next_op += 1
+        self._ops[op.op_id] = op
+        extents = [extent for item in items for extent in item.extents]
+        call = self.store.put if push else self.store.get
+
+        def job() -> None:
+            try:
+                done = call(extents)
+            except Exception:  # a job never raises into the executor: the op failed
+                done = [ExtentStatus.FAILED] * len(extents)
+            self._results.put((op.op_id, done))
+
+        self.executor.submit(job)
+        return op.op_id
+
+    def poll(self) -> int:
+        """Apply every I/O result queued so far (on this thread); how many ops completed."""
+        count = 0
+        while True:
+            try:
+                result = self._results.get_nowait()
+            except queue.Empty:
+                return count
+            self._apply(*result)
+            count += 1
+
+    def wait(self, op_id: int | None, timeout: float | None) -> bool:
+        """Apply results until op ``op_id`` was applied; ``False`` if ``timeout`` passed first."""
+        while op_id in self._ops:
+            if not self._apply_next(timeout):
+                return False
+        return True
+
+    def flush(self, timeout: float | None) -> bool:
+        """Apply results until no op is pending; ``False`` if ``timeout`` passed first."""
+        while self._ops:
+            if not self._apply_next(timeout):
+                return False
+        return True
+
+    def _apply_next(self, timeout: float | None) -> bool:
+        try:
+            result = self._results.get(timeout=timeout)
+        except queue.Empty:
+            return False
+        self._apply(*result)
+        return True
+
+    def _apply(self, op_id: int, done: list[ExtentStatus]) -> None:
+        """Apply one op's per-extent results, item by item: an item whose every extent is DONE
+        completes (``PUSH_ACK`` / ``LOADED``); any other item failed (a put item is READY again,
+        a get item is freed and forgotten). A result list of the wrong length fails what it does
+        not cover."""
+        op = self._ops.pop(op_id)
+        statuses = iter(done)
+        ok = failed = full = 0
+        for item in op.items:
+            entry = self.entries.get(item.media)
+            if entry is None or entry.generation != item.generation:
+                raise InvariantViolation("I5", f"op {op_id}: stale offset for {item.media}")
+            mine = [next(statuses, ExtentStatus.FAILED) for _ in item.extents]
+            good = all(status is ExtentStatus.DONE for status in mine)
+            ok += good
+            failed += not good
+            if op.push:
+                full += ExtentStatus.FULL in mine
+                event = EntryEvent.PUSH_ACK if good else EntryEvent.PUSH_FAILED
+                self.entries.advance(entry, event)
+            elif good:
+                self.entries.advance(entry, EntryEvent.LOADED)
+            else:
+                self.entries.forget(entry, EntryEvent.LOAD_FAILED)
+        self.failed += failed
+        self.store_full += full
+        self.pushed += ok if op.push else 0
+        self.loaded += 0 if op.push else ok

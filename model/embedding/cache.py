@@ -1,0 +1,399 @@
+"""The multimodal embedding cache of one node, as a pure model (SPEC §6): the facade.
+
+Theory of operation
+-------------------
+An encoder output (a ``[tokens, dim]`` tensor) is cached under the content hash of its media item.
+One :class:`EmbeddingCacheModel` is one node's cache: a paged local pool of ``capacity`` units (an
+entry of ``size`` units takes ``size`` slots of a :class:`~kvstrata.model.slots.SlotPool`) and a
+:class:`~kvstrata.model.store.StoreModel` shared with every other node (two models with the same
+store and key space see each other's pushes). The model moves no bytes: unit ``i`` of media ``m``
+is the content identity ``Unit(m, i)``, written into the slots, read back from them, and copied to
+and from the store as a tuple.
+
+Every entry advances only through :data:`~kvstrata.model.lifecycles.EMBEDDING_ENTRY`, in
+:mod:`.entries` alone: a new entry is FREE -> FILLING -> READY (``insert_batch``) or
+FREE -> LOADING -> READY (``prefetch``, then ``ack_get``); a READY entry whose key the store
+accepted is PUSHING until ``ack_push`` or ``fail_push``; a READY entry may be evicted (FREE:
+forgotten, slots freed); a failed GET is FREE at once (forgotten, slots freed). Entries are
+immutable values, replaced with ``attrs.evolve``.
+
+Pushes and GETs are ops with a handle (:mod:`.ops`), completed when the caller (a test, or the I/O
+worker) says so, item by item as a real batch call answers (one code per key): ``ack_push(handle,
+failed)`` / ``ack_get(handle, failed)`` complete the items not in ``failed`` normally, while a
+failed PUSH item is READY again (its write aborted, counted in ``push_failed``) and a failed GET
+item is freed and forgotten (counted in ``load_failed``); ``fail_push`` / ``fail_get`` fail every
+item. The store is pessimistic: it may read a pushed buffer any time before the ack, and the model
+reads it *at* the ack, so a slot freed and reused while its offset is with the store shows up as
+wrong bytes in the store.
+
+Upheld here (the facade): every public call validates its arguments and plans its work before it
+mutates anything (a bad call raises :class:`MisuseError` or :class:`CapacityError` and changes
+nothing); a batch's own local hits are never its LRU victims (the PUT hands their offsets to the
+store); only READY entries are read (``get``) or pushed; every mutating call ends with
+:meth:`EmbeddingCacheModel.check_invariants`, which also checks I2: every visible embedding object
+holds exactly the units its key names (the store is never poisoned). I5 and I7 are checked by the
+pieces that own the state they are about (:mod:`.entries`, :mod:`.ops`).
+
+Design choice: ``get`` returns content for READY entries only, as SPEC §6 says ("only ready
+entries are read"); a PUSHING entry's bytes are complete, but it is a miss until its push acks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Iterable
+
+import attrs
+
+from kvstrata.model.embedding.entries import (
+    PUSHABLE,
+    READABLE,
+    Entries,
+    Entry,
+    check_hash,
+    check_hashes,
+    embedding_content,
+)
+from kvstrata.model.embedding.ops import Offset, OpHandle, OpKind, Ops
+from kvstrata.model.errors import CapacityError, InvariantViolation, MisuseError
+from kvstrata.model.keys import (
+    DEFAULT_NAMESPACE,
+    KeySpace,
+    KVKind,
+    Namespace,
+    PageHash,
+    StoreKey,
+    parse_store_key,
+)
+from kvstrata.model.lifecycles import EntryEvent
+from kvstrata.model.slots import SlotPool
+from kvstrata.model.store import StoreModel
+
+__all__ = [
+    "COMPONENT",
+    "POOL",
+    "EmbeddingCacheModel",
+    "EmbeddingStats",
+    "InsertResult",
+    "PrefetchResult",
+]
+
+#: The pool and component segments of every embedding store key.
+POOL = "emb"
+COMPONENT = "emb"
+
+
+@attrs.frozen
+class InsertResult:
+    """What one ``insert_batch`` did. ``re_pushed`` local hits were handed to the batch PUT
+    again; ``stored`` keys were accepted by the store, ``store_skipped`` ones it already had (or
+    was writing); ``busy`` local entries were loading or already pushing and were left alone."""
+
+    op: OpHandle | None
+    new: int
+    re_pushed: int
+    stored: int
+    store_skipped: int
+    busy: int
+    skipped_no_space: int
+
+
+@attrs.frozen
+class PrefetchResult:
+    """What one ``prefetch`` did: ``loading`` entries are in the GET ``op``; ``local`` were already
+    here; ``missing`` are not visible in the store; ``skipped_no_space`` did not fit."""
+
+    op: OpHandle | None
+    loading: int
+    local: int
+    missing: int
+    skipped_no_space: int
+
+
+@attrs.frozen
+class EmbeddingStats:
+    """Counters since construction."""
+
+    new: int = 0
+    re_pushed: int = 0
+    pushed: int = 0
+    push_failed: int = 0
+    loaded: int = 0
+    load_failed: int = 0
+    evicted: int = 0
+
+
+def _check_name(_instance: object, _attribute: object, value: str) -> None:
+    if not isinstance(value, str) or not value:
+        raise MisuseError(f"name must be a non-empty string, got {value!r}")
+
+
+def _check_capacity(_instance: object, _attribute: object, value: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise MisuseError(f"capacity must be an int > 0 (units), got {value!r}")
+
+
+def _check_keyspace(_instance: object, _attribute: object, value: KeySpace) -> None:
+    if not isinstance(value, KeySpace) or value.model.kind is not KVKind.EMBEDDING:
+        raise MisuseError(f"keyspace must be a KeySpace of an EMBEDDING model, got {value!r}")
+
+
+@attrs.define
+class EmbeddingCacheModel:
+    """One node's embedding cache over a shared store. See the module docstring for the rules."""
+
+    name: str = attrs.field(validator=_check_name)
+    capacity: int = attrs.field(validator=_check_capacity)
+    keyspace: KeySpace = attrs.field(validator=_check_keyspace)
+    store: StoreModel = attrs.field(validator=attrs.validators.instance_of(StoreModel))
+    namespace: Namespace = attrs.field(
+        default=DEFAULT_NAMESPACE, validator=attrs.validators.instance_of(Namespace)
+    )
+    stats: EmbeddingStats = attrs.field(init=False, factory=EmbeddingStats)
+    _entries: Entries = attrs.field(init=False)
+    _ops: Ops = attrs.field(init=False)
+
+    def __attrs_post_init__(self) -> None:
+        self._entries = Entries(self.name, SlotPool(f"{self.name}/emb", self.capacity))
+        self._ops = Ops(self.name, self._entries, self.store)
+
+    # ----------------------------------------------------------------------------- queries
+
+    @property
+    def used_units(self) -> int:
+        return self._entries.pool.used_count
+
+    @property
+    def free_units(self) -> int:
+        return self._entries.pool.free_count
+
+    def key(self, media: PageHash) -> StoreKey:
+        """The store key of ``media``'s embedding (the one place this model renders keys)."""
+        return self.keyspace.key(self.namespace, POOL, COMPONENT, media)
+
+    def entry(self, media: PageHash) -> Entry | None:
+        return self._entries.get(check_hash(media))
+
+    def entries(self) -> tuple[Entry, ...]:
+        return self._entries.sorted()
+
+    def pending_ops(self) -> tuple[OpHandle, ...]:
+        return self._ops.handles()
+
+    def op_media(self, handle: OpHandle) -> tuple[PageHash, ...]:
+        """The media items a pending op covers."""
+        return self._ops.media(handle)
+
+    def exists(self, hashes: Iterable[PageHash]) -> tuple[bool, ...]:
+        """Whether each embedding is visible in the (shared) store."""
+        return tuple(self.store.contains(self.key(media)) for media in check_hashes(hashes))
+
+    def is_ready(self, request_id: str) -> bool:
+        """Whether the GET that ``prefetch(request_id, ...)`` started is complete (or was empty)."""
+        return self._ops.is_ready(request_id)
+
+    # ----------------------------------------------------------------------------- operations
+
+    def insert_batch(self, hashes: Iterable[PageHash], sizes: Iterable[int]) -> InsertResult:
+        """Insert freshly computed embeddings and push the whole batch to the store as one PUT.
+
+        New items are allocated (evicting LRU READY entries outside the batch if needed), filled and
+        pushed. Local READY hits are pushed again: local presence does not mean global presence.
+        """
+        batch = self._check_batch(hashes, sizes)
+        # The batch's own hits are never victims: the PUT below hands their offsets to the store.
+        protect = frozenset(media for media, _size in batch)
+        hits = {media: self._entries[media] for media, _size in batch if media in self._entries}
+        misses = [(media, size) for media, size in batch if media not in hits]
+        victims, fits, no_space = self._entries.plan_room(misses, protect)
+        # Nothing has changed so far; every step below is legal by construction.
+        self._evict(victims)
+        fresh = {media: self._entries.fill(media, size) for media, size in fits}
+        offsets: list[Offset] = []
+        re_pushed = store_skipped = busy = 0
+        for media, _size in batch:
+            entry = fresh.get(media) or hits.get(media)
+            if entry is None:  # did not fit
+                continue
+            if entry.state not in PUSHABLE:  # loading, or already being pushed: pinned
+                busy += 1
+                continue
+            if media in hits:
+                re_pushed += 1
+            key = self.key(media)
+            entry = self._entries.stamp(entry)
+            if self.store.begin_put(key):
+                entry = self._entries.step(entry, EntryEvent.PUSH)
+                offsets.append(Offset(key, media, entry.generation, entry.slots))
+            else:
+                store_skipped += 1
+            self._entries.put(entry)
+        op = self._ops.open(OpKind.PUSH, offsets)
+        self.stats = attrs.evolve(
+            self.stats, new=self.stats.new + len(fresh), re_pushed=self.stats.re_pushed + re_pushed
+        )
+        self.check_invariants()
+        return InsertResult(
+            op=op,
+            new=len(fresh),
+            re_pushed=re_pushed,
+            stored=len(offsets),
+            store_skipped=store_skipped,
+            busy=busy,
+            skipped_no_space=no_space,
+        )
+
+    def ack_push(self, handle: OpHandle, failed: Iterable[PageHash] = ()) -> int:
+        """The store answers a batch PUT, item by item (a real batch call returns one code per
+        key). Every item not in ``failed`` is written: the store reads its buffer now, the object
+        becomes visible and the entry is READY (unpinned) again (``PUSH_ACK``). Every item in
+        ``failed`` is not: its write is aborted and its entry is READY again (``PUSH_FAILED``;
+        a later insert pushes it again). ``failed`` must name media of this op, else
+        :class:`MisuseError` and nothing changes. Returns the number of objects written."""
+        written, lost = self._ops.ack_push(handle, failed)
+        self.stats = attrs.evolve(
+            self.stats,
+            pushed=self.stats.pushed + written,
+            push_failed=self.stats.push_failed + lost,
+        )
+        self.check_invariants()
+        return written
+
+    def fail_push(self, handle: OpHandle) -> int:
+        """The whole batch PUT failed (:meth:`ack_push` with every item failed). Returns the number
+        of objects that were not written."""
+        media = self._ops.media(handle, OpKind.PUSH)
+        self.ack_push(handle, failed=media)
+        return len(media)
+
+    def prefetch(
+        self, request_id: str, hashes: Iterable[PageHash], sizes: Iterable[int]
+    ) -> PrefetchResult:
+        """Start one batch GET for the items of a request that are not local but in the store.
+
+        Their entries are allocated (evicting LRU READY entries outside the request if needed) and
+        LOADING (pinned) until :meth:`ack_get` or :meth:`fail_get`."""
+        self._ops.check_new_request(request_id)
+        batch = self._check_batch(hashes, sizes)
+        local = [media for media, _size in batch if media in self._entries]
+        remote = [
+            (media, size)
+            for media, size in batch
+            if media not in self._entries and self.store.contains(self.key(media))
+        ]
+        protect = frozenset(media for media, _size in batch)
+        victims, fits, no_space = self._entries.plan_room(remote, protect)
+        # Nothing has changed so far; every step below is legal by construction.
+        self._evict(victims)
+        for media in local:
+            self._entries.touch(media)
+        offsets: list[Offset] = []
+        for media, size in fits:
+            entry = self._entries.load(media, size)
+            offsets.append(Offset(self.key(media), media, entry.generation, entry.slots))
+        op = self._ops.open(OpKind.GET, offsets)
+        self._ops.start_request(request_id, op)
+        self.check_invariants()
+        return PrefetchResult(
+            op=op,
+            loading=len(offsets),
+            local=len(local),
+            missing=len(batch) - len(local) - len(remote),
+            skipped_no_space=no_space,
+        )
+
+    def ack_get(self, handle: OpHandle, failed: Iterable[PageHash] = ()) -> int:
+        """The store answers a batch GET, item by item. Every item not in ``failed`` whose object
+        the store still holds (with the expected size) is written into its entry's slots
+        (``LOADED``: READY); every other item failed (``LOAD_FAILED``): its entry is freed and
+        forgotten. ``failed`` must name media of this op, else :class:`MisuseError` and nothing
+        changes. Returns the number of entries loaded."""
+        loaded, lost = self._ops.ack_get(handle, failed)
+        self.stats = attrs.evolve(
+            self.stats,
+            loaded=self.stats.loaded + loaded,
+            load_failed=self.stats.load_failed + lost,
+        )
+        self.check_invariants()
+        return loaded
+
+    def fail_get(self, handle: OpHandle) -> int:
+        """The whole batch GET failed (:meth:`ack_get` with every item failed): every entry it was
+        loading is freed and forgotten. Returns the number of entries freed."""
+        media = self._ops.media(handle, OpKind.GET)
+        self.ack_get(handle, failed=media)
+        return len(media)
+
+    def release(self, request_id: str) -> None:
+        """Forget a request (its GET, if still pending, completes on its own)."""
+        self._ops.release(request_id)
+
+    def get(self, hashes: Iterable[PageHash]) -> tuple[tuple[Hashable, ...] | None, ...]:
+        """The content of each READY entry (read from its slots, and touched for LRU); ``None`` for
+        anything else."""
+        out: list[tuple[Hashable, ...] | None] = []
+        for media in check_hashes(hashes):
+            entry = self._entries.get(media)
+            if entry is None or entry.state not in READABLE:
+                out.append(None)
+                continue
+            out.append(self._entries.read(entry.slots))
+            self._entries.touch(media)
+        self.check_invariants()
+        return tuple(out)
+
+    def evict(self, n_units: int) -> int:
+        """Evict unpinned READY entries in LRU order until ``n_units`` units were freed (or none is
+        left). Returns the units freed."""
+        if isinstance(n_units, bool) or not isinstance(n_units, int) or n_units < 0:
+            raise MisuseError(f"{self.name}: evict takes an int >= 0, got {n_units!r}")
+        freed = 0
+        for victim in self._entries.lru(frozenset()):
+            if freed >= n_units:
+                break
+            self._evict([victim])
+            freed += victim.size
+        self.check_invariants()
+        return freed
+
+    # ----------------------------------------------------------------------------- invariants
+
+    def check_invariants(self) -> None:
+        """Raise :class:`InvariantViolation` unless the invariants of every piece all hold."""
+        self._entries.check_accounting()
+        self._ops.check()
+        self._entries.check_contents()
+        for key, content in self.store.visible_items():
+            parts = parse_store_key(key)
+            if parts.model.kind is not KVKind.EMBEDDING or parts.pool != POOL:
+                continue
+            size = len(content) if isinstance(content, tuple) else 0
+            if size == 0 or content != embedding_content(parts.page_hash, size):
+                raise InvariantViolation("I2", f"store object {key} holds {content!r}")
+
+    # ----------------------------------------------------------------------------- helpers
+
+    def _evict(self, victims: Iterable[Entry]) -> None:
+        for victim in victims:
+            self._entries.forget(victim, EntryEvent.EVICT)
+            self.stats = attrs.evolve(self.stats, evicted=self.stats.evicted + 1)
+
+    def _check_batch(
+        self, hashes: Iterable[PageHash], sizes: Iterable[int]
+    ) -> list[tuple[PageHash, int]]:
+        """The batch as (media, size) pairs, duplicates merged; raises on misuse."""
+        hashes = check_hashes(hashes)
+        sizes = tuple(sizes)
+        if len(hashes) != len(sizes):
+            raise MisuseError(f"{self.name}: {len(hashes)} hashes but {len(sizes)} sizes")
+        batch: dict[PageHash, int] = {}
+        for media, size in zip(hashes, sizes, strict=True):
+            if isinstance(size, bool) or not isinstance(size, int) or size <= 0:
+                raise MisuseError(f"{self.name}: a size is an int > 0 (units), got {size!r}")
+            if size > self.capacity:
+                raise CapacityError(f"{self.name}: {size} units asked, capacity {self.capacity}")
+            entry = self._entries.get(media)
+            known = batch.get(media, entry.size if entry is not None else size)
+            if known != size:
+                raise MisuseError(f"{self.name}: {media} is {known} units, not {size}")
+            batch[media] = size
+        return list(batch.items())
