@@ -26,12 +26,12 @@ from kvstrata.model.lifecycles import (
 
 if TYPE_CHECKING:
     from kvstrata.model.cache.config import CacheConfig
+    from kvstrata.model.cache.index import Node, RadixTree
     from kvstrata.model.cache.node import CopyOp, PageInfo
     from kvstrata.model.l3.backup import BackupOp
     from kvstrata.model.l3.prefetch import PrefetchOp
     from kvstrata.model.slots import SlotPool
     from kvstrata.model.store import StoreModel
-    from kvstrata.model.tree import Node, RadixTree
 
 __all__ = [
     "ALL_CHECKS",

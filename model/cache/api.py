@@ -29,6 +29,7 @@ import attrs
 
 from kvstrata.model.cache.clock import Clock
 from kvstrata.model.cache.config import CacheConfig, WritePolicy
+from kvstrata.model.cache.index import Node, RadixTree
 from kvstrata.model.cache.locks import Locks
 from kvstrata.model.cache.node import (
     CopyOp,
@@ -58,7 +59,6 @@ from kvstrata.model.lifecycles import (
 )
 from kvstrata.model.slots import SlotPool
 from kvstrata.model.store import StoreModel
-from kvstrata.model.tree import Node, RadixTree
 
 __all__ = ["CacheModel"]
 

@@ -19,10 +19,10 @@ from contextlib import contextmanager
 
 import attrs
 
+from kvstrata.model.cache.index import Node, RadixTree
 from kvstrata.model.cache.node import PageTable
 from kvstrata.model.cache.states import States
 from kvstrata.model.lifecycles import DEVICE_CLAIMED, DEVICE_VALID, Residency
-from kvstrata.model.tree import Node, RadixTree
 
 __all__ = ["Locks"]
 

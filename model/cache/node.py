@@ -14,11 +14,11 @@ from typing import Generic, Protocol, TypeVar, cast
 
 import attrs
 
+from kvstrata.model.cache.index import Node
 from kvstrata.model.errors import MisuseError
 from kvstrata.model.hybrid import state_content, state_page
 from kvstrata.model.keys import Namespace, PageHash
 from kvstrata.model.lifecycles import OpState, Residency
-from kvstrata.model.tree import Node
 
 T = TypeVar("T")
 

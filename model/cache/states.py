@@ -53,6 +53,7 @@ from collections.abc import Hashable, Iterable
 import attrs
 
 from kvstrata.model.cache.config import CacheConfig
+from kvstrata.model.cache.index import Node, RadixTree
 from kvstrata.model.cache.node import PageInfo, PageTable
 from kvstrata.model.errors import MisuseError
 from kvstrata.model.keys import PageHash
@@ -66,7 +67,6 @@ from kvstrata.model.lifecycles import (
     StateEvent,
 )
 from kvstrata.model.slots import SlotPool
-from kvstrata.model.tree import Node, RadixTree
 
 __all__ = ["States"]
 

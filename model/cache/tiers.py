@@ -23,6 +23,7 @@ import attrs
 
 from kvstrata.model.cache.clock import Clock
 from kvstrata.model.cache.config import CacheConfig, WritePolicy
+from kvstrata.model.cache.index import Node, RadixTree, Walk
 from kvstrata.model.cache.locks import Locks
 from kvstrata.model.cache.node import BackupQueue, CopyOp, PageInfo, PageTable, Placed
 from kvstrata.model.cache.states import States
@@ -42,7 +43,6 @@ from kvstrata.model.lifecycles import (
     StateEvent,
 )
 from kvstrata.model.slots import SlotPool
-from kvstrata.model.tree import Node, RadixTree, Walk
 
 __all__ = ["Tiers"]
 

@@ -31,11 +31,11 @@ from kvstrata.model.l3.objects import l3_hit, page_objects, state_objects
 from kvstrata.model.l3.policy import PrefetchPolicy, PrefetchTimeout, wait_over
 from kvstrata.model.lifecycles import PREFETCH_OP, PrefetchEvent, PrefetchState
 from kvstrata.model.store import StoreModel
-from kvstrata.model.tree import Node, RadixTree
 
 if TYPE_CHECKING:
     from kvstrata.model.cache.clock import Clock
     from kvstrata.model.cache.config import CacheConfig
+    from kvstrata.model.cache.index import Node, RadixTree
     from kvstrata.model.cache.locks import Locks
     from kvstrata.model.cache.states import States
     from kvstrata.model.cache.tiers import Tiers
