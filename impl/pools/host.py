@@ -9,6 +9,11 @@ view in canonical order. Reads, writes and page copies therefore run the same ``
 :meth:`HostKVPool.page_slab` gives the contiguous bytes of one page of one plane for the page-first
 layouts (what an L3 backend stores as one object).
 
+Wrapping: :meth:`HostKVPool.wrap` adopts a buffer an engine already holds (sglang's host
+``kv_buffer`` has exactly these physical shapes), zero-copy: every read and write of the pool is the
+engine's memory. Its shape, dtype, device and contiguity are checked first (:class:`ConfigError`
+naming what differs); an MLA buffer may omit the leading plane dimension (sglang's MLA host pools do).
+
 Pinning: ``pin_memory=None`` pins iff ``torch.cuda.is_available()``. ``pin_memory=True`` without CUDA is
 a :class:`ConfigError` rather than a silent fallback: pinned memory only matters for DMA to a GPU, and a
 configuration that asks for it on a machine without one is a mistake worth reporting.
@@ -87,6 +92,29 @@ class HostKVPool(KVPool):
             ) from error
         self.pinned = bool(pin_memory)
 
+    @classmethod
+    def wrap(cls, buffer: torch.Tensor, shape: KVShape, layout: HostLayout | str) -> HostKVPool:
+        """A pool over ``buffer`` (no copy, no allocation): a contiguous CPU tensor of
+        ``shape.dtype`` in ``layout``'s physical shape for some number of pages, ``[planes, L, N, H,
+        D]`` (``layer_first``), ``[planes, N, L, H, D]`` (``page_first``) or ``[planes, P, L, page,
+        H, D]`` (``page_first_direct``), ``N`` a multiple of the page size; MLA may drop the leading
+        ``planes`` (= 1). :class:`ConfigError`, nothing adopted, on any mismatch. The pool's
+        allocator starts with every page free: the caller decides which pages the pool hands out."""
+        layout = HostLayout.parse(layout)
+        view = _checked_view(buffer, shape, layout)
+        pages = view.shape[1] if layout is HostLayout.PAGE_FIRST_DIRECT else 0
+        if layout is not HostLayout.PAGE_FIRST_DIRECT:
+            tokens = view.shape[2] if layout is HostLayout.LAYER_FIRST else view.shape[1]
+            pages = tokens // shape.page_size
+        check_pool_args(shape, pages, "host")
+        pool = cls.__new__(cls)
+        KVPool.__init__(pool, shape, pages, "host")
+        pool.layout = layout
+        pool.to_native = _TO_NATIVE[layout]
+        pool.buffer = view
+        pool.pinned = bool(view.is_pinned())
+        return pool
+
     def _physical_shape(self) -> tuple[int, ...]:
         s, tokens = self.shape, self.num_pages * self.shape.page_size
         if self.layout is HostLayout.LAYER_FIRST:
@@ -109,3 +137,42 @@ class HostKVPool(KVPool):
         if not 0 <= plane < self.shape.planes or not 0 <= page < self.num_pages:
             raise MisuseError(f"host: no plane {plane} / page {page} in this pool")
         return self.native()[plane, page]
+
+
+def _checked_view(buffer: object, shape: KVShape, layout: HostLayout) -> torch.Tensor:
+    """``buffer`` as a 5-D (6-D for ``page_first_direct``) view with the plane dimension, after every
+    check :meth:`HostKVPool.wrap` promises."""
+    where = f"HostKVPool.wrap({layout.value})"
+    if not isinstance(buffer, torch.Tensor):
+        raise ConfigError(f"{where}: buffer must be a torch.Tensor, got {type(buffer).__name__}")
+    if buffer.device.type != "cpu":
+        raise ConfigError(f"{where}: buffer must live in host memory, got device {buffer.device}")
+    if buffer.dtype != shape.dtype:
+        raise ConfigError(f"{where}: buffer dtype must be {shape.dtype}, got {buffer.dtype}")
+    if not buffer.is_contiguous():
+        raise ConfigError(f"{where}: buffer must be contiguous (strides {buffer.stride()})")
+    s = shape
+    if layout is HostLayout.LAYER_FIRST:
+        want: tuple[object, ...] = (s.planes, s.layers, "N", s.heads, s.head_dim)
+    elif layout is HostLayout.PAGE_FIRST:
+        want = (s.planes, "N", s.layers, s.heads, s.head_dim)
+    else:
+        want = (s.planes, "P", s.layers, s.page_size, s.heads, s.head_dim)
+    view = buffer
+    if s.planes == 1 and buffer.dim() == len(want) - 1:
+        view = buffer.unsqueeze(0)  # MLA without the plane dimension
+    got = tuple(view.shape)
+    fits = len(got) == len(want) and all(
+        isinstance(w, str) or g == w for g, w in zip(got, want, strict=True)
+    )
+    if not fits:
+        raise ConfigError(
+            f"{where}: buffer shape must be {want} for {s!r}, got {tuple(buffer.shape)}"
+        )
+    free = got[want.index("N")] if "N" in want else got[1] * s.page_size
+    if free == 0 or free % s.page_size:
+        raise ConfigError(
+            f"{where}: the token dimension ({free}) must be a positive multiple of page_size "
+            f"({s.page_size})"
+        )
+    return view

@@ -833,3 +833,91 @@ def test_cgroup_limits_count_for_available_memory(tmp_path: Path) -> None:
     self_cgroup.write_text("0::/\n")
     assert sizes_module._cgroup_headroom(root, self_cgroup) is None
     assert sizes_module._cgroup_headroom(root, tmp_path / "missing") is None
+
+
+# ---------------------------------------------------------------------------------------- wrap
+WRAP_MHA = KVShape(KVKind.MHA, layers=3, heads=2, head_dim=4, dtype=torch.float16, page_size=2)
+WRAP_MLA = KVShape(KVKind.MLA, layers=3, heads=1, head_dim=6, dtype=torch.bfloat16, page_size=4)
+
+
+def engine_buffer(
+    shape: KVShape, layout: HostLayout, pages: int, planes: bool = True
+) -> torch.Tensor:
+    """A buffer as an engine holds it (sglang's host ``kv_buffer`` shapes), filled with a pattern."""
+    tokens = pages * shape.page_size
+    dims: tuple[int, ...]
+    if layout is HostLayout.LAYER_FIRST:
+        dims = (shape.planes, shape.layers, tokens, shape.heads, shape.head_dim)
+    elif layout is HostLayout.PAGE_FIRST:
+        dims = (shape.planes, tokens, shape.layers, shape.heads, shape.head_dim)
+    else:
+        dims = (shape.planes, pages, shape.layers, shape.page_size, shape.heads, shape.head_dim)
+    if not planes:
+        dims = dims[1:]
+    count = int(np.prod(dims))
+    return torch.arange(count, dtype=torch.float32).remainder(251).to(shape.dtype).reshape(dims)
+
+
+@pytest.mark.parametrize("layout", list(HostLayout))
+@pytest.mark.parametrize("shape", [WRAP_MHA, WRAP_MLA], ids=["mha", "mla"])
+def test_wrap_adopts_an_engine_buffer_without_a_copy(shape: KVShape, layout: HostLayout) -> None:
+    buffer = engine_buffer(shape, layout, pages=5)
+    owned = HostKVPool(shape, 5, layout, pin_memory=False)
+    owned.buffer.copy_(buffer)  # the same bytes in a pool kvstrata allocated itself
+    pool = HostKVPool.wrap(buffer, shape, layout)
+    assert pool.num_pages == 5 and pool.layout is layout and pool.allocator.free_count == 5
+    assert pool.buffer.data_ptr() == buffer.data_ptr()  # zero-copy
+    assert torch.equal(pool.read_pages([4, 0, 2]), owned.read_pages([4, 0, 2]))
+    fresh = torch.full(shape.canonical(1), 7, dtype=shape.dtype)
+    pool.write_pages([3], fresh)  # lands in the engine's own memory
+    owned.write_pages([3], fresh)
+    assert torch.equal(buffer.reshape(-1), owned.buffer.reshape(-1))
+    if layout is not HostLayout.LAYER_FIRST:
+        slab = pool.page_slab(0, 1)
+        assert slab.data_ptr() == owned.page_slab(0, 1).data_ptr() - owned.buffer.data_ptr() + (
+            buffer.data_ptr()
+        )
+
+
+@pytest.mark.parametrize("layout", list(HostLayout))
+def test_wrap_takes_an_mla_buffer_without_its_plane_dimension(layout: HostLayout) -> None:
+    buffer = engine_buffer(WRAP_MLA, layout, pages=3, planes=False)
+    pool = HostKVPool.wrap(buffer, WRAP_MLA, layout)
+    assert pool.num_pages == 3 and pool.buffer.data_ptr() == buffer.data_ptr()
+    full = HostKVPool.wrap(buffer.unsqueeze(0), WRAP_MLA, layout)
+    assert torch.equal(pool.read_pages([0, 1, 2]), full.read_pages([0, 1, 2]))
+
+
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        (lambda: np.zeros((2, 3, 4, 2, 4), dtype=np.float16), "must be a torch.Tensor"),
+        (
+            lambda: engine_buffer(WRAP_MHA, HostLayout.LAYER_FIRST, 2).to(torch.float32),
+            "dtype must be torch.float16",
+        ),
+        (
+            lambda: engine_buffer(WRAP_MHA, HostLayout.LAYER_FIRST, 2).transpose(0, 1),
+            "shape must be|contiguous",
+        ),
+        (lambda: torch.zeros((2, 3, 5, 2, 4), dtype=torch.float16), "multiple of page_size"),
+        (lambda: torch.zeros((2, 3, 4, 3, 4), dtype=torch.float16), "shape must be"),
+        (lambda: torch.zeros((3, 4, 2, 4), dtype=torch.float16), "shape must be"),
+        (lambda: torch.zeros((2, 3, 0, 2, 4), dtype=torch.float16), "positive multiple"),
+        (
+            lambda: engine_buffer(WRAP_MHA, HostLayout.LAYER_FIRST, 2)[:, :, ::2],
+            "contiguous",
+        ),
+    ],
+    ids=["numpy", "dtype", "transposed", "partial-page", "heads", "rank", "empty", "strided"],
+)
+def test_wrap_refuses_a_buffer_that_does_not_fit(make: object, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        HostKVPool.wrap(make(), WRAP_MHA, HostLayout.LAYER_FIRST)  # type: ignore[operator]
+
+
+def test_wrap_checks_the_layout_it_is_told() -> None:
+    page_first = engine_buffer(WRAP_MHA, HostLayout.PAGE_FIRST, 2)
+    with pytest.raises(ConfigError, match="page_first_direct"):
+        HostKVPool.wrap(page_first, WRAP_MHA, HostLayout.PAGE_FIRST_DIRECT)
+    assert HostKVPool.wrap(page_first, WRAP_MHA, "page_first").num_pages == 2

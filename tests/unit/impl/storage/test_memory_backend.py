@@ -347,3 +347,26 @@ def test_concurrent_clients_keep_the_store_consistent() -> None:
     assert errors == []
     assert store.used_bytes == len(store) * size <= 6 * size
     assert store.pending_keys() == frozenset()
+
+
+@pytest.mark.parametrize("shape", [MHA, MLA], ids=["mha", "mla"])
+def test_an_engines_own_host_buffer_round_trips_through_l3_in_place(shape: KVShape) -> None:
+    """Two engines' host buffers (``page_first_direct`` and ``page_first``), each wrapped zero-copy:
+    what one backs up from its own memory, the other reads into its own memory, bit for bit."""
+    writer_pool = make_host(shape)  # kvstrata-made, only to fill an engine-like buffer
+    engine_a = writer_pool.buffer.clone()
+    engine_b = torch.zeros(
+        (shape.planes, SLOTS * shape.page_size, shape.layers, shape.heads, shape.head_dim),
+        dtype=shape.dtype,
+    )
+    host_a = HostKVPool.wrap(engine_a, shape, "page_first_direct")
+    host_b = HostKVPool.wrap(engine_b, shape, "page_first")
+    store = MemoryStore()
+    a, b = backend(shape, store, host_a), backend(shape, store, host_b)
+    names = pages(shape, 3)
+    assert all(status.ok for status in a.put(NS, names, [5, 1, 6]))
+    assert b.get(NS, names, [0, 2, 7]) == [GetStatus.LOADED] * 3
+    for source, target in ((5, 0), (1, 2), (6, 7)):
+        assert slot_bits(host_b, target) == slot_bits(writer_pool, source)
+    assert host_b.buffer.data_ptr() == engine_b.data_ptr()
+    assert bool(engine_b.view(torch.uint8).any())  # the bytes are in the engine's buffer itself
