@@ -3,7 +3,8 @@
 Each ``*.patch`` re-introduces one bug class (its first paragraph says which). For each, this script
 copies the tree to a scratch folder, applies the patch there (a patch that does not apply is a failure,
 never a skip), points ``kvstrata`` at the scratch copy, runs ``tests/stateful`` with the ``mutant``
-Hypothesis profile (the gate's examples without the shrink phase) and stops at the first failure.
+Hypothesis profile (the gate's examples without the shrink phase) and stops at the first failure. A
+header line ``Caught first by: tests/stateful/X.py`` runs that file first (the rest follow).
 
 Prints one line per mutant as it finishes (``NAME caught`` / ``NAME SURVIVED`` / ``NAME ERROR``, with
 seconds) and last ``mutants: caught N of M``. Exit status 0 only if every mutant was caught. Mutants run
@@ -71,12 +72,28 @@ ORDER = (
 )
 
 
-def stateful_files(scratch: Path) -> list[str]:
+#: a patch's header may name the suite that catches it (``Caught first by: tests/stateful/X.py``): that
+#: file runs first, the rest after it in ``ORDER`` (a wrong hint costs time, never a verdict)
+HINT = "Caught first by:"
+
+
+def first_file(patch: Path) -> str | None:
+    """The stateful file a patch's header names as the one that catches it, if any."""
+    header = patch.read_text().split("\ndiff --git", 1)[0]
+    for line in header.splitlines():
+        if line.startswith(HINT):
+            return line.removeprefix(HINT).strip()
+    return None
+
+
+def stateful_files(scratch: Path, first: str | None = None) -> list[str]:
     files = sorted((scratch / "tests" / "stateful").glob("test_*.py"))
 
-    def rank(path: Path) -> tuple[int, str]:
+    def rank(path: Path) -> tuple[int, int, str]:
+        if first is not None and path.relative_to(scratch).as_posix() == first:
+            return (-1, 0, path.name)
         hits = [i for i, prefix in enumerate(ORDER) if path.name.startswith(prefix)]
-        return (hits[0] if hits else len(ORDER), path.name)
+        return (0, hits[0] if hits else len(ORDER), path.name)
 
     return [str(path.relative_to(scratch)) for path in sorted(files, key=rank)]
 
@@ -136,7 +153,7 @@ def run_one(patch: Path) -> tuple[str, float, str]:
                 sys.executable,
                 "-m",
                 "pytest",
-                *stateful_files(scratch),
+                *stateful_files(scratch, first_file(patch)),
                 "-k",
                 "not Mooncake",  # the real-store run of the L3 machine: the gate covers the same paths
                 "-x",

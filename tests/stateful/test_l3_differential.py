@@ -59,6 +59,7 @@ from support.differential import (
 )
 
 from kvstrata.impl.config import StorageConfig
+from kvstrata.impl.errors import MisuseError
 from kvstrata.impl.l3 import PrefetchOp
 from kvstrata.impl.pools import HostKVPool, HostLayout
 from kvstrata.impl.pools.side import SideBuffer
@@ -679,6 +680,39 @@ class HybridL3TierDifferential(HybridDifferentialMachine, L3Differential):
             if f"/{INDEXER}/" in text
             else "the store evicted a state component"
         )
+
+    def states_under_backup(self) -> list[int]:
+        """Model nodes whose end state a pending backup still reads from L2."""
+        pinned = {page for op in self.model.backup_ops for page in op.states}
+        return sorted(
+            node.node_id
+            for node in self.model.tree.non_root_nodes()
+            if node.pages[-1] in pinned and node.pages[-1] in self.model.state_info
+        )
+
+    @precondition(lambda self: self.ready and self.states_under_backup())
+    @rule(data=st.data())
+    def evict_state_under_backup(self, data: st.DataObject) -> None:
+        """Dropping the L2 copy of a state that a backup is still writing is refused by both,
+        nothing changed: its slot must not be freed or reused while the store may read it (a stale
+        offset on the state path)."""
+        node_id = data.draw(st.sampled_from(self.states_under_backup()), label="pinned state")
+        before = self.observe()
+        refused = []
+        for call in (
+            lambda: self.model.evict_state(node_id, host=True),
+            lambda: self.impl.evict_state(self.impl_node(node_id), host=True),
+        ):
+            try:
+                call()
+            except MisuseError:
+                refused.append(True)
+            else:
+                refused.append(False)
+        assert refused[0] == refused[1], f"evict_state(host): model {refused}, impl"
+        if refused[0]:
+            assert self.observe() == before, "a refused evict_state changed something"
+            event("L2 state under backup: evict_state refused by both")
 
     @precondition(lambda self: self.ready and self.known)
     @rule(data=st.data())
