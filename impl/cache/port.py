@@ -58,20 +58,26 @@ class CachePort:
 
     def continuation(
         self, query: npt.NDArray[np.uint32], namespace: Namespace
-    ) -> tuple[Node, int, Callable[[], bytes]] | None:
+    ) -> tuple[Node, int] | None:
         """Where a prefetch of ``query`` would attach: the node its local match ends at (the node
-        it ends inside is split), the pages matched, and a function that hashes the chain of the
-        whole pages after them (run by the store worker). ``None`` unless that node is a root or
+        it ends inside is split) and the pages matched; ``None`` unless that node is a root or
         host-claimed (I3: L3 pages join after host-backed nodes only)."""
         root, path, matched, _ = self._index.walk_split(query, namespace)
         anchor = path[-1] if path else root
         if not (anchor.is_root or anchor.state in _HOST_CLAIMED_T):
             return None
+        return anchor, matched
+
+    def chain_after(
+        self, anchor: Node, query: npt.NDArray[np.uint32], matched: int, namespace: Namespace
+    ) -> Callable[[], bytes]:
+        """A function (run by the store worker) hashing the chain of the whole pages of ``query``
+        after its first ``matched``, seeded from ``anchor``'s last page (or the namespace)."""
         size = self.page_size
         rest = query[matched * size : len(query) // size * size].tobytes()
         seed = digests_tail(anchor.digests) if anchor.digests else namespace.seed()
         page_bytes = 4 * size
-        return anchor, matched, lambda: sha256_chain(resolve(seed), rest, page_bytes)
+        return lambda: sha256_chain(resolve(seed), rest, page_bytes)
 
     def reserve_host(self, pages: int, *, state: bool) -> tuple[Pages, int | None] | None:
         """The model's rule: pages first, then room for one L2 state slot (the anchor locked by the

@@ -19,17 +19,15 @@ in the store and retries the rest with the failed pages (the model's ``ack_backu
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import attrs
 import numpy as np
 
-from kvstrata.impl.config import StorageConfig
-from kvstrata.impl.l3.counters import L3Counters
-from kvstrata.impl.l3.port import Pages, TreePort
+from kvstrata.impl.l3.context import L3Context
+from kvstrata.impl.l3.port import Pages
 from kvstrata.impl.storage.base import PutStatus
-from kvstrata.impl.storage.worker import BackupResult, StorageWorker
+from kvstrata.impl.storage.worker import BackupResult
 from kvstrata.model.keys import Namespace
 from kvstrata.model.lifecycles import BACKUP_OP, BackupEvent, BackupState
 
@@ -85,24 +83,10 @@ class BackupOp:
 class Backups:
     """Every backup op of one cache, keyed by op id (retries keep their op's id)."""
 
-    def __init__(
-        self,
-        tree: TreePort,
-        worker: StorageWorker,
-        config: StorageConfig,
-        counters: L3Counters,
-        *,
-        states: bool,
-        now: Callable[[], float],
-        page_nbytes: int,
-    ) -> None:
-        self._tree = tree
-        self._worker = worker
-        self.config = config
-        self._counters = counters
-        self._states = states
-        self._now = now
-        self._page_nbytes = page_nbytes
+    def __init__(self, context: L3Context) -> None:
+        self._tree, self._worker, self.config = context.tree, context.worker, context.config
+        self._counters, self._states = context.counters, context.states
+        self._now, self._page_nbytes = context.now, context.page_nbytes
         self.ops: dict[int, BackupOp] = {}
         self._retry: list[BackupOp] = []
 

@@ -46,10 +46,15 @@ class TreePort(Protocol):
 
     def continuation(
         self, query: npt.NDArray[np.uint32], namespace: Namespace
-    ) -> tuple[Node, int, Callable[[], bytes]] | None:
+    ) -> tuple[Node, int] | None:
         """The node a prefetch of ``query`` attaches at (a root or host-claimed; the node the
-        match ends inside is split), the pages matched, and the hash chain of the rest (a
-        function the store worker runs); ``None`` if the match ends where L3 pages cannot join."""
+        match ends inside is split) and the pages matched; ``None`` if L3 pages cannot join there."""
+
+    def chain_after(
+        self, anchor: Node, query: npt.NDArray[np.uint32], matched: int, namespace: Namespace
+    ) -> Callable[[], bytes]:
+        """The hash chain of ``query``'s whole pages after ``matched``, as a function the store
+        worker runs (nothing is copied or hashed for a prefetch that is not started)."""
 
     def reserve_host(self, pages: int, *, state: bool) -> tuple[Pages, int | None] | None:
         """``pages`` L2 pages and (``state``) one L2 state slot, all or nothing."""

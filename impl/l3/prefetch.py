@@ -21,7 +21,6 @@ slot like the page slots.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -29,12 +28,11 @@ import attrs
 import numpy as np
 import numpy.typing as npt
 
-from kvstrata.impl.config import StorageConfig
 from kvstrata.impl.errors import MisuseError
-from kvstrata.impl.l3.counters import L3Counters
-from kvstrata.impl.l3.port import Pages, TreePort
+from kvstrata.impl.l3.context import L3Context
+from kvstrata.impl.l3.port import Pages
 from kvstrata.impl.storage.base import GetStatus
-from kvstrata.impl.storage.worker import FetchResult, QueryResult, StorageWorker
+from kvstrata.impl.storage.worker import FetchResult, QueryResult
 from kvstrata.model.keys import Namespace
 from kvstrata.model.l3.policy import wait_over
 from kvstrata.model.lifecycles import PREFETCH_OP, PrefetchEvent, PrefetchState
@@ -78,24 +76,10 @@ class Prefetches:
     """Every prefetch op of one cache, keyed by op id, until it is committed or aborted and its
     last job drained."""
 
-    def __init__(
-        self,
-        tree: TreePort,
-        worker: StorageWorker,
-        config: StorageConfig,
-        counters: L3Counters,
-        *,
-        states: bool,
-        now: Callable[[], float] = time.monotonic,
-        page_nbytes: int = 0,
-    ) -> None:
-        self._tree = tree
-        self._worker = worker
-        self.config = config
-        self._counters = counters
-        self._states = states
-        self._now = now
-        self._page_nbytes = page_nbytes
+    def __init__(self, context: L3Context) -> None:
+        self._tree, self._worker, self.config = context.tree, context.worker, context.config
+        self._counters, self._states = context.counters, context.states
+        self._now, self._page_nbytes = context.now, context.page_nbytes
         self.ops: dict[int, PrefetchOp] = {}
 
     def reserved(self) -> int:
@@ -111,11 +95,12 @@ class Prefetches:
         found = self._tree.continuation(query, namespace)
         if found is None:
             return None
-        anchor, matched, hasher = found
+        anchor, matched = found
         remaining = total - matched
         if remaining == 0 or remaining * size < self.config.prefetch_threshold:
             return None
         whole = query[: total * size].copy()
+        hasher = self._tree.chain_after(anchor, whole, matched, namespace)
         return self.start(whole, namespace, anchor, matched, hasher).op_id
 
     def start(

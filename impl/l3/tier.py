@@ -16,6 +16,7 @@ import attrs
 
 from kvstrata.impl.config import StorageConfig
 from kvstrata.impl.l3.backup import BackupOp, Backups
+from kvstrata.impl.l3.context import L3Context
 from kvstrata.impl.l3.counters import L3Counters
 from kvstrata.impl.l3.port import TreePort
 from kvstrata.impl.l3.prefetch import Prefetches, PrefetchOp
@@ -52,9 +53,9 @@ class L3Tier:
         self.worker = StorageWorker(backend, executor)
         self.counters = L3Counters()
         self._now = clock  # read through now(): a test may swap the clock after construction
-        common: dict[str, Any] = {"states": states, "now": self.now, "page_nbytes": page_nbytes}
-        self.backup = Backups(tree, self.worker, config, self.counters, **common)
-        self.prefetch = Prefetches(tree, self.worker, config, self.counters, **common)
+        context = L3Context(tree, self.worker, config, self.counters, states, self.now, page_nbytes)
+        self.backup = Backups(context)
+        self.prefetch = Prefetches(context)
         self.last_applied: list[StorageResult] = []  # what the latest poll applied (for tests)
 
     def now(self) -> float:
