@@ -111,7 +111,9 @@ def _module_name(path: Path) -> str:
     parts = list(relative.parts)
     if parts[-1] == "__init__":
         parts.pop()
-    return "kvstrata." + ".".join(parts)
+    if parts and parts[0] == "kvstrata":  # the face and its subpackages (kvstrata.integrations)
+        parts.pop(0)
+    return ".".join(["kvstrata", *parts])
 
 
 def _guarded(tree: ast.Module) -> set[int]:
@@ -124,7 +126,7 @@ def _guarded(tree: ast.Module) -> set[int]:
     }
 
 
-def import_graph(roots: tuple[str, ...] = ("model", "impl")) -> dict[str, set[str]]:
+def import_graph(roots: tuple[str, ...] = ("kvstrata", "model", "impl")) -> dict[str, set[str]]:
     """Module -> the kvstrata modules it imports. ``TYPE_CHECKING`` imports count (a cycle in
     types is a cycle in the design); a run-time import of ``a.b.c`` also imports the packages
     ``a.b`` and ``a`` (their ``__init__`` runs first), except the importer's own packages."""
@@ -204,6 +206,15 @@ def test_the_model_imports_nothing_of_the_implementation() -> None:
     for module, targets in import_graph().items():
         if module.startswith("kvstrata.model"):
             assert not {t for t in targets if t.startswith("kvstrata.impl")}, module
+
+
+def test_the_library_never_imports_the_engine_plug_ins() -> None:
+    """kvstrata.integrations sits on top: it imports the library, never the other way round."""
+    graph = import_graph()
+    assert "kvstrata.integrations.sglang" in graph
+    for module, targets in graph.items():
+        if module.startswith(("kvstrata.model", "kvstrata.impl")):
+            assert not {t for t in targets if t.startswith("kvstrata.integrations")}, module
 
 
 @pytest.mark.parametrize(

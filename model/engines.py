@@ -1,0 +1,170 @@
+"""Where an engine's pages live in kvstrata's key namespace (SPEC §4; issue 16). Pure: no engine,
+no torch, no I/O.
+
+An engine plug-in (sglang's L3 storage backend, vLLM's KV connector) names its pages with the
+engine's own hashes and describes its place in the deployment with the engine's own config. This
+module turns both into kvstrata's terms, once, so that the adapters stay thin and every rule about
+sharing is stated (and property-tested) here.
+
+Sharing rule (the invariant :class:`EngineShard` keeps): two plug-in instances read each other's
+pages **exactly when** they agree on the hash scheme, the model (its name as the engine reports it,
+verbatim), the KV dtype, the KV kind, the page size, the pipeline stage (rank and size), the tag and
+the tenant namespace, and, for sharded (MHA) KV, on the tensor-parallel rank **and** size. MLA KV is
+replicated across TP ranks: every rank of every TP size reads it, and only the writer rank (rank 0,
+or the rank an engine names) writes it. Data-parallel replicas hold the same KV and share; a rank's
+DP index is therefore not part of the key.
+
+Hash schemes: each engine hashes pages its own way (sglang: a chain of SHA-256 hex strings; vLLM:
+32-byte block hashes), so equal token prefixes never have equal hashes across engines. The scheme is
+still put in the key (as the namespace's ``extra_key``) so that a page written by one engine can
+never be misread by another, whatever their hashes happen to be.
+
+Model names: the engine's name (``"meta-llama/Llama-3.1-8B"``) becomes a key-safe slug followed by
+12 hex digits of the SHA-256 of the exact name, so names that slug alike stay apart.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import re
+
+import attrs
+
+from kvstrata.model.errors import MisuseError
+from kvstrata.model.keys import KeySpace, KVKind, ModelIdentity, Namespace, PageHash, Shard
+
+__all__ = ["EngineShard", "HashScheme", "engine_page_hash", "model_slug"]
+
+_SLUG_CHARS = re.compile(r"[^a-z0-9]+")
+_SLUG_LENGTH = 40
+_HEX64 = re.compile(r"[0-9a-fA-F]{64}\Z")
+
+
+class HashScheme(enum.Enum):
+    """How an engine names a page."""
+
+    SGLANG = "sglang-sha256"
+    """sglang HiCache: 64 hex digits of a SHA-256 chain value per page."""
+    VLLM = "vllm-block"
+    """vLLM: the 32-byte ``BlockHash`` of a full block."""
+
+
+def model_slug(name: str) -> str:
+    """A :class:`ModelIdentity` name for an engine's model name: lower-case letters, digits and
+    ``_``, starting with a letter, ending with 12 hex digits of SHA-256 of ``name`` (so two names
+    that slug alike still differ). Deterministic across processes and machines."""
+    if not isinstance(name, str) or not name.strip():
+        raise MisuseError(f"a model name must be a non-empty string, got {name!r}")
+    slug = _SLUG_CHARS.sub("_", name.strip().lower()).strip("_")[:_SLUG_LENGTH].rstrip("_")
+    digest = hashlib.sha256(name.encode()).hexdigest()[:12]
+    return f"m_{slug}_{digest}" if slug else f"m_{digest}"
+
+
+def engine_page_hash(key: object, scheme: HashScheme) -> PageHash:
+    """The :class:`PageHash` of one engine page name: 64 hex digits (sglang) or 32 bytes (vLLM).
+    :class:`MisuseError` for anything else (no truncation, no re-hashing: the engine's hash already
+    names the whole prefix)."""
+    if scheme is HashScheme.SGLANG:
+        if not isinstance(key, str) or not _HEX64.match(key):
+            raise MisuseError(f"an sglang page key is 64 hex digits, got {key!r}")
+        return PageHash(bytes.fromhex(key))
+    if scheme is HashScheme.VLLM:
+        if not isinstance(key, bytes) or len(key) != 32:
+            raise MisuseError(f"a vLLM block hash is 32 bytes, got {key!r}")
+        return PageHash(key)
+    raise MisuseError(f"scheme must be a HashScheme, got {scheme!r}")
+
+
+def _positive(_instance: object, attribute: attrs.Attribute[int], value: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise MisuseError(f"EngineShard.{attribute.name}: expected an int >= 1, got {value!r}")
+
+
+def _rank(_instance: object, attribute: attrs.Attribute[int], value: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise MisuseError(f"EngineShard.{attribute.name}: expected an int >= 0, got {value!r}")
+
+
+def _scheme(value: object) -> None:
+    if not isinstance(value, HashScheme):
+        raise MisuseError(f"EngineShard.scheme: expected a HashScheme, got {value!r}")
+
+
+def _flag(value: object) -> None:
+    if not isinstance(value, bool):
+        raise MisuseError(f"EngineShard.mla: expected a bool, got {value!r}")
+
+
+def _text(_instance: object, attribute: attrs.Attribute[str], value: str) -> None:
+    if not isinstance(value, str) or not value.strip():
+        raise MisuseError(
+            f"EngineShard.{attribute.name}: expected a non-empty string, got {value!r}"
+        )
+
+
+@attrs.frozen
+class EngineShard:
+    """One plug-in instance's place in the deployment, in the engine's terms.
+
+    Invariants (:class:`MisuseError` otherwise): ranks lie in ``[0, size)``; ``page_size`` and
+    sizes are >= 1; ``writer_rank`` is a TP rank. :meth:`keyspace` and :meth:`namespace` are pure
+    functions of the fields that decide sharing (the module's sharing rule) and of nothing else.
+    """
+
+    scheme: HashScheme = attrs.field(validator=lambda _i, _a, value: _scheme(value))
+    model_name: str = attrs.field(validator=_text)
+    dtype: str = attrs.field(validator=_text)
+    """The KV dtype's name, e.g. ``"bfloat16"`` (``torch.`` is dropped)."""
+    mla: bool = attrs.field(validator=lambda _i, _a, value: _flag(value))
+    page_size: int = attrs.field(validator=_positive)
+    tp_rank: int = attrs.field(default=0, validator=_rank)
+    tp_size: int = attrs.field(default=1, validator=_positive)
+    pp_rank: int = attrs.field(default=0, validator=_rank)
+    pp_size: int = attrs.field(default=1, validator=_positive)
+    writer_rank: int = attrs.field(default=0, validator=_rank)
+    """MLA only: the TP rank that writes the replicated pages."""
+    tag: str | None = None
+    """A deployment tag (a key segment; see :class:`~kvstrata.model.keys.KeySpace`)."""
+    tenant: str = ""
+    """A tenant namespace: tenants never share pages (the namespace's ``salt``)."""
+
+    def __attrs_post_init__(self) -> None:
+        if self.tp_rank >= self.tp_size:
+            raise MisuseError(f"EngineShard: tp_rank {self.tp_rank} >= tp_size {self.tp_size}")
+        if self.pp_rank >= self.pp_size:
+            raise MisuseError(f"EngineShard: pp_rank {self.pp_rank} >= pp_size {self.pp_size}")
+        if self.writer_rank >= self.tp_size:
+            raise MisuseError(
+                f"EngineShard: writer_rank {self.writer_rank} >= tp_size {self.tp_size}"
+            )
+        if not isinstance(self.tenant, str):
+            raise MisuseError(f"EngineShard.tenant: expected a string, got {self.tenant!r}")
+
+    @property
+    def writer(self) -> bool:
+        """Whether this instance writes pages: every rank for sharded KV, one rank for MLA."""
+        return not self.mla or self.tp_rank == self.writer_rank
+
+    def model(self) -> ModelIdentity:
+        dtype = self.dtype.strip().removeprefix("torch.")
+        return ModelIdentity(
+            name=model_slug(self.model_name),
+            dtype=_SLUG_CHARS.sub("_", dtype.lower()).strip("_") or "unknown",
+            kind=KVKind.MLA if self.mla else KVKind.MHA,
+            page_size=self.page_size,
+        )
+
+    def shard(self) -> Shard:
+        if self.mla:
+            return Shard.replicated(pp_rank=self.pp_rank, pp_size=self.pp_size)
+        return Shard(self.tp_rank, self.tp_size, self.pp_rank, self.pp_size)
+
+    def keyspace(self) -> KeySpace:
+        """The key space of this instance's KV pages (and of its side pools)."""
+        return KeySpace(self.model(), self.shard(), self.tag)
+
+    def namespace(self) -> Namespace:
+        """The namespace every key of this instance is rendered in: the hash scheme and the
+        tenant."""
+        return Namespace(extra_key=self.scheme.value, salt=self.tenant)

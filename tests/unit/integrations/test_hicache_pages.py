@@ -1,0 +1,165 @@
+"""The engine-independent half of the sglang backend (kvstrata/integrations): options, page runs,
+hybrid hit rules and stats, on kvstrata's own backends. tests/engines/sglang drives the same code
+through sglang's real types."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvstrata.impl.errors import ConfigError, MisuseError
+from kvstrata.impl.pools.host import HostKVPool
+from kvstrata.impl.pools.shape import KVShape
+from kvstrata.impl.storage.memory import MemoryStore
+from kvstrata.integrations.hicache import HiCachePages, PoolAsk
+from kvstrata.integrations.store import StoreOptions
+from kvstrata.model.engines import EngineShard, HashScheme
+from kvstrata.model.hybrid import HitPolicy
+from kvstrata.model.keys import KVKind
+
+PAGE = 4
+SHAPE = KVShape(KVKind.MHA, layers=2, heads=2, head_dim=4, dtype=torch.float32, page_size=PAGE)
+SHARD = EngineShard(HashScheme.SGLANG, "org/model", "float32", mla=False, page_size=PAGE)
+
+
+def keys(n: int, seed: str = "") -> list[str]:
+    return [hashlib.sha256(f"{seed}{i}".encode()).hexdigest() for i in range(n)]
+
+
+def runs(pages: list[int]) -> torch.Tensor:
+    return torch.cat([torch.arange(p * PAGE, (p + 1) * PAGE) for p in pages])
+
+
+def pages_on(store: MemoryStore, shard: EngineShard = SHARD) -> HiCachePages:
+    host = HostKVPool(SHAPE, 8, "page_first_direct")
+    host.buffer.copy_(torch.randn(host.buffer.shape))
+    return HiCachePages(
+        shard, StoreOptions.parse({"store": "memory", "memory_store": store}, where="t"), host
+    )
+
+
+def test_options_name_the_bad_key(monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(ConfigError, match="'colour'"):
+        StoreOptions.parse({"colour": "red"}, where="t")
+    with pytest.raises(ConfigError, match="'path'"):
+        StoreOptions.parse({"store": "file"}, where="t")
+    with pytest.raises(ConfigError, match="master"):
+        StoreOptions.parse({"store": "mooncake"}, where="t", env={})
+    parsed = StoreOptions.parse(
+        {"backend_name": "kvstrata", "interface_v1": 1, "tag": "prod"},
+        where="t",
+        env={"KVSTRATA_MOONCAKE_MASTER": "127.0.0.1:5"},
+    )
+    assert parsed.store == "mooncake" and parsed.mooncake is not None
+    assert parsed.mooncake.master == "127.0.0.1:5" and parsed.tag == "prod"
+    over = StoreOptions.parse(
+        {"master": "10.0.0.1:7", "mooncake": {"protocol": "tcp"}}, where="t", env={}
+    )
+    assert over.mooncake is not None and over.mooncake.master == "10.0.0.1:7"
+    with pytest.raises(ConfigError, match="mooncake"):
+        StoreOptions.parse({"master": "10.0.0.1:7", "mooncake": {"colour": 1}}, where="t", env={})
+
+
+def test_pages_round_trip_and_stop_at_the_first_miss() -> None:
+    store = MemoryStore()
+    a, b = pages_on(store), pages_on(store)
+    chain = keys(3)
+    assert a.set([chain[0], chain[2]], runs([1, 2])) == [True, True]
+    assert b.exists(chain) == 1
+    assert b.get(chain, runs([5, 6, 7])) == [True, False, False]
+    assert torch.equal(b.host.read_pages([5]), a.host.read_pages([1]))
+    assert b.drain_stats().prefetch_pages == [1] and b.drain_stats().prefetch_pages == []
+
+
+@pytest.mark.parametrize(
+    ("indices", "match"),
+    [
+        (runs([0, 1]) + 1, "aligned"),
+        (runs([0, 1]).flip(0), "aligned"),
+        (runs([0]), "host slots"),
+        (runs([0, 1]).float(), "integer"),
+    ],
+)
+def test_bad_page_runs_are_refused_before_any_io(indices: torch.Tensor, match: str) -> None:
+    store = MemoryStore()
+    pages = pages_on(store)
+    with pytest.raises(MisuseError, match=match):
+        pages.set(keys(2), indices)
+    assert pages.exists(keys(2)) == 0
+
+
+def test_a_file_store_shares_pages_between_instances(tmp_path: Path) -> None:
+    options = StoreOptions.parse({"store": "file", "path": str(tmp_path)}, where="t")
+    hosts = [HostKVPool(SHAPE, 4, "page_first") for _ in range(2)]
+    hosts[0].buffer.copy_(torch.randn(hosts[0].buffer.shape))
+    a, b = (HiCachePages(SHARD, options, host) for host in hosts)
+    assert a.set(keys(2), runs([0, 3])) == [True, True]
+    assert b.get(keys(2), runs([1, 2])) == [True, True]
+    assert torch.equal(b.host.read_pages([1, 2]), a.host.read_pages([0, 3]))
+
+
+class Flat:
+    """Entries of one side pool as an engine exposes them: flat tensors by index."""
+
+    def __init__(self, count: int, width: int = 3) -> None:
+        self.data = torch.randn(count, width)
+
+    def read(self, index: int) -> torch.Tensor:
+        return self.data[index]
+
+    def write(self, index: int, flat: torch.Tensor) -> None:
+        self.data[index] = flat.view(torch.float32)
+
+
+@pytest.mark.parametrize(
+    ("state_pages", "window", "restorable"),
+    [
+        ({3}, 1, [4]),  # the state at the last page: the whole prefix
+        ({1}, 1, [2]),  # a state that ends at page 1: a prefix of 2
+        ({0, 1, 3}, 2, [1, 2]),  # a window of 2 needs pages 2 and 3 for a prefix of 4
+        ({2, 3}, 2, [4]),
+        (set(), 1, []),
+    ],
+)
+def test_hybrid_exists_applies_the_hit_rules(
+    state_pages: set[int], window: int, restorable: list[int]
+) -> None:
+    store = MemoryStore()
+    a, b = pages_on(store), pages_on(store)
+    chain = keys(4, "hybrid")
+    a_states, b_states, indexer = Flat(4), Flat(4), Flat(8, width=2)
+    for pages, pool in ((a, a_states), (b, b_states)):
+        pages.attach_side("mamba", 12, pool.read, pool.write)
+        pages.attach_side("indexer", 8, indexer.read, indexer.write)
+    assert a.set(chain, runs([0, 1, 2, 3])) == [True] * 4
+    assert a.set_side("indexer", chain, [0, 1, 2, 3]) == [True] * 4
+    positions = sorted(state_pages)
+    assert a.set_side("mamba", [chain[p] for p in positions], positions) == [True] * len(positions)
+    hit = b.exists_v2(
+        chain,
+        [
+            PoolAsk("indexer", HitPolicy.ALL_PAGES),
+            PoolAsk("mamba", HitPolicy.TRAILING_PAGES, window),
+        ],
+    )
+    assert hit.restorable == restorable and hit.kv_hit == (restorable[-1] if restorable else 0)
+    if restorable:
+        last = restorable[-1] - 1
+        assert b.get_side("mamba", [chain[last]], [2]) == [True]
+        assert torch.equal(b_states.data[2], a_states.data[last])
+
+
+def test_side_pools_are_never_asked_beyond_the_kv_hit() -> None:
+    store = MemoryStore()
+    a, b = pages_on(store), pages_on(store)
+    chain = keys(3, "beyond")
+    states = Flat(4)
+    for pages in (a, b):
+        pages.attach_side("mamba", 12, states.read, states.write)
+    a.set(chain[:1], runs([0]))
+    a.set_side("mamba", chain, [0, 1, 2])  # states exist for all three pages, KV for the first only
+    hit = b.exists_v2(chain, [PoolAsk("mamba", HitPolicy.TRAILING_PAGES)])
+    assert (hit.kv_hit, hit.restorable) == (1, [1])

@@ -1,0 +1,109 @@
+"""The sharing rule of model/engines.py: two plug-in instances share keys exactly when they should."""
+
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kvstrata.model.engines import EngineShard, HashScheme, engine_page_hash, model_slug
+from kvstrata.model.errors import MisuseError
+from kvstrata.model.keys import PageHash, parse_store_key, render_store_key
+
+
+@st.composite
+def shards(draw: st.DrawFn) -> EngineShard:
+    tp_size = draw(st.sampled_from([1, 2, 4]))
+    pp_size = draw(st.sampled_from([1, 2]))
+    return EngineShard(
+        scheme=draw(st.sampled_from(list(HashScheme))),
+        model_name=draw(st.sampled_from(["org/a", "org/A", "org-a", "org/b"])),
+        dtype=draw(st.sampled_from(["bfloat16", "torch.bfloat16", "float16"])),
+        mla=draw(st.booleans()),
+        page_size=draw(st.sampled_from([16, 64])),
+        tp_rank=draw(st.integers(0, tp_size - 1)),
+        tp_size=tp_size,
+        pp_rank=draw(st.integers(0, pp_size - 1)),
+        pp_size=pp_size,
+        tag=draw(st.sampled_from([None, "prod"])),
+        tenant=draw(st.sampled_from(["", "t1"])),
+    )
+
+
+def should_share(a: EngineShard, b: EngineShard) -> bool:
+    """The rule of model/engines.py's docstring, spelled out independently."""
+    same = (
+        a.scheme == b.scheme
+        and a.model_name == b.model_name
+        and a.dtype.removeprefix("torch.") == b.dtype.removeprefix("torch.")
+        and a.mla == b.mla
+        and a.page_size == b.page_size
+        and (a.pp_rank, a.pp_size) == (b.pp_rank, b.pp_size)
+        and a.tag == b.tag
+        and a.tenant == b.tenant
+    )
+    return same and (a.mla or (a.tp_rank, a.tp_size) == (b.tp_rank, b.tp_size))
+
+
+PAGE = PageHash(hashlib.sha256(b"page").digest())
+
+
+@given(shards(), shards())
+def test_two_instances_share_a_page_key_exactly_when_the_rule_says(
+    a: EngineShard, b: EngineShard
+) -> None:
+    key_a = a.keyspace().key(a.namespace(), "kv", "k" if not a.mla else "latent", PAGE)
+    key_b = b.keyspace().key(b.namespace(), "kv", "k" if not b.mla else "latent", PAGE)
+    assert (key_a == key_b) is should_share(a, b)
+    assert render_store_key(parse_store_key(key_a)) == key_a  # rendered once, parses back
+
+
+@given(shards())
+def test_mla_has_one_writer_sharded_kv_every_rank(shard: EngineShard) -> None:
+    assert shard.writer is (not shard.mla or shard.tp_rank == shard.writer_rank)
+
+
+def test_model_slugs_are_key_safe_deterministic_and_keep_names_apart() -> None:
+    slugs = {model_slug(name) for name in ("org/a", "org/A", "org-a", "Org/A ")}
+    assert len(slugs) == 4
+    assert model_slug("meta-llama/Llama-3.1-8B") == model_slug("meta-llama/Llama-3.1-8B")
+    assert model_slug("meta-llama/Llama-3.1-8B").startswith("m_meta_llama_llama_3_1_8b_")
+    assert model_slug("###").startswith("m_")
+    with pytest.raises(MisuseError):
+        model_slug("  ")
+
+
+def test_engine_page_hashes_are_taken_verbatim_and_checked() -> None:
+    digest = hashlib.sha256(b"x").digest()
+    assert engine_page_hash(digest.hex(), HashScheme.SGLANG) == PageHash(digest)
+    assert engine_page_hash(digest, HashScheme.VLLM) == PageHash(digest)
+    for bad, scheme in [
+        (digest.hex()[:-1], HashScheme.SGLANG),
+        (digest, HashScheme.SGLANG),
+        ("zz" * 32, HashScheme.SGLANG),
+        (digest[:31], HashScheme.VLLM),
+        (digest.hex(), HashScheme.VLLM),
+    ]:
+        with pytest.raises(MisuseError):
+            engine_page_hash(bad, scheme)
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"tp_rank": 2, "tp_size": 2},
+        {"pp_rank": 1},
+        {"writer_rank": 1},
+        {"page_size": 0},
+        {"model_name": ""},
+        {"mla": 1},
+    ],
+)
+def test_bad_shards_are_refused(fields: dict[str, object]) -> None:
+    base: dict[str, object] = {
+        "scheme": HashScheme.SGLANG, "model_name": "m", "dtype": "bfloat16", "mla": False, "page_size": 16,
+    }  # fmt: skip
+    with pytest.raises(MisuseError):
+        EngineShard(**{**base, **fields})  # type: ignore[arg-type]
