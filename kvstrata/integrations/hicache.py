@@ -141,7 +141,11 @@ class HiCachePages:
             options, self.keyspace, writer=shard.writer
         )
         if self.backend is not None:
-            self.backend.attach(host)
+            try:
+                self.backend.attach(host)  # ConfigError for a layer_first pool: not page-contiguous
+            except Exception:
+                self.backend.close()
+                raise
         self._side: dict[str, _Side] = {}
         self._lock = threading.Lock()
         self._stats = Stats()

@@ -400,3 +400,11 @@ def test_an_unreachable_master_is_no_l3_not_a_crash() -> None:
     assert backend.batch_exists(keys) == 0
     assert backend.batch_set_v1(keys, slots([0, 1])) == [False, False]
     assert backend.batch_get_v1(keys, slots([0, 1])) == [False, False]
+
+
+def test_a_layer_first_host_pool_is_refused_with_the_reason() -> None:
+    backend = StorageBackendFactory.create_backend(
+        "dynamic", storage_config({"store": "memory"}), None
+    )
+    with pytest.raises(ConfigError, match="page-first"):
+        backend.register_mem_pool_host(mha_pool("layer_first"))
