@@ -19,6 +19,8 @@ from kvstrata.model.table import Lifecycle
 __all__ = [
     "ALL_LIFECYCLES",
     "BACKUP_OP",
+    "CONNECTOR_REQUEST",
+    "MATCHABLE",
     "EMBEDDING_ENTRY",
     "LOAD_OP",
     "PAGE_RESIDENCY",
@@ -40,6 +42,8 @@ __all__ = [
     "OpState",
     "PrefetchEvent",
     "PrefetchState",
+    "RequestEvent",
+    "RequestState",
     "Residency",
     "ResidencyEvent",
     "StateEvent",
@@ -289,6 +293,50 @@ L2_DROPPABLE = HOST_VALID & STATE_RESIDENCY.sources(StateEvent.DROP_HOST, StateE
 #: state-only write-through.
 L1_WITH_L2 = DEVICE_VALID & HOST_CLAIMED
 
+
+class RequestState(enum.Enum):
+    """A request as an engine connector's scheduler side sees it (vLLM; docs/engines.md)."""
+
+    LOOKING_UP = "looking_up"
+    """The L3 lookup of its pages is in flight: the connector answers "ask again" (``None``)."""
+    READY = "ready"
+    """The lookup answered: matches are answered from L2 and that answer, without side effects."""
+    LOAD_PLANNED = "load_planned"
+    """The engine allocated blocks for an external hit; the load goes into the next step's plan."""
+    RUNNING = "running"
+    """Scheduled; its newly computed full pages are saved (L2, then L3) as the steps go."""
+    FINISHED = "finished"
+
+
+class RequestEvent(enum.Enum):
+    ANSWERED = "answered"
+    ALLOC_LOAD = "alloc_load"
+    ALLOC_NONE = "alloc_none"
+    PLANNED = "planned"
+    FINISH = "finish"
+
+
+CONNECTOR_REQUEST: Lifecycle[RequestState, RequestEvent] = Lifecycle(
+    name="connector request",
+    initial=RequestState.LOOKING_UP,
+    table={
+        (RequestState.LOOKING_UP, RequestEvent.ANSWERED): RequestState.READY,
+        (RequestState.READY, RequestEvent.ALLOC_LOAD): RequestState.LOAD_PLANNED,
+        (RequestState.READY, RequestEvent.ALLOC_NONE): RequestState.RUNNING,
+        # a preempted request is matched and allocated again
+        (RequestState.RUNNING, RequestEvent.ALLOC_LOAD): RequestState.LOAD_PLANNED,
+        (RequestState.RUNNING, RequestEvent.ALLOC_NONE): RequestState.RUNNING,
+        (RequestState.LOAD_PLANNED, RequestEvent.PLANNED): RequestState.RUNNING,
+        (RequestState.LOOKING_UP, RequestEvent.FINISH): RequestState.FINISHED,
+        (RequestState.READY, RequestEvent.FINISH): RequestState.FINISHED,
+        (RequestState.LOAD_PLANNED, RequestEvent.FINISH): RequestState.FINISHED,
+        (RequestState.RUNNING, RequestEvent.FINISH): RequestState.FINISHED,
+    },
+    final={RequestState.FINISHED},
+)
+#: States in which a request's match is answered (not "ask again").
+MATCHABLE = CONNECTOR_REQUEST.sources(RequestEvent.ALLOC_LOAD, RequestEvent.ALLOC_NONE)
+
 ALL_LIFECYCLES: tuple[Lifecycle, ...] = (  # type: ignore[type-arg]
     WRITE_OP,
     LOAD_OP,
@@ -297,4 +345,5 @@ ALL_LIFECYCLES: tuple[Lifecycle, ...] = (  # type: ignore[type-arg]
     PAGE_RESIDENCY,
     STATE_RESIDENCY,
     EMBEDDING_ENTRY,
+    CONNECTOR_REQUEST,
 )

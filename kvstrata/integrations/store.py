@@ -97,20 +97,26 @@ class StoreOptions:
 
     @classmethod
     def parse(
-        cls, values: Mapping[str, Any] | None, *, where: str, env: Mapping[str, str] | None = None
+        cls,
+        values: Mapping[str, Any] | None,
+        *,
+        where: str,
+        env: Mapping[str, str] | None = None,
+        own: frozenset[str] = frozenset(),
     ) -> StoreOptions:
         """Options from an engine's extra-config mapping; :class:`ConfigError` naming the key for
-        anything unknown or malformed. ``env`` defaults to ``os.environ``."""
+        anything unknown or malformed. ``own`` names the keys the calling adapter reads itself;
+        ``env`` defaults to ``os.environ``."""
         values = {} if values is None else values
         if not isinstance(values, Mapping):
             raise ConfigError(f"{where}: the extra config must be a mapping, got {values!r}")
         unknown = sorted(
-            str(key) for key in values if key not in _OWN_KEYS and key not in ENGINE_KEYS
+            str(key) for key in values if key not in _OWN_KEYS and key not in ENGINE_KEYS | own
         )
         if unknown:
             raise ConfigError(
                 f"{where}: unknown key {unknown[0]!r} in the extra config "
-                f"(kvstrata reads {', '.join(_OWN_KEYS)})"
+                f"(kvstrata reads {', '.join(sorted({*_OWN_KEYS, *own}))})"
             )
         store = (_optional_text(values, "store", where) or "mooncake").lower()
         if store not in STORES:

@@ -28,7 +28,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 MUTANTS = Path(__file__).resolve().parent
-COPIED = ("model", "impl", "tests", "pyproject.toml")
+COPIED = ("model", "impl", "kvstrata", "tests", "pyproject.toml")
 
 
 def prepare(scratch: Path, patch: Path) -> str | None:
@@ -53,9 +53,14 @@ def prepare(scratch: Path, patch: Path) -> str | None:
     for package in ("model", "impl"):
         if (scratch / package).is_dir():
             (site / package).symlink_to(scratch / package, target_is_directory=True)
-    face = REPO / "kvstrata" / "__init__.py"  # the public face, beside the copied packages (a
-    if face.is_file():  # kvstrata/ folder in the scratch root would shadow them from its cwd)
-        shutil.copy2(face, site / "__init__.py")
+    # the public face and its subpackages (kvstrata.integrations, patched like the rest) move
+    # beside the copied packages: a kvstrata/ folder left in the scratch root would shadow them
+    face = scratch / "kvstrata"
+    if face.is_dir():
+        for entry in face.iterdir():
+            if entry.name != "__pycache__":
+                shutil.move(str(entry), str(site / entry.name))
+        shutil.rmtree(face)
     return None
 
 

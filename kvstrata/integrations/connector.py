@@ -1,0 +1,293 @@
+"""An engine KV connector's two halves, without the engine: :class:`ConnectorIndex` (scheduler side)
+and :class:`ConnectorWorker` (worker side). The vLLM adapter converts vLLM's types and delegates here.
+
+The index is the model's :class:`~kvstrata.model.connector.ConnectorModel` with host slots attached
+(``tests/stateful/test_connector_differential.py`` holds the two together): an L2 index of page hash
+to host slot (LRU), the requests in :data:`~kvstrata.model.lifecycles.CONNECTOR_REQUEST`, and the
+step plans. The L3 lookup of a new request runs in the background (``start_lookup``, a future); until
+it lands the request's match is ``None``.
+
+Slots: ``[0, capacity)`` hold L2 pages; ``[capacity, capacity + staging)`` are staging slots that L3
+reads land in before they are copied to the engine's blocks. A staging slot is reused only two plans
+later (an engine may build the next step's plan before the previous step ran). A page read from L3
+is not indexed in L2: had its read failed, the index would name bad bytes.
+
+The worker owns the bytes and checks every L2 read against what it last wrote into that slot
+(``written``): a plan that names a slot holding another page (a stale offset, by any route) is a load
+error, never served. A load error fails the page and every later page of that request; saves of a
+block that failed to load in the same step are dropped and their slot forgotten.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from typing import Protocol
+
+import attrs
+import torch
+
+from kvstrata.impl.errors import MisuseError
+from kvstrata.impl.pools.host import HostKVPool
+from kvstrata.impl.storage.base import GetStatus, StorageBackend
+from kvstrata.model.connector import PageSource
+from kvstrata.model.keys import Namespace, PageHash
+from kvstrata.model.lifecycles import CONNECTOR_REQUEST, MATCHABLE, RequestEvent, RequestState
+
+__all__ = ["BlockIO", "ConnectorIndex", "ConnectorWorker", "PageMove", "Plan", "Scheduled"]
+
+NO_SLOT = -1
+
+
+@attrs.frozen
+class PageMove:
+    """One page between a host slot and an engine block (``slot == NO_SLOT``: no staging room)."""
+
+    index: int
+    page: PageHash
+    slot: int
+    block: int
+    source: PageSource = PageSource.L2
+
+
+@attrs.frozen
+class Plan:
+    """One step's work for the worker: loads (request id, pages in order) and saves."""
+
+    loads: tuple[tuple[str, tuple[PageMove, ...]], ...] = ()
+    saves: tuple[tuple[str, tuple[PageMove, ...]], ...] = ()
+
+
+@attrs.frozen
+class Scheduled:
+    """A request scheduled this step: its full pages computed once the step ran, and its blocks."""
+
+    request_id: str
+    done: int
+    blocks: tuple[int, ...]
+
+
+@attrs.define
+class _Request:
+    pages: tuple[PageHash, ...]
+    lookup: Future[int]
+    state: RequestState = CONNECTOR_REQUEST.initial
+    l3_hit: int | None = None
+    load: tuple[PageMove, ...] = ()
+    saved: int = 0
+
+
+class ConnectorIndex:
+    """The scheduler side: ``capacity`` L2 slots and ``staging`` staging slots of one host pool."""
+
+    def __init__(
+        self, capacity: int, staging: int, start_lookup: Callable[[Sequence[PageHash]], Future[int]]
+    ) -> None:
+        if capacity < 1 or staging < 0:
+            raise MisuseError(f"ConnectorIndex: capacity {capacity}, staging {staging}")
+        self.capacity, self.staging = capacity, staging
+        self.start_lookup = start_lookup
+        self.l2: collections.OrderedDict[PageHash, int] = collections.OrderedDict()
+        self.free = list(range(capacity - 1, -1, -1))
+        self.staging_free = list(range(capacity + staging - 1, capacity - 1, -1))
+        self._staging_held: collections.deque[list[int]] = collections.deque([[], []])
+        self.requests: dict[str, _Request] = {}
+
+    def _request(self, request_id: str) -> _Request:
+        try:
+            return self.requests[request_id]
+        except KeyError:
+            raise MisuseError(f"connector: unknown request {request_id!r}") from None
+
+    def new_request(self, request_id: str, pages: Sequence[PageHash]) -> None:
+        if request_id in self.requests:
+            raise MisuseError(f"connector: request {request_id!r} is already known")
+        pages = tuple(pages)
+        self.requests[request_id] = _Request(pages, self.start_lookup(pages))
+
+    def _answered(self, request: _Request) -> bool:
+        if request.state is RequestState.LOOKING_UP:
+            if not request.lookup.done():
+                return False
+            try:
+                hit = request.lookup.result()
+            except Exception:  # a failed lookup is a miss, never an error of the engine
+                hit = 0
+            request.state = CONNECTOR_REQUEST.next(request.state, RequestEvent.ANSWERED)
+            request.l3_hit = hit
+        return True
+
+    def sources(self, request_id: str, computed: int, limit: int) -> tuple[PageSource, ...] | None:
+        """Where each page from ``computed`` on would come from; ``None`` while the lookup runs."""
+        request = self._request(request_id)
+        if not self._answered(request):
+            return None
+        if request.state not in MATCHABLE:
+            raise MisuseError(f"connector: request {request_id!r} is {request.state.value}")
+        found: list[PageSource] = []
+        for index in range(computed, min(limit, len(request.pages))):
+            if request.pages[index] in self.l2:
+                found.append(PageSource.L2)
+            elif index < (request.l3_hit or 0):
+                found.append(PageSource.L3)
+            else:
+                break
+        return tuple(found)
+
+    def match(self, request_id: str, computed: int, limit: int) -> int | None:
+        found = self.sources(request_id, computed, limit)
+        return None if found is None else len(found)
+
+    def alloc(self, request_id: str, computed: int, blocks: Sequence[int], limit: int) -> None:
+        """The engine gave ``blocks`` to the external pages after ``computed`` (none: no load)."""
+        request = self._request(request_id)
+        event = RequestEvent.ALLOC_LOAD if blocks else RequestEvent.ALLOC_NONE
+        state = CONNECTOR_REQUEST.next(request.state, event)
+        found = self.sources(request_id, computed, limit) or ()
+        if len(blocks) > len(found):
+            raise MisuseError(f"connector: {len(blocks)} blocks for {len(found)} matched pages")
+        request.state = state
+        request.load = tuple(
+            PageMove(computed + k, request.pages[computed + k], NO_SLOT, block, source)
+            for k, (block, source) in enumerate(zip(blocks, found, strict=False))
+        )
+        request.saved = max(request.saved, computed + len(blocks))
+
+    def plan(self, scheduled: Sequence[Scheduled]) -> Plan:
+        """The step's plan: the planned loads (L2 slots refreshed, L3 pages given staging slots),
+        then the saves of ``scheduled``."""
+        self.staging_free.extend(self._staging_held.popleft())
+        held: list[int] = []
+        loads = []
+        for request_id, request in self.requests.items():
+            if request.state is not RequestState.LOAD_PLANNED:
+                continue
+            request.state = CONNECTOR_REQUEST.next(request.state, RequestEvent.PLANNED)
+            moves = []
+            for move in request.load:
+                if move.source is PageSource.L2 and move.page in self.l2:
+                    self.l2.move_to_end(move.page)
+                    moves.append(attrs.evolve(move, slot=self.l2[move.page]))
+                elif move.source is PageSource.L3 and self.staging_free:
+                    held.append(self.staging_free.pop())
+                    moves.append(attrs.evolve(move, slot=held[-1]))
+                else:
+                    moves.append(move)  # NO_SLOT: the worker reports it as a load error
+            loads.append((request_id, tuple(moves)))
+        self._staging_held.append(held)
+        saves = []
+        for item in scheduled:
+            request = self._request(item.request_id)
+            if request.state is not RequestState.RUNNING:
+                raise MisuseError(
+                    f"connector: {item.request_id!r} scheduled while {request.state.value}"
+                )
+            done = min(item.done, len(request.pages), len(item.blocks))
+            stored = []
+            for index in range(request.saved, done):
+                page = request.pages[index]
+                if page in self.l2:
+                    continue
+                slot = self.free.pop() if self.free else self.l2.popitem(last=False)[1]
+                self.l2[page] = slot
+                stored.append(PageMove(index, page, slot, item.blocks[index]))
+            request.saved = max(request.saved, done)
+            if stored:
+                saves.append((item.request_id, tuple(stored)))
+        return Plan(tuple(loads), tuple(saves))
+
+    def finish(self, request_id: str) -> None:
+        request = self._request(request_id)
+        CONNECTOR_REQUEST.next(request.state, RequestEvent.FINISH)
+        request.lookup.cancel()
+        del self.requests[request_id]
+
+
+class BlockIO(Protocol):
+    """An engine's KV blocks as kvstrata pages: ``read(blocks)`` gives canonical KV of those blocks,
+    ``write(blocks, kv)`` puts canonical KV into them."""
+
+    def read(self, blocks: Sequence[int]) -> torch.Tensor: ...
+
+    def write(self, blocks: Sequence[int], kv: torch.Tensor) -> None: ...
+
+
+class ConnectorWorker:
+    """The worker side: the host pool (L2 and staging slots), the store (L3), the engine's blocks."""
+
+    def __init__(
+        self,
+        host: HostKVPool,
+        backend: StorageBackend | None,
+        namespace: Namespace,
+        blocks: BlockIO,
+    ) -> None:
+        self.host, self.backend, self.namespace, self.blocks = host, backend, namespace, blocks
+        if backend is not None:
+            backend.attach(host)
+        self.written: dict[int, PageHash] = {}
+        self.loaded_pages = 0
+        self.failed_blocks: set[int] = set()
+
+    def load(self, plan: Plan) -> set[int]:
+        """Run the plan's loads; the blocks that failed (each failed page and every later page of
+        its request). Nothing failed is written to a block."""
+        failed: set[int] = set()
+        for _request_id, moves in plan.loads:
+            ok = self._fetch(moves)
+            good = [move for move, fine in zip(moves, ok, strict=True) if fine]
+            if good:
+                kv = self.host.read_pages([move.slot for move in good])
+                self.blocks.write([move.block for move in good], kv)
+                self.loaded_pages += len(good)
+            failed.update(move.block for move, fine in zip(moves, ok, strict=True) if not fine)
+        self.failed_blocks = failed
+        return failed
+
+    def _fetch(self, moves: Sequence[PageMove]) -> list[bool]:
+        ok = [
+            move.slot != NO_SLOT
+            and (move.source is PageSource.L3 or self.written.get(move.slot) == move.page)
+            for move in moves
+        ]
+        remote = [k for k, move in enumerate(moves) if ok[k] and move.source is PageSource.L3]
+        if remote:
+            statuses = (
+                self.backend.get(
+                    self.namespace, [moves[k].page for k in remote], [moves[k].slot for k in remote]
+                )
+                if self.backend is not None
+                else [GetStatus.FAILED] * len(remote)
+            )
+            for k, status in zip(remote, statuses, strict=True):
+                ok[k] = status is GetStatus.LOADED
+        cut = ok.index(False) if False in ok else len(ok)
+        return [True] * cut + [False] * (len(ok) - cut)
+
+    def save(self, plan: Plan) -> None:
+        """Copy the plan's saved blocks to their L2 slots, then back them up to L3."""
+        moves = [move for _rid, batch in plan.saves for move in batch]
+        for move in moves:
+            self.written.pop(move.slot, None)  # the slot is being reused
+        moves = [move for move in moves if move.block not in self.failed_blocks]
+        # a full L2 reuses a slot within one plan: each run of distinct slots is written and backed
+        # up before the next run overwrites any of them (else L3 would get the later page's bytes)
+        while moves:
+            seen: set[int] = set()
+            run = []
+            for move in moves:
+                if move.slot in seen:
+                    break
+                seen.add(move.slot)
+                run.append(move)
+            moves = moves[len(run) :]
+            self.host.write_pages([m.slot for m in run], self.blocks.read([m.block for m in run]))
+            for move in run:
+                self.written[move.slot] = move.page
+            if self.backend is not None:
+                self.backend.put(self.namespace, [m.page for m in run], [m.slot for m in run])
+
+    def close(self) -> None:
+        if self.backend is not None:
+            self.backend.close()

@@ -1,0 +1,316 @@
+"""kvstrata as a vLLM KV connector: :class:`KvstrataConnector` (vLLM 0.33, ``KVConnectorBase_V1``).
+
+Turn it on with::
+
+    --kv-transfer-config '{"kv_connector":"KvstrataConnector",
+        "kv_connector_module_path":"kvstrata.integrations.vllm", "kv_role":"kv_both",
+        "kv_load_failure_policy":"recompute",
+        "kv_connector_extra_config":{"master":"10.0.0.5:50051","l2_pages":4096}}'
+
+vLLM's blocks are L1 (its own prefix cache decides what is local); kvstrata's host pool is L2 and the
+store (Mooncake by default) L3. This module converts vLLM's types; :mod:`kvstrata.integrations.connector`
+holds the behaviour (scheduler side: :class:`ConnectorIndex`; worker side: :class:`ConnectorWorker`),
+:mod:`kvstrata.model.connector` its reference model and :mod:`kvstrata.model.engines` the keys.
+
+- Scheduler side: a new request's L3 lookup starts in ``on_new_request`` (a background thread asks
+  the store, for every tensor-parallel rank's keys); ``get_num_new_matched_tokens`` is ``None`` until
+  it lands, then L2 hits plus the L3 pages after them, without side effects, always leaving one token
+  to compute. Loads are synchronous (done before the forward that needs them).
+- Worker side: ``start_load_kv`` reads the step's planned pages (L3 into staging slots, L2 slots
+  checked against what they hold) into vLLM's blocks; ``wait_for_save`` copies newly computed full
+  blocks into L2 and backs them up to L3. A page that fails to load is reported through
+  ``get_block_ids_with_load_errors`` with every later page of its request, never served: run vLLM
+  with ``kv_load_failure_policy: recompute``.
+
+Extra config: the store options of :mod:`kvstrata.integrations.store`, plus ``l2_pages`` (host pool
+pages for L2, default 1024) and ``staging_pages`` (L3 read slots, default 256).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import attrs
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from kvstrata.impl.errors import ConfigError
+from kvstrata.impl.pools.host import HostKVPool
+from kvstrata.impl.pools.shape import KVShape
+from kvstrata.impl.storage.base import StorageBackend
+from kvstrata.integrations.connector import ConnectorIndex, ConnectorWorker, Plan, Scheduled
+from kvstrata.integrations.store import StoreOptions, open_backend
+from kvstrata.model.engines import EngineShard, HashScheme, engine_page_hash
+from kvstrata.model.keys import KVKind, PageHash
+
+__all__ = ["KvstrataConnector", "KvstrataConnectorMetadata"]
+
+log = logging.getLogger("kvstrata.integrations.vllm")
+_OWN = frozenset({"l2_pages", "staging_pages"})
+
+
+class KvstrataConnectorMetadata(KVConnectorMetadata):  # type: ignore[misc]
+    """One step's plan, sent from the scheduler side to every worker."""
+
+    def __init__(self, plan: Plan) -> None:
+        self.plan = plan
+
+
+def _count(extra: dict[str, Any], key: str, default: int) -> int:
+    value = extra.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(
+            f"kvstrata vLLM connector: key {key!r} expects an int >= 1, got {value!r}"
+        )
+    return value
+
+
+class _Blocks:
+    """vLLM's per-layer KV tensors seen as canonical pages ``[planes, L, n, page, 1, X]``: in each
+    layer tensor the dimension of size ``num_blocks`` is the block, the first other dimension of size
+    2 the K/V plane (MHA); the rest of a block is its bytes, reinterpreted the same way both ways."""
+
+    def __init__(self, caches: dict[str, torch.Tensor], num_blocks: int, shape: KVShape) -> None:
+        self.shape = shape
+        self.views = []
+        for name in sorted(caches, key=_layer_order):
+            tensor = caches[name]
+            dims = list(tensor.shape)
+            if num_blocks not in dims:
+                raise ConfigError(
+                    f"kvstrata: layer {name} {dims} has no dimension of {num_blocks} blocks"
+                )
+            block_dim = dims.index(num_blocks)
+            view = tensor.movedim(block_dim, 0)
+            if shape.planes == 2:
+                plane_dim = next((d for d in range(1, view.dim()) if view.shape[d] == 2), None)
+                if plane_dim is None:
+                    raise ConfigError(f"kvstrata: layer {name} {dims} has no K/V dimension")
+                view = view.movedim(plane_dim, 1)
+            else:
+                view = view.unsqueeze(1)
+            if view[0, 0].numel() != shape.page_size * shape.head_dim:
+                raise ConfigError(
+                    f"kvstrata: layer {name} holds {view[0, 0].numel()} values per block and plane, "
+                    f"expected {shape.page_size} x {shape.head_dim}"
+                )
+            self.views.append(view)
+        if len(self.views) != shape.layers:
+            raise ConfigError(f"kvstrata: {len(self.views)} KV layers, expected {shape.layers}")
+
+    def read(self, blocks: Sequence[int]) -> torch.Tensor:
+        index = torch.tensor(list(blocks), dtype=torch.int64)
+        s = self.shape
+        layers = [
+            view.index_select(0, index.to(view.device)).reshape(
+                len(index), s.planes, s.page_size, 1, s.head_dim
+            )
+            for view in self.views
+        ]
+        return torch.stack(layers).permute(2, 0, 1, 3, 4, 5).cpu().contiguous()
+
+    def write(self, blocks: Sequence[int], kv: torch.Tensor) -> None:
+        index = torch.tensor(list(blocks), dtype=torch.int64)
+        for layer, view in enumerate(self.views):
+            data = kv[:, layer].permute(1, 0, 2, 3, 4).reshape(len(index), *view.shape[1:])
+            view[index.to(view.device)] = data.to(view.device, view.dtype)
+
+
+def _layer_order(name: str) -> tuple[int, ...]:
+    return tuple(int(number) for number in re.findall(r"\d+", name)) or (0,)
+
+
+class KvstrataConnector(KVConnectorBase_V1):  # type: ignore[misc]
+    """vLLM's KV connector on kvstrata's L2 host pool and L3 store."""
+
+    def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        where = "kvstrata vLLM connector"
+        extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
+        self.options = StoreOptions.parse(extra, where=where, own=_OWN)
+        self.l2_pages = _count(extra, "l2_pages", 1024)
+        self.staging_pages = _count(extra, "staging_pages", 256)
+        groups = kv_cache_config.kv_cache_groups
+        if len(groups) != 1:
+            raise ConfigError(
+                f"{where}: one KV cache group expected (hybrid models are not supported yet)"
+            )
+        spec = groups[0].kv_cache_spec
+        self.block_size = int(spec.block_size)
+        self.num_blocks = int(kv_cache_config.num_blocks)
+        mla = bool(vllm_config.model_config.use_mla)
+        self.shape = KVShape(
+            KVKind.MLA if mla else KVKind.MHA,
+            layers=len(groups[0].layer_names),
+            heads=1,
+            head_dim=int(spec.head_size) * (1 if mla else int(spec.num_kv_heads)),
+            dtype=spec.dtype,
+            page_size=self.block_size,
+        )
+        parallel = vllm_config.parallel_config
+        self.tp_size = int(parallel.tensor_parallel_size)
+        self._template = EngineShard(
+            HashScheme.VLLM,
+            model_name=str(vllm_config.model_config.model),
+            dtype=str(spec.dtype),
+            mla=mla,
+            page_size=self.block_size,
+            tp_size=self.tp_size,
+            pp_size=int(parallel.pipeline_parallel_size),
+            tag=self.options.tag,
+            tenant=self.options.tenant,
+        )
+        self.index: ConnectorIndex | None = None
+        self.worker: ConnectorWorker | None = None
+        self._failed: set[int] = set()
+        self._computed: dict[str, int] = {}
+        self._blocks: dict[str, list[int]] = {}
+        if role == KVConnectorRole.SCHEDULER:
+            self._probes = [self._probe(rank) for rank in range(1 if mla else self.tp_size)]
+            self._lookups = ThreadPoolExecutor(1, thread_name_prefix="kvstrata-lookup")
+            self.index = ConnectorIndex(self.l2_pages, self.staging_pages, self._lookup)
+
+    def _shard(self, tp_rank: int) -> EngineShard:
+        return attrs.evolve(self._template, tp_rank=tp_rank)
+
+    def _probe(self, rank: int) -> tuple[EngineShard, StorageBackend | None]:
+        shard = self._shard(rank)
+        backend = open_backend(self.options, shard.keyspace(), writer=False)
+        if backend is not None:
+            backend.attach(HostKVPool(self.shape, 1, "page_first_direct"))
+        return shard, backend
+
+    def _lookup(self, pages: Sequence[PageHash]) -> Future[int]:
+        def ask() -> int:
+            hits = [len(pages)]
+            for shard, backend in self._probes:
+                hits.append(0 if backend is None else int(backend.exists(shard.namespace(), pages)))
+            return min(hits)
+
+        return self._lookups.submit(ask)
+
+    # ------------------------------------------------------------------------------ scheduler side
+    def _pages(self, request: Any) -> list[PageHash]:
+        return [engine_page_hash(bytes(h), HashScheme.VLLM) for h in request.block_hashes]
+
+    def on_new_request(self, request: Any) -> None:
+        if self.index is not None and request.request_id not in self.index.requests:
+            self.index.new_request(request.request_id, self._pages(request))
+
+    def _limit(self, request: Any) -> int:
+        return max(0, (int(request.num_tokens) - 1) // self.block_size)  # one token to compute
+
+    def get_num_new_matched_tokens(
+        self, request: Any, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        assert self.index is not None
+        self.on_new_request(request)  # a request vLLM did not announce (no-op otherwise)
+        computed = num_computed_tokens // self.block_size
+        pages = self.index.match(request.request_id, computed, self._limit(request))
+        if pages is None:
+            return None, False
+        self._computed[request.request_id] = computed
+        return pages * self.block_size, False
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        assert self.index is not None
+        computed = self._computed.get(request.request_id, 0)
+        pages = num_external_tokens // self.block_size
+        block_ids = list(blocks.get_block_ids()[0]) if pages else []
+        self.index.alloc(
+            request.request_id,
+            computed,
+            block_ids[computed : computed + pages],
+            self._limit(request),
+        )
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+        assert self.index is not None
+        scheduled = []
+        for new in scheduler_output.scheduled_new_reqs:
+            self._blocks[new.req_id] = list(new.block_ids[0])
+            tokens = new.num_computed_tokens + scheduler_output.num_scheduled_tokens[new.req_id]
+            scheduled.append((new.req_id, tokens))
+        cached = scheduler_output.scheduled_cached_reqs
+        for k, req_id in enumerate(cached.req_ids):
+            added = cached.new_block_ids[k]
+            if req_id in cached.resumed_req_ids:
+                self._blocks[req_id] = list(added[0]) if added else []
+            elif added:
+                self._blocks.setdefault(req_id, []).extend(added[0])
+            tokens = cached.num_computed_tokens[k] + scheduler_output.num_scheduled_tokens[req_id]
+            scheduled.append((req_id, tokens))
+        plan = self.index.plan(
+            [
+                Scheduled(req_id, tokens // self.block_size, tuple(self._blocks.get(req_id, ())))
+                for req_id, tokens in scheduled
+                if req_id in self.index.requests
+            ]
+        )
+        return KvstrataConnectorMetadata(plan)
+
+    def request_finished(
+        self, request: Any, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        if self.index is not None and request.request_id in self.index.requests:
+            self.index.finish(request.request_id)
+        self._computed.pop(request.request_id, None)
+        self._blocks.pop(request.request_id, None)
+        return False, None
+
+    # ------------------------------------------------------------------------------ worker side
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        rank = _tp_rank() if self.tp_size > 1 else 0
+        shard = self._shard(rank)
+        host = HostKVPool(self.shape, self.l2_pages + self.staging_pages, "page_first_direct")
+        backend = open_backend(self.options, shard.keyspace(), writer=shard.writer)
+        blocks = _Blocks(kv_caches, self.num_blocks, self.shape)
+        self.worker = ConnectorWorker(host, backend, shard.namespace(), blocks)
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        if self.worker is not None and isinstance(meta, KvstrataConnectorMetadata):
+            self._failed |= self.worker.load(meta.plan)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return None  # loads complete in start_load_kv
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
+    ) -> None:
+        return None  # whole blocks are saved once per step, in wait_for_save
+
+    def wait_for_save(self) -> None:
+        meta = self._get_connector_metadata()
+        if self.worker is not None and isinstance(meta, KvstrataConnectorMetadata):
+            self.worker.save(meta.plan)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        failed, self._failed = self._failed, set()
+        return failed
+
+    @property
+    def loaded_pages(self) -> int:
+        """Pages this worker has loaded into vLLM's blocks (tests and metrics)."""
+        return 0 if self.worker is None else self.worker.loaded_pages
+
+    def shutdown(self) -> None:
+        if self.worker is not None:
+            self.worker.close()
+        for _shard, backend in getattr(self, "_probes", []):
+            if backend is not None:
+                backend.close()
+
+
+def _tp_rank() -> int:
+    from vllm.distributed.parallel_state import get_tensor_model_parallel_rank  # noqa: PLC0415
+
+    return int(get_tensor_model_parallel_rank())

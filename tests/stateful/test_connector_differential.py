@@ -1,0 +1,238 @@
+"""The engine connector's two halves against the model (model/connector.py), with real bytes.
+
+A fake engine admits requests over shared prompt chains, asks the connector's scheduler side
+(:class:`ConnectorIndex`) how much it can load, allocates blocks, and runs steps: the worker side
+(:class:`ConnectorWorker`) loads planned pages from L2 host slots or from a real in-memory L3 into the
+engine's blocks, the engine computes the rest, and the worker saves new full pages to L2 and backs
+them up to L3. The store's own eviction and the L3 lookups' landing are rules of their own.
+
+Compared after every step: every ``match`` (including ``None`` while a lookup is in flight), the
+lookup's answer, each step's plan (per request, the loaded page indices with their tier and the saved
+page indices), the L2 index in LRU order, and L3's contents for every page the model says is there.
+Bytes: every page a load reports good is compared with the KV its page hash names, and so is every
+page the model says L3 holds (read back from the store after every step) and every L2 slot the
+worker says it wrote; a failed load must report the page and every later page of its request. Small
+L2 (4 pages) and staging (3 slots)
+keep eviction, slot reuse within one plan and staging exhaustion frequent.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from concurrent.futures import Future
+
+import hypothesis.strategies as st
+import torch
+from hypothesis import event, settings
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from kvstrata.impl.pools.host import HostKVPool
+from kvstrata.impl.pools.shape import KVShape
+from kvstrata.impl.storage.base import GetStatus
+from kvstrata.impl.storage.memory import MemoryBackend, MemoryStore
+from kvstrata.integrations.connector import ConnectorIndex, ConnectorWorker, Scheduled
+from kvstrata.model.connector import ConnectorModel
+from kvstrata.model.keys import KeySpace, KVKind, ModelIdentity, Namespace, PageHash
+
+PAGE, CAPACITY, STAGING, BLOCKS = 2, 4, 3, 96
+SHAPE = KVShape(KVKind.MHA, layers=2, heads=1, head_dim=2, dtype=torch.float32, page_size=PAGE)
+KEYS = KeySpace(ModelIdentity("connector_test", "float32", KVKind.MHA, PAGE))
+NAMESPACE = Namespace(extra_key="vllm-block")
+CHAINS = [
+    [PageHash(hashlib.sha256(f"{c}/{i}".encode()).digest()) for i in range(6)] for c in range(3)
+]
+CHAINS.append(CHAINS[0][:3] + CHAINS[1][3:])  # shares a prefix with chain 0
+
+
+def kv_of(pages: Sequence[PageHash]) -> torch.Tensor:
+    """The canonical KV a page hash names: ``[2, L, n, page, H, D]``, bytes derived from the hash."""
+    one = [
+        torch.frombuffer(bytearray(p.digest), dtype=torch.int16).float()[: 2 * SHAPE.layers * PAGE]
+        for p in pages
+    ]
+    return (
+        torch.stack(one)
+        .reshape(len(pages), 2, SHAPE.layers, PAGE, 1, 1)
+        .expand(len(pages), 2, SHAPE.layers, PAGE, 1, SHAPE.head_dim)
+        .permute(1, 2, 0, 3, 4, 5)
+        .contiguous()
+    )
+
+
+class EngineBlocks:
+    """The engine's paged KV: one canonical page per block."""
+
+    def __init__(self) -> None:
+        self.kv = torch.zeros(2, SHAPE.layers, BLOCKS, PAGE, 1, SHAPE.head_dim)
+
+    def read(self, blocks: Sequence[int]) -> torch.Tensor:
+        return self.kv[:, :, list(blocks)].contiguous()
+
+    def write(self, blocks: Sequence[int], kv: torch.Tensor) -> None:
+        self.kv[:, :, list(blocks)] = kv
+
+
+class ConnectorDifferential(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = ConnectorModel(CAPACITY)
+        self.store = MemoryStore()
+        self.lookups: dict[str, Future[int]] = {}
+        self.probe_host = HostKVPool(SHAPE, 1, "page_first_direct")
+        self.probe = MemoryBackend(KEYS, store=self.store)
+        self.probe.attach(self.probe_host)
+        self.index = ConnectorIndex(CAPACITY, STAGING, self._start_lookup)
+        self.engine = EngineBlocks()
+        host = HostKVPool(SHAPE, CAPACITY + STAGING, "page_first_direct")
+        self.worker = ConnectorWorker(
+            host, MemoryBackend(KEYS, store=self.store), NAMESPACE, self.engine
+        )
+        self.free_blocks = list(range(BLOCKS))
+        self.pages: dict[str, list[PageHash]] = {}
+        self.blocks: dict[str, list[int]] = {}
+        self.admitted: set[str] = set()
+        self.counter = 0
+        self._pending_id = ""
+
+    def _start_lookup(self, pages: Sequence[PageHash]) -> Future[int]:
+        future: Future[int] = Future()
+        self.lookups[self._pending_id] = future
+        return future
+
+    # ---------------------------------------------------------------------------------- requests
+    @rule(chain=st.integers(0, len(CHAINS) - 1), length=st.integers(1, 6))
+    def new_request(self, chain: int, length: int) -> None:
+        self.counter += 1
+        rid = f"r{self.counter}"
+        self._pending_id = rid
+        pages = CHAINS[chain][:length]
+        self.model.new_request(rid, pages)
+        self.index.new_request(rid, pages)
+        self.pages[rid] = list(pages)
+
+    def _looking_up(self) -> list[str]:
+        return [rid for rid, f in self.lookups.items() if not f.done() and rid in self.pages]
+
+    @precondition(lambda self: self._looking_up())
+    @rule(data=st.data())
+    def answer(self, data: st.DataObject) -> None:
+        rid = data.draw(st.sampled_from(self._looking_up()))
+        assert self.index.match(rid, 0, len(self.pages[rid])) is None  # ask again, no guess
+        assert self.model.match(rid, 0, len(self.pages[rid])) is None
+        self.lookups[rid].set_result(self.probe.exists(NAMESPACE, self.pages[rid]))
+        assert self.model.answer(rid) == self.lookups[rid].result()
+
+    def _waiting(self) -> list[str]:
+        done = {rid for rid, f in self.lookups.items() if f.done()}
+        return [rid for rid in self.pages if rid in done and rid not in self.admitted]
+
+    @precondition(lambda self: self._waiting() and len(self.free_blocks) >= 6)
+    @rule(data=st.data())
+    def admit(self, data: st.DataObject) -> None:
+        rid = data.draw(st.sampled_from(self._waiting()))
+        limit = len(self.pages[rid])
+        hit = self.index.match(rid, 0, limit)
+        assert hit == self.model.match(rid, 0, limit)
+        assert hit is not None
+        # mostly the whole hit; the engine may also allocate fewer (or none)
+        take = data.draw(st.one_of(st.just(hit), st.just(hit), st.integers(0, hit)))
+        blocks = [self.free_blocks.pop() for _ in self.pages[rid]]
+        self.blocks[rid] = blocks
+        self.model.alloc(rid, 0, take, limit)
+        self.index.alloc(rid, 0, blocks[:take], limit)
+        self.admitted.add(rid)
+        event(f"admitted with {take} of {hit} pages external")
+
+    @precondition(lambda self: self.admitted)
+    @rule(data=st.data())
+    def step(self, data: st.DataObject) -> None:
+        running = sorted(self.admitted)
+        chosen = data.draw(st.lists(st.sampled_from(running), unique=True, max_size=3))
+        scheduled = [(rid, len(self.pages[rid])) for rid in chosen]
+        expected = self.model.plan(scheduled)
+        plan = self.index.plan(
+            [Scheduled(rid, done, tuple(self.blocks[rid])) for rid, done in scheduled]
+        )
+        got_loads = {rid: tuple((m.index, m.source) for m in moves) for rid, moves in plan.loads}
+        got_saves = {rid: tuple(m.index for m in moves) for rid, moves in plan.saves}
+        assert got_loads == expected.loads
+        assert got_saves == expected.saves
+        failed = self.worker.load(plan)
+        for _rid, moves in plan.loads:  # bytes: every good load is exactly the page's KV
+            bad = [m for m in moves if m.block in failed]
+            good = [m for m in moves if m.block not in failed]
+            assert all(m.index > g.index for m in bad for g in good), "a failure must end the load"
+            if good:
+                assert torch.equal(
+                    self.engine.read([m.block for m in good]), kv_of([m.page for m in good])
+                )
+            if bad:
+                event("a load failed and was reported")
+        for rid, _done in scheduled:  # the engine computes what it did not load
+            loaded = {m.block for _r, moves in plan.loads if _r == rid for m in moves} - failed
+            todo = [k for k, block in enumerate(self.blocks[rid]) if block not in loaded]
+            if todo:
+                self.engine.write(
+                    [self.blocks[rid][k] for k in todo], kv_of([self.pages[rid][k] for k in todo])
+                )
+        self.worker.save(plan)
+        for _rid, moves in plan.loads:  # recompute (vLLM's policy) what failed
+            bad = [m for m in moves if m.block in failed]
+            if bad:
+                self.engine.write([m.block for m in bad], kv_of([m.page for m in bad]))
+
+    @precondition(lambda self: self.pages)
+    @rule(data=st.data())
+    def finish(self, data: st.DataObject) -> None:
+        rid = data.draw(st.sampled_from(sorted(self.pages)))
+        self.model.finish(rid)
+        self.index.finish(rid)
+        self.free_blocks.extend(self.blocks.pop(rid, []))
+        self.admitted.discard(rid)
+        del self.pages[rid]
+
+    @rule(chain=st.integers(0, len(CHAINS) - 1), index=st.integers(0, 5))
+    def evict_l3(self, chain: int, index: int) -> None:
+        page = CHAINS[chain][index]
+        self.probe.evict(NAMESPACE, page)
+        self.model.evict_l3(page)
+
+    def _planned_l3(self) -> list[PageHash]:
+        from kvstrata.model.connector import PageSource  # noqa: PLC0415
+
+        return [
+            request.pages[request.first + k]
+            for request in self.model.requests.values()
+            for k, source in enumerate(request.load)
+            if source is PageSource.L3 and request.state.value == "load_planned"
+        ]
+
+    @precondition(lambda self: self._planned_l3())
+    @rule(data=st.data())
+    def evict_planned_l3(self, data: st.DataObject) -> None:
+        """The store drops a page between the lookup and the load: the load must fail, reported."""
+        page = data.draw(st.sampled_from(self._planned_l3()))
+        self.probe.evict(NAMESPACE, page)
+        self.model.evict_l3(page)
+
+    # ---------------------------------------------------------------------------------- compared
+    @invariant()
+    def same_state(self) -> None:
+        self.model.check()
+        assert list(self.index.l2) == self.model.l2
+        assert len(set(self.index.l2.values())) == len(self.index.l2)
+        for page in self.model.l3:  # the shared store holds exactly each page's bytes
+            got = self.probe.get(NAMESPACE, [page], [0])
+            assert got == [GetStatus.LOADED], "a page the model backed up is missing"
+            assert torch.equal(self.probe_host.read_pages([0]), kv_of([page])), "L3 has wrong bytes"
+        for rid, pages in self.pages.items():
+            if rid in self.admitted:
+                continue
+            assert self.index.match(rid, 0, len(pages)) == self.model.match(rid, 0, len(pages))
+        for slot, page in self.worker.written.items():  # L2 bytes are what the slot claims
+            assert torch.equal(self.worker.host.read_pages([slot]), kv_of([page]))
+
+
+TestConnectorDifferential = ConnectorDifferential.TestCase
+TestConnectorDifferential.settings = settings(stateful_step_count=40)
