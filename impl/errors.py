@@ -18,6 +18,7 @@ from kvstrata.model.errors import (
 )
 
 __all__ = [
+    "CacheClosed",
     "CapacityError",
     "ConfigError",
     "DoubleRenderError",
@@ -32,11 +33,21 @@ __all__ = [
     "StoreNotReady",
     "StoreTimeout",
     "StoreUnavailable",
+    "WrongThread",
 ]
 
 
 class ConfigError(MisuseError):
     """A configuration value is invalid (names the field, what was expected and what was given)."""
+
+
+class CacheClosed(MisuseError):
+    """A call to a cache after its ``close()`` (nothing is changed; ``close`` itself is idempotent)."""
+
+
+class WrongThread(MisuseError):
+    """A mutating call from a thread other than the cache's owner (the first thread that made one):
+    a cache is driven by one scheduler thread; concurrent calls would corrupt it silently."""
 
 
 class HashingError(KvStrataError):

@@ -20,7 +20,8 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
     ),
     "kvstrata.impl.config": ("RadixCacheConfig", "StorageConfig"),
     "kvstrata.impl.errors": (
-        "CapacityError", "ConfigError", "KvStrataError", "MisuseError", "StoreError",
+        "CacheClosed", "CapacityError", "ConfigError", "KvStrataError", "MisuseError",
+        "StoreError", "WrongThread",
     ),
     "kvstrata.impl.pools": ("DeviceKVPool", "HostKVPool", "HostLayout", "KVShape"),
     "kvstrata.impl.pools.side": ("SideSpec", "indexer_spec", "mamba_spec"),
@@ -56,8 +57,8 @@ if TYPE_CHECKING:  # what type checkers see: the same names, imported eagerly
     from kvstrata.impl.cache import CacheEvent, HierarchicalRadixCache, InsertResult, MatchResult
     from kvstrata.impl.cache import Node, PendingWork, SchedulerCache
     from kvstrata.impl.config import RadixCacheConfig, StorageConfig
-    from kvstrata.impl.errors import CapacityError, ConfigError, KvStrataError, MisuseError
-    from kvstrata.impl.errors import StoreError
+    from kvstrata.impl.errors import CacheClosed, CapacityError, ConfigError, KvStrataError
+    from kvstrata.impl.errors import MisuseError, StoreError, WrongThread
     from kvstrata.impl.pools import DeviceKVPool, HostKVPool, HostLayout, KVShape
     from kvstrata.impl.pools.side import SideSpec, indexer_spec, mamba_spec
     from kvstrata.impl.replay.background import Progress, signalling_executor

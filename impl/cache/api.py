@@ -32,9 +32,10 @@ from kvstrata.impl.cache.node import (
 )
 from kvstrata.impl.cache.pages import EMPTY
 from kvstrata.impl.cache.parts import assemble
-from kvstrata.impl.cache.protocol import SchedulerCache
+from kvstrata.impl.cache.protocol import MUTATING, SchedulerCache
 from kvstrata.impl.config import RadixCacheConfig, StorageConfig
-from kvstrata.impl.errors import CapacityError, MisuseError
+from kvstrata.impl.errors import MisuseError
+from kvstrata.impl.guard import Guard, guarded
 from kvstrata.impl.hashing import PageHasher
 from kvstrata.impl.l3 import L3Tier
 from kvstrata.impl.pools import KVPool
@@ -58,8 +59,9 @@ def _check_count(pages: object) -> None:
         raise MisuseError(f"pages must be an int >= 0, got {pages!r}")
 
 
+@guarded(*MUTATING)
 class HierarchicalRadixCache:
-    """L1/L2 radix cache (L3 attached by :meth:`build`). See the module docstring."""
+    """L1/L2 radix cache (L3 attached by :meth:`build`); ``MUTATING`` verbs are guarded."""
 
     def __init__(
         self,
@@ -94,6 +96,7 @@ class HierarchicalRadixCache:
         self._l3: L3Tier | None = None
         self.device_group: PoolGroup | None = None  # set by build() with side pools
         self.host_group: PoolGroup | None = None
+        self._guard = Guard("HierarchicalRadixCache")
 
     @classmethod
     def build(
@@ -174,7 +177,10 @@ class HierarchicalRadixCache:
 
     def close(self) -> None:
         """Finish queued copies, store I/O and page hashing, stop the workers and close the
-        backend."""
+        backend. Idempotent; every mutating call afterwards raises :class:`CacheClosed`."""
+        if self._guard.closed:
+            return
+        self._guard.closed = True
         if self._tiers.transfer is not None:
             self._tiers.transfer.close()
         if self._l3 is not None:
@@ -232,16 +238,11 @@ class HierarchicalRadixCache:
         ``free_device``."""
         _check_count(pages)
         self._clock.tick()
-        device = self._tiers.device
-        if pages > device.free_count:
-            self._tiers.evict_device(pages - device.free_count)
-        if pages > device.free_count:
+        try:
+            evictable, tiers = self._locks.evictable_pages, self._tiers
+            return self._held.take(pages, tiers.device, tiers.evict_device, evictable)
+        finally:
             self._finish()
-            raise CapacityError(f"{pages} L1 pages asked, {device.free_count} free")
-        out = np.asarray(device.alloc(pages), dtype=np.int64)
-        self._held.held[out] = True
-        self._finish()
-        return out
 
     def held_pages(self) -> Pages:
         """L1 pages the scheduler took with :meth:`alloc_device` and has not handed back yet."""

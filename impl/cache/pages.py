@@ -9,10 +9,12 @@ held or the tree's own page at that position) before anything changes.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 
-from kvstrata.impl.cache.node import Pages
-from kvstrata.impl.errors import MisuseError
+from kvstrata.impl.cache.node import Allocator, Pages
+from kvstrata.impl.errors import CapacityError, MisuseError
 from kvstrata.impl.kernels import check_pages
 
 __all__ = ["EMPTY", "HeldPages"]
@@ -27,6 +29,24 @@ class HeldPages:
         self.held = np.zeros(num_pages, dtype=bool)
         self._stamp = np.zeros(num_pages, dtype=np.uint32)  # check_pages' repeat marks
         self._generation = 0
+
+    def take(
+        self, pages: int, device: Allocator, evict: Callable[[int], int], evictable: int
+    ) -> Pages:
+        """``pages`` fresh L1 pages for the scheduler, evicting unlocked L1 leaves as needed.
+        :class:`CapacityError` if L1 stays short; an ask that even evicting every one of the
+        ``evictable`` pages could not meet is refused before anything is evicted."""
+        if pages > device.free_count + evictable:
+            raise CapacityError(
+                f"{pages} L1 pages asked, {device.free_count} free + {evictable} evictable"
+            )
+        if pages > device.free_count:
+            evict(pages - device.free_count)
+        if pages > device.free_count:
+            raise CapacityError(f"{pages} L1 pages asked, {device.free_count} free")
+        out = np.asarray(device.alloc(pages), dtype=np.int64)
+        self.held[out] = True
+        return out
 
     def pages(self) -> Pages:
         return np.flatnonzero(self.held).astype(np.int64)

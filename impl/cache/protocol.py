@@ -19,7 +19,15 @@ import numpy.typing as npt
 from kvstrata.impl.cache.node import CacheEvent, InsertResult, MatchResult, Node, Pages, PendingWork
 from kvstrata.model.keys import Namespace
 
-__all__ = ["SchedulerCache", "Tokens"]
+__all__ = ["MUTATING", "SchedulerCache", "Tokens"]
+
+MUTATING = (
+    "attach_l3", "match_prefix", "alloc_device", "free_device", "insert", "lock", "unlock",
+    "evict", "evict_host", "load_back", "alloc_device_state", "free_device_state", "evict_state",
+    "check_events", "prefetch", "prefetch_ready", "prefetch_commit", "prefetch_abort", "reset",
+)  # fmt: skip
+"""The verbs that change the cache: only its owner thread calls them, only while it is open
+(:mod:`kvstrata.impl.guard`). Queries (``pending``, ``idle``, ``nodes``, ...) and ``close`` are free."""
 
 Tokens = Sequence[int] | npt.NDArray[np.integer]
 ExtraKey = str | Namespace | None

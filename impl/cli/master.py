@@ -10,14 +10,31 @@ exits 1.
 from __future__ import annotations
 
 import signal
+import socket
 import threading
 from types import FrameType
 
 import click
 
-from kvstrata.impl.errors import StoreUnavailable
+from kvstrata.impl.errors import ConfigError, StoreUnavailable
 
-__all__ = ["master"]
+__all__ = ["check_flags", "master"]
+
+
+def check_flags(segment: str, host: str) -> None:
+    """:class:`ConfigError` naming the flag, before any process starts: ``--host`` must be an
+    address of this machine, ``--segment`` must fit in its memory (issue 17: these used to end as
+    ``[Errno 99]`` and as "the storage node did not start (said '')")."""
+    from kvstrata.impl.pools.sizes import check_host_fits, parse_size  # noqa: PLC0415
+
+    try:
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
+            probe.bind((host, 0))
+    except OSError as error:
+        raise ConfigError(
+            f"--host {host}: not an address this machine can bind to ({error.strerror or error})"
+        ) from error
+    check_host_fits(parse_size(segment, what="--segment"), what=f"--segment {segment}")
 
 
 @click.command()
@@ -43,6 +60,8 @@ __all__ = ["master"]
 def master(segment: str, host: str, lease_ttl_ms: int) -> None:
     """Run a Mooncake master and a storage node on this machine until Ctrl-C / SIGTERM."""
     from kvstrata.impl.storage.mooncake import ENV_VARS, LocalCluster  # noqa: PLC0415
+
+    check_flags(segment, host)
 
     stop = threading.Event()
 

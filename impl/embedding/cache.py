@@ -54,6 +54,7 @@ from kvstrata.impl.embedding.ops import Item, Ops
 from kvstrata.impl.embedding.pool import EmbeddingPool
 from kvstrata.impl.embedding.store import EmbeddingStore
 from kvstrata.impl.errors import CapacityError, MisuseError
+from kvstrata.impl.guard import Guard, guarded
 from kvstrata.impl.transfer import Executor, ThreadExecutor
 from kvstrata.model.embedding.entries import PUSHABLE, READABLE
 from kvstrata.model.keys import DEFAULT_NAMESPACE, KeySpace, KVKind, Namespace, PageHash, StoreKey
@@ -104,8 +105,10 @@ class EmbeddingCounters:
     evicted: int = 0
 
 
+@guarded("insert_batch", "prefetch", "release", "get", "evict", "flush", "poll", "is_ready", "wait")
 class EmbeddingCache:
-    """One node's embedding cache. See the module docstring for the rules."""
+    """One node's embedding cache. See the module docstring for the rules. Its verbs run only on
+    the owner thread and only while open (:mod:`kvstrata.impl.guard`)."""
 
     def __init__(
         self,
@@ -135,6 +138,7 @@ class EmbeddingCache:
         self._entries = Entries(pool)
         self._ops = Ops(self._entries, store, keyspace, namespace, self.executor)
         self.store.register(pool.ptr, pool.nbytes)
+        self._guard = Guard("EmbeddingCache")
 
     # ----------------------------------------------------------------------------- queries
 
@@ -289,9 +293,13 @@ class EmbeddingCache:
         return self._ops.poll()
 
     def close(self) -> None:
-        """Finish the pending I/O, apply it and unregister the pool from the store."""
+        """Finish the pending I/O, apply it and unregister the pool from the store. Idempotent;
+        every verb afterwards raises :class:`~kvstrata.impl.errors.CacheClosed`."""
+        if self._guard.closed:
+            return
         self.executor.close()
-        self.poll()
+        self._ops.poll()  # not the guarded verb: close may come from any thread
+        self._guard.closed = True
         self.store.unregister(self.pool.ptr)
 
     # ----------------------------------------------------------------------------- helpers

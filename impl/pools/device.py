@@ -12,8 +12,9 @@ from __future__ import annotations
 import torch
 
 from kvstrata.impl.errors import ConfigError, MisuseError
-from kvstrata.impl.pools.base import KVPool
+from kvstrata.impl.pools.base import KVPool, check_pool_args
 from kvstrata.impl.pools.shape import KVShape
+from kvstrata.impl.pools.sizes import check_host_fits
 
 __all__ = ["DeviceKVPool", "default_device", "resolve_device"]
 
@@ -47,8 +48,11 @@ class DeviceKVPool(KVPool):
     def __init__(
         self, shape: KVShape, num_pages: int, device: torch.device | str | None = None
     ) -> None:
-        super().__init__(shape, num_pages, "device")
+        # refuse before anything is allocated (the allocator too holds a byte per page)
+        check_pool_args(shape, num_pages, "device")
         target = resolve_device(device)
+        _check_fits(shape.nbytes(num_pages) + num_pages, target, num_pages)
+        super().__init__(shape, num_pages, "device")
         try:
             self.buffer = torch.empty(shape.canonical(num_pages), dtype=shape.dtype, device=target)
         except RuntimeError as error:  # torch.OutOfMemoryError is a RuntimeError
@@ -69,3 +73,19 @@ class DeviceKVPool(KVPool):
                 f"and {self.shape.layers} layers"
             )
         return self.buffer[plane, layer].view(-1, self.shape.heads, self.shape.head_dim)
+
+
+def _check_fits(nbytes: int, target: torch.device, num_pages: int) -> None:
+    """:class:`ConfigError` unless ``nbytes`` fit: host memory for a CPU pool (with the host pool's
+    reserve), the device's free memory for a CUDA one (issue 17: ``--l1 10T`` allocated 146 GiB of
+    allocator state before failing with a numpy traceback)."""
+    what = f"device pool of {num_pages} pages on {target}"
+    if target.type == "cpu":
+        check_host_fits(nbytes, what=what)
+    elif target.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(target)
+        if nbytes > free:
+            raise ConfigError(
+                f"{what}: {nbytes / 2**30:.2f} GiB do not fit in the {free / 2**30:.2f} GiB free on "
+                "the device; choose a smaller size"
+            )

@@ -41,6 +41,9 @@ __all__ = [
 
 BLOCK_TOKENS = 512
 """Tokens per hash id (the Mooncake trace's block size)."""
+MAX_INPUT_TOKENS = 10_000_000
+"""The most input tokens one replayed request may have (issue 17: a trace line of 2e9 tokens
+allocated 14.9 GiB of token ids before failing); larger lines are refused as malformed."""
 MAX_HASH_ID = (1 << 32) // BLOCK_TOKENS - 1
 """The largest hash id whose tokens stay distinct from every other block's (8,388,607)."""
 _MULTIPLIER = np.uint64(
@@ -92,6 +95,12 @@ def _parse(line: str, where: str) -> Request:
     ):
         raise TraceError(f"{where}: timestamp must be a number of ms >= 0, got {timestamp!r}")
     input_length = _int(record, "input_length", where)
+    if input_length > MAX_INPUT_TOKENS:
+        raise TraceError(
+            f"{where}: input_length {input_length} is over the {MAX_INPUT_TOKENS:,}-token cap of a "
+            "replayed request (its token ids alone would take "
+            f"{input_length * 4 / 2**30:.1f} GiB)"
+        )
     output_length = _int(record, "output_length", where)
     ids = record["hash_ids"]
     if not isinstance(ids, list):

@@ -88,7 +88,11 @@ class Tiers:
             self.pages.records[page].host_pins += delta
 
     def take_device(self, pages: int) -> tuple[int, ...] | None:
-        """``pages`` fresh L1 slots for the scheduler, evicting as needed; None if too few."""
+        """``pages`` fresh L1 slots for the scheduler, evicting as needed; None if too few. An ask
+        that eviction could never meet (more than the free slots plus every unlocked L1 page) is
+        refused before anything is evicted."""
+        if pages > self.device.free_count + self.locks.evictable_pages:
+            return None
         if pages > self.device.free_count:
             self.evict_device(pages - self.device.free_count)
         if pages > self.device.free_count:

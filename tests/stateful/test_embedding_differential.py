@@ -126,8 +126,10 @@ class EmbeddingDifferential(RuleBasedStateMachine):
                     key, tuple(Unit(media, i) for i in range(self.size[media]))
                 )
                 seeder.insert_batch([media], [embedding(media, self.tokens[media])])
-                seeder.close()
+                seeder.executor.run_all()
+                seeder.poll()
                 seeder.evict(3)
+        seeder.close()
         self.pending: list[Pending] = []
         self.requests: dict[str, int] = {}
         self.pushed_by: dict[PageHash, int] = {}

@@ -213,3 +213,57 @@ def test_new_config_fields_are_validated() -> None:
     with pytest.raises(ConfigError, match="fingerprint_seed"):
         RadixCacheConfig(page_size=4, fingerprint_seed=-1)
     assert RadixCacheConfig(page_size=4).page_hashes is True
+
+
+def test_an_impossible_alloc_is_refused_before_anything_is_evicted() -> None:
+    """Issue 17: ``alloc_device(n)`` with n > free + evictable used to evict the whole L1 first."""
+    cache, device, _ = build(ManualExecutor(), write_policy="write_through_selective")
+    serve(cache, device, list(range(48)))  # 12 of 16 pages cached, unlocked
+    with pytest.raises(CapacityError, match="evictable"):
+        cache.alloc_device(17)
+    assert cache.match_prefix(list(range(48))).device_pages == 12
+    assert cache.device_free == 4
+    assert len(cache.alloc_device(16)) == 16  # a possible ask still evicts what it needs
+
+
+def test_every_mutating_verb_after_close_raises_and_close_is_idempotent() -> None:
+    """Issue 17: a closed cache used to accept calls silently (pins leaked, prefetches hung)."""
+    from kvstrata.impl.cache.protocol import MUTATING  # noqa: PLC0415
+    from kvstrata.impl.errors import CacheClosed  # noqa: PLC0415
+
+    cache, device, _ = build(ManualExecutor())
+    serve(cache, device, list(range(16)))
+    cache.close()
+    cache.close()  # idempotent
+    for verb in MUTATING:
+        with pytest.raises(CacheClosed, match=verb):
+            getattr(cache, verb)()  # refused before its arguments are even looked at
+    assert cache.pending().load == 0  # queries still answer
+
+
+def test_a_second_thread_is_refused_before_it_changes_anything() -> None:
+    """Issue 17: calls from two threads corrupted the cache silently (wrong bytes, leaked pages)."""
+    import threading  # noqa: PLC0415
+
+    from kvstrata.impl.errors import WrongThread  # noqa: PLC0415
+
+    cache, device, _ = build(ManualExecutor())
+    seen: list[BaseException] = []
+
+    def other() -> None:  # the first caller becomes the owner: this thread
+        try:
+            serve(cache, device, list(range(16)))
+        except BaseException as error:  # pragma: no cover - reported below
+            seen.append(error)
+
+    worker = threading.Thread(target=other)
+    worker.start()
+    worker.join()
+    assert not seen
+    free = cache.device_free
+    with pytest.raises(WrongThread):
+        cache.alloc_device(1)
+    with pytest.raises(WrongThread):
+        cache.match_prefix(list(range(16)))
+    assert cache.device_free == free
+    cache.close()  # close is free to come from any thread

@@ -176,3 +176,20 @@ def test_bench_lists_the_benchmarks() -> None:
     for name in ("stateful", "copy", "scheduler_path", "replay", "mutants", "embedding", "hybrid"):
         assert name in run.stdout
     assert "--limit 2000 --l1 1M --l2 4M --l3 16M" in run.stdout
+
+
+@pytest.mark.parametrize(
+    ("flags", "named"),
+    [
+        (("--host", "10.1.2.3"), "--host 10.1.2.3: not an address this machine can bind to"),
+        (("--segment", "100tib"), "--segment 100tib: "),
+    ],
+)
+def test_master_names_the_flag_that_cannot_work_before_starting_anything(
+    flags: tuple[str, ...], named: str
+) -> None:
+    """Issue 17: these said ``[Errno 99] ...`` and "the storage node did not start (said '')"."""
+    result = kvstrata("master", *flags, timeout=60)
+    assert result.returncode != 0
+    assert named in result.stderr, result.stderr
+    assert "did not start" not in result.stderr

@@ -259,3 +259,25 @@ def test_bad_prefetch_and_config() -> None:
         EmbeddingCache(
             EmbeddingPool(PoolShape(1, 4, DIM, torch.bfloat16)), MemoryEmbeddingStore(), other
         )
+
+
+def test_a_closed_embedding_cache_refuses_every_verb() -> None:
+    """Issue 17: a closed EmbeddingCache used to accept calls (a prefetch never became ready)."""
+    from kvstrata.impl.errors import CacheClosed  # noqa: PLC0415
+
+    cache, _executor = node(MemoryEmbeddingStore())
+    cache.close()
+    cache.close()  # idempotent
+    for verb in (
+        "insert_batch",
+        "prefetch",
+        "release",
+        "get",
+        "evict",
+        "flush",
+        "poll",
+        "is_ready",
+        "wait",
+    ):
+        with pytest.raises(CacheClosed, match=verb):
+            getattr(cache, verb)()

@@ -921,3 +921,9 @@ def test_wrap_checks_the_layout_it_is_told() -> None:
     with pytest.raises(ConfigError, match="page_first_direct"):
         HostKVPool.wrap(page_first, WRAP_MHA, HostLayout.PAGE_FIRST_DIRECT)
     assert HostKVPool.wrap(page_first, WRAP_MHA, "page_first").num_pages == 2
+
+
+def test_a_device_pool_that_cannot_fit_is_refused_before_anything_is_allocated() -> None:
+    """Issue 17: ``--l1 10T`` allocated 146 GiB of allocator state and died in numpy."""
+    with pytest.raises(ConfigError, match="do not fit"):
+        DeviceKVPool(KVShape(KVKind.MHA, 32, 8, 128, torch.float16, 16), 10**10, "cpu")

@@ -113,6 +113,11 @@ def test_read_trace_and_limit(tmp_path: Path) -> None:
         ('{"timestamp": 0, "input_length": 600, "output_length": 1, "hash_ids": [1]}', "need 2"),
         ('{"timestamp": 0, "input_length": 6, "output_length": 1, "hash_ids": [-1]}', "hash_ids"),
         ('{"timestamp": "x", "input_length": 6, "output_length": 1, "hash_ids": [1]}', "timestamp"),
+        # issue 17: refused before 15 GiB of token ids are allocated
+        (
+            '{"timestamp": 0, "input_length": 2000000000, "output_length": 1, "hash_ids": [1]}',
+            "cap",
+        ),
     ],
 )
 def test_malformed_line_is_named(tmp_path: Path, line: str, message: str) -> None:

@@ -468,3 +468,15 @@ def test_prefetch_never_reserves_a_page_whose_indexer_object_is_missing() -> Non
     assert target.host.used_count == 2 and target.host_state.used_count == 1
     target.prefetch_drain(op_id)
     assert target.host.used_count == target.host_state.used_count == 0
+
+
+def test_an_impossible_alloc_is_refused_before_anything_is_evicted() -> None:
+    """Issue 17: asking for more L1 pages than free + evictable evicts nothing."""
+    cache = make(write_policy=WritePolicy.WRITE_THROUGH_SELECTIVE)
+    request(cache, (1, 2, 3, 4, 5, 6))  # 6 of 8 pages cached, unlocked
+    before = (repr(cache.page_info), cache.device.allocated())
+    with pytest.raises(CapacityError):
+        cache.alloc_device(9)  # more than L1 holds
+    assert (repr(cache.page_info), cache.device.allocated()) == before
+    assert cache.match_prefix((1, 2, 3, 4, 5, 6)).device_pages == 6
+    assert len(cache.alloc_device(8)) == 8  # a possible ask still evicts what it needs
