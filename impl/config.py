@@ -15,6 +15,7 @@ import attrs
 from kvstrata.impl.errors import ConfigError, MisuseError
 from kvstrata.model.cache import WritePolicy
 from kvstrata.model.hybrid import HitPolicy, SidePool, check_side_pools
+from kvstrata.model.l3.health import HealthConfig
 from kvstrata.model.l3.policy import PrefetchPolicy
 
 __all__ = ["RadixCacheConfig", "StorageConfig", "enum_converter"]
@@ -164,6 +165,13 @@ class StorageConfig:
     exponential back-off from ``backup_backoff_s`` (capped at ``backup_backoff_cap_s``), then
     abandoned and counted (``backups_abandoned``), never dropped silently; ``backup_batch_pages``
     bounds the pages of one store call.
+
+    Faults (issue 17): whatever the policy, a request waits for L3 at most ``prefetch_deadline_s``
+    (then proceeds with what arrived). A store call running longer than ``call_deadline_s``
+    (``probe_deadline_s`` for a probe) counts as a fault; a fault makes the store suspect, a
+    failed probe (or a second fault) makes it down: reads answer nothing at once, backups wait in a
+    queue of at most ``backup_deferred_pages`` pages (the oldest are dropped and counted), and
+    probes retry after ``probe_backoff_s``, doubling up to ``probe_backoff_cap_s``.
     """
 
     prefetch_threshold: int = attrs.field(default=256, validator=_non_negative)
@@ -178,11 +186,27 @@ class StorageConfig:
     backup_backoff_s: float = attrs.field(default=0.05, validator=_non_negative_float)
     backup_backoff_cap_s: float = attrs.field(default=2.0, validator=_non_negative_float)
     backup_batch_pages: int = attrs.field(default=256, validator=_positive)
+    prefetch_deadline_s: float = attrs.field(default=1.0, validator=_non_negative_float)
+    call_deadline_s: float = attrs.field(default=2.0, validator=_non_negative_float)
+    probe_deadline_s: float = attrs.field(default=0.5, validator=_non_negative_float)
+    probe_backoff_s: float = attrs.field(default=0.05, validator=_non_negative_float)
+    probe_backoff_cap_s: float = attrs.field(default=0.5, validator=_non_negative_float)
+    backup_deferred_pages: int = attrs.field(default=4096, validator=_non_negative)
 
     def prefetch_timeout(self, tokens: int) -> float:
         """Seconds the ``timeout`` policy waits for a prefetch of ``tokens`` tokens."""
         limit = self.prefetch_timeout_base_s + self.prefetch_timeout_per_1k_s * tokens / 1000
         return min(limit, self.prefetch_timeout_cap_s)
+
+    def health(self) -> HealthConfig:
+        """The store link's deadlines and bounds (the model's :class:`HealthConfig`, seconds)."""
+        return HealthConfig(
+            call_deadline=self.call_deadline_s,
+            probe_deadline=self.probe_deadline_s,
+            probe_backoff=self.probe_backoff_s,
+            probe_backoff_cap=self.probe_backoff_cap_s,
+            deferred_pages=self.backup_deferred_pages,
+        )
 
     def backoff(self, attempt: int) -> float:
         """Seconds to wait before retry ``attempt`` (1-based) of a failed backup batch."""

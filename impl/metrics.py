@@ -16,7 +16,10 @@ Metric names (all prefixed ``kvstrata_``):
 - ``prefetch_pages_total{status=...}`` / ``prefetch_bytes_total`` — L3->L2 pages by outcome;
 - ``store_errors_total{kind=...}`` — backend failures by kind (full, failed, missing, …);
 - ``queue_depth{queue="write"|"load"|"backup"|"prefetch"}`` — pending ops (gauge);
-- ``cached_pages{tier="l1"|"l2"}`` — pages the tree holds (gauge).
+- ``cached_pages{tier="l1"|"l2"}`` — pages the tree holds (gauge);
+- ``store_health{state=...}`` (gauge, 1 for the current state), ``store_faults_total``,
+  ``store_recoveries_total``, ``prefetch_unserved_total``, ``backup_dropped_pages_total``,
+  ``republished_pages_total``, ``backup_deferred_pages`` (gauge) — the store link (issue 17).
 """
 
 from __future__ import annotations
@@ -28,8 +31,11 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from kvstrata.model.lifecycles import Health
+
 if TYPE_CHECKING:
     from kvstrata.impl.cache import HierarchicalRadixCache
+    from kvstrata.impl.l3 import L3Tier
 
 __all__ = ["CacheCollector", "registry_for"]
 
@@ -116,6 +122,38 @@ class CacheCollector(Collector):
         errors.add_metric(["get_failed"], counters.prefetch_pages["failed"])
         errors.add_metric(["get_missing"], counters.prefetch_pages["missing"])
         yield errors
+        yield from self._store_metrics(l3)
+
+    def _store_metrics(self, l3: L3Tier) -> Iterator[Metric]:
+        """The store link's health (issue 17): one gauge per state (1 for the current one)."""
+        link, counters = l3.link, l3.counters
+        health = GaugeMetricFamily(
+            self._name("store_health"), "L3 store health (1: current state)", labels=["state"]
+        )
+        for state in Health:
+            health.add_metric([state.value], float(link.state is state))
+        yield health
+        for name, text, value in (
+            ("store_faults", "Store calls that failed or overran their deadline", link.faults),
+            ("store_recoveries", "Times the store came back (a probe succeeded)", link.recoveries),
+            ("prefetch_unserved", "Prefetches answered nothing: store down", link.answered_nothing),
+            (
+                "backup_dropped_pages",
+                "Deferred backup pages dropped to stay bounded",
+                counters.backup_dropped_pages,
+            ),
+            (
+                "republished_pages",
+                "L2 pages checked again after an outage",
+                counters.republished_pages,
+            ),
+        ):
+            yield CounterMetricFamily(self._name(name), text, value=value)
+        yield GaugeMetricFamily(
+            self._name("backup_deferred_pages"),
+            "Backup pages waiting for the store to come back",
+            value=l3.backup.deferred_pages(),
+        )
 
 
 def registry_for(cache: HierarchicalRadixCache) -> CollectorRegistry:

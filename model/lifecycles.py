@@ -26,6 +26,11 @@ __all__ = [
     "PAGE_RESIDENCY",
     "PREFETCH_OP",
     "STATE_RESIDENCY",
+    "STORE_HEALTH",
+    "SERVING",
+    "PROBED",
+    "Health",
+    "HealthEvent",
     "WRITE_OP",
     "DEVICE_CLAIMED",
     "DEVICE_VALID",
@@ -337,6 +342,52 @@ CONNECTOR_REQUEST: Lifecycle[RequestState, RequestEvent] = Lifecycle(
 #: States in which a request's match is answered (not "ask again").
 MATCHABLE = CONNECTOR_REQUEST.sources(RequestEvent.ALLOC_LOAD, RequestEvent.ALLOC_NONE)
 
+
+class Health(enum.Enum):
+    """What kvstrata believes about its L3 store (issue 17)."""
+
+    HEALTHY = "healthy"  # every call is issued
+    SUSPECT = "suspect"  # one call failed or overran: still served, one probe in flight decides
+    DOWN = "down"  # reads answer "nothing" at once, backups wait in a bounded queue
+    PROBING = "probing"  # DOWN, with the next back-off probe in flight
+
+
+class HealthEvent(enum.Enum):
+    OK = "ok"  # a call returned in time without a sign of an outage
+    FAULT = "fault"  # a call raised, met an unreachable store, timed out, or overran its deadline
+    LATE = "late"  # a call issued before the store went down returned (it proves nothing)
+    PROBE_DUE = "probe_due"  # the back-off since the last failed probe has passed
+    PROBE_OK = "probe_ok"
+    PROBE_FAIL = "probe_fail"
+
+
+#: The store's health, one machine per cache (``kvstrata.model.l3.health``,
+#: ``kvstrata.impl.storage.link``). Each returned or overrun call is judged once; only probes
+#: bring a suspect or down store back.
+STORE_HEALTH: Lifecycle[Health, HealthEvent] = Lifecycle(
+    name="store health",
+    initial=Health.HEALTHY,
+    table={
+        (Health.HEALTHY, HealthEvent.OK): Health.HEALTHY,
+        (Health.HEALTHY, HealthEvent.FAULT): Health.SUSPECT,
+        (Health.SUSPECT, HealthEvent.OK): Health.SUSPECT,
+        (Health.SUSPECT, HealthEvent.FAULT): Health.DOWN,
+        (Health.SUSPECT, HealthEvent.PROBE_OK): Health.HEALTHY,
+        (Health.SUSPECT, HealthEvent.PROBE_FAIL): Health.DOWN,
+        (Health.DOWN, HealthEvent.LATE): Health.DOWN,
+        (Health.DOWN, HealthEvent.PROBE_DUE): Health.PROBING,
+        (Health.PROBING, HealthEvent.LATE): Health.PROBING,
+        (Health.PROBING, HealthEvent.PROBE_OK): Health.HEALTHY,
+        (Health.PROBING, HealthEvent.PROBE_FAIL): Health.DOWN,
+    },
+)
+
+#: Where reads and backups are issued (a returned call is judged OK or FAULT there; elsewhere LATE).
+SERVING = STORE_HEALTH.sources(HealthEvent.OK)
+#: Where a probe may be in flight and decides.
+PROBED = STORE_HEALTH.sources(HealthEvent.PROBE_OK)
+
+
 ALL_LIFECYCLES: tuple[Lifecycle, ...] = (  # type: ignore[type-arg]
     WRITE_OP,
     LOAD_OP,
@@ -346,4 +397,5 @@ ALL_LIFECYCLES: tuple[Lifecycle, ...] = (  # type: ignore[type-arg]
     STATE_RESIDENCY,
     EMBEDDING_ENTRY,
     CONNECTOR_REQUEST,
+    STORE_HEALTH,
 )

@@ -8,6 +8,10 @@ mutant used by tests/mutants/run.py: the gate's examples without the shrink phas
        faster on a mutant that is caught).
 
 HYPOTHESIS_PROFILE overrides the choice.
+
+KVSTRATA_DEBUG=1 is set for the test process: pytest captures file descriptor 2 itself, so the native
+log filter (which moves fd 2 onto a pipe) is tested in subprocesses of its own
+(tests/unit/impl/storage/test_native_log.py), never inside pytest's capture.
 """
 
 from __future__ import annotations
@@ -15,6 +19,8 @@ from __future__ import annotations
 import os
 
 from hypothesis import HealthCheck, Phase, settings
+
+os.environ.setdefault("KVSTRATA_DEBUG", "1")
 
 _COMMON = {"deadline": None, "print_blob": True}
 

@@ -37,7 +37,7 @@ from kvstrata.impl.config import RadixCacheConfig, StorageConfig
 from kvstrata.impl.errors import MisuseError
 from kvstrata.impl.guard import Guard, guarded
 from kvstrata.impl.hashing import PageHasher
-from kvstrata.impl.l3 import L3Tier
+from kvstrata.impl.l3 import L3Tier, Lanes
 from kvstrata.impl.pools import KVPool
 from kvstrata.impl.pools.group import PoolGroup
 from kvstrata.impl.pools.side import SideSpec
@@ -108,7 +108,7 @@ class HierarchicalRadixCache:
         *,
         storage: StorageBackend | None = None,
         storage_config: StorageConfig | None = None,
-        storage_executor: Executor | None = None,
+        storage_executor: Executor | Lanes | None = None,
         side_specs: Sequence[SideSpec] = (),
     ) -> HierarchicalRadixCache:
         """A cache over real pools, with side pools and an L3 store if given
@@ -162,13 +162,9 @@ class HierarchicalRadixCache:
 
     def pending(self) -> PendingWork:
         """Background work not applied yet (applied only by :meth:`check_events`)."""
-        tiers, l3 = self._tiers, self._l3
-        return PendingWork(
-            len(tiers.copies.write),
-            len(tiers.copies.load),
-            0 if l3 is None else len(l3.backups),
-            0 if l3 is None else len(l3.prefetches),
-        )
+        copies, l3 = self._tiers.copies, self._l3
+        store = {} if l3 is None else l3.pending()
+        return PendingWork(len(copies.write), len(copies.load), **store)
 
     def idle(self) -> bool:
         """Whether every copy, backup and prefetch has been applied (nothing pending)."""

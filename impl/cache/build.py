@@ -22,6 +22,7 @@ from kvstrata.impl.pools.host import HostKVPool
 from kvstrata.impl.pools.side import SideBuffer, SideSpec, copy_entries
 from kvstrata.impl.storage.base import StorageBackend, check_attachable
 from kvstrata.impl.storage.hybrid import HybridStorage
+from kvstrata.impl.storage.link import Lanes
 from kvstrata.impl.transfer import Direction, Executor, PoolTransfer, TransferController
 from kvstrata.model.hybrid import HitPolicy
 
@@ -124,7 +125,7 @@ def build_cache(
     *,
     storage: StorageBackend | None,
     storage_config: StorageConfig | None,
-    storage_executor: Executor | None,
+    storage_executor: Executor | Lanes | None,
     side_specs: Sequence[SideSpec],
 ) -> C:
     """A cache over real pools: copies run on ``executor`` (a worker thread by default). With a
@@ -197,7 +198,7 @@ def _attach_l3(
     cache: BuildTarget,
     backend: StorageBackend | HybridStorage,
     config: StorageConfig | None,
-    executor: Executor | None,
+    executor: Executor | Lanes | None,
     host_pool: KVPool,
 ) -> None:
     cache.attach_l3(

@@ -205,12 +205,14 @@ class CacheEvent:
 class PendingWork:
     """Background work the tree has not applied yet: L1 -> L2 copies (``write``), L2 -> L1 copies
     (``load``), L2 -> L3 backup ops (``backup``, retries included) and L3 -> L2 prefetch ops
-    (``prefetch``, until committed or aborted and drained)."""
+    (``prefetch``, until committed or aborted and drained). ``deferred``: backup ops waiting for a
+    store that is down (not in ``total``: nothing finishes them until it is back)."""
 
     write: int = 0
     load: int = 0
     backup: int = 0
     prefetch: int = 0
+    deferred: int = 0
 
     @property
     def total(self) -> int:
@@ -222,6 +224,7 @@ class PendingWork:
             "load": self.load,
             "backup": self.backup,
             "prefetch": self.prefetch,
+            "deferred": self.deferred,
         }
 
 

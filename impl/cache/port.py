@@ -20,7 +20,7 @@ from kvstrata.impl.fingerprint import FINGERPRINT_BYTES
 from kvstrata.impl.hashing import digests_tail, resolve
 from kvstrata.impl.kernels import sha256_chain
 from kvstrata.model.keys import Namespace
-from kvstrata.model.lifecycles import HOST_CLAIMED
+from kvstrata.model.lifecycles import HOST_CLAIMED, HOST_VALID
 
 __all__ = ["CachePort"]
 
@@ -137,6 +137,15 @@ class CachePort:
             spare.append(host[have:arrived])
         self.free_host(np.concatenate(spare))
         return added, end
+
+    def host_nodes(self) -> list[Node]:
+        return [
+            node
+            for node in self._index.nodes()
+            if node.state in HOST_VALID
+            and node.host is not None
+            and len(node.hashes) == node.num_pages * _DIGEST
+        ]
 
     def commit_state(self, end: Node | None, slot: int) -> None:
         self._states.commit_prefetched(end, slot)

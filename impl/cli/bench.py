@@ -87,6 +87,13 @@ BENCHMARKS: tuple[Benchmark, ...] = (
         "hybrid page sets (KV, indexer, Mamba state) through L3 against the raw Mooncake client",
     ),
     Benchmark(
+        "chaos",
+        "benchmarks/chaos.py",
+        ("--json", "{out}/chaos.json"),
+        ("--quick", "--json", "{out}/chaos.json"),
+        "replay while the Mooncake master dies, restarts or loses its storage node (issue 17)",
+    ),
+    Benchmark(
         "replay",
         "-m kvstrata.impl.cli.main",
         (

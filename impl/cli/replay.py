@@ -241,8 +241,8 @@ def replay(ctx: click.Context, /, **options: Any) -> None:
 def _probe(master: str) -> None:
     """Fail fast (within the probe timeout, 2 s by default) when a configured master does not
     answer, before torch, the pools and the store are brought up."""
-    from kvstrata.impl.storage.mooncake.client import probe_master  # noqa: PLC0415
     from kvstrata.impl.storage.mooncake.config import MooncakeConfig  # noqa: PLC0415
+    from kvstrata.impl.storage.mooncake.connect import probe_master  # noqa: PLC0415
 
     probe_master(MooncakeConfig.load(master=master))
 

@@ -6,12 +6,14 @@ from kvstrata.impl.l3.counters import L3Counters
 from kvstrata.impl.l3.port import TreePort
 from kvstrata.impl.l3.prefetch import Prefetches, PrefetchOp
 from kvstrata.impl.l3.tier import L3Tier
+from kvstrata.impl.storage.link import Lanes
 
 __all__ = [
     "BackupOp",
     "Backups",
     "L3Counters",
     "L3Tier",
+    "Lanes",
     "PageRef",
     "PrefetchOp",
     "Prefetches",

@@ -15,10 +15,17 @@ hash and host state slot fixed at enqueue, its :class:`StateInfo` pinned by ``ho
 slot is neither dropped nor reused until the store confirms it). A result unpins each state that is
 in the store and retries the rest with the failed pages (the model's ``ack_backup`` /
 ``fail_backup``).
+
+Store down (issue 17; model: ``StoreLinkModel``): a backup the link refuses is *deferred*, its pins
+kept, in a queue bounded by ``backup_deferred_pages`` pages; when a new one would overflow it, the
+oldest are dropped (unpinned, counted in ``backup_dropped_pages``). :meth:`Backups.resume` issues
+them again, in order, once the store is back; :meth:`Backups.republish` backs up every L2 node again
+after the store came back empty.
 """
 
 from __future__ import annotations
 
+import collections
 from typing import TYPE_CHECKING
 
 import attrs
@@ -89,6 +96,8 @@ class Backups:
         self._now, self._page_nbytes = context.now, context.page_nbytes
         self.ops: dict[int, BackupOp] = {}
         self._retry: list[BackupOp] = []
+        self.deferred: collections.deque[BackupOp] = collections.deque()  # oldest first
+        self._deferred_pages = 0  # sum of the deferred ops' pages (kept, not recounted)
 
     def enqueue(
         self, namespace: Namespace, nodes: list[Node], state_node: Node | None = None
@@ -131,9 +140,8 @@ class Backups:
             self._start_backup(op)
 
     def _start_backup(self, op: BackupOp) -> None:
-        op.state = BACKUP_OP.next(op.state, BackupEvent.START)
-        op.attempts += 1
-        self._worker.backup(
+        state = BACKUP_OP.next(op.state, BackupEvent.START)
+        submitted = self._worker.backup(
             op.op_id,
             op.namespace,
             op.digests,
@@ -141,6 +149,52 @@ class Backups:
             state_digests=op.state_digests,
             state_slots=op.state_slots,
         )
+        if not submitted:
+            self._defer(op)
+            return
+        op.state = state
+        op.attempts += 1
+
+    def _defer(self, op: BackupOp) -> None:
+        """Keep ``op`` (pins and all) until the store is back; drop the oldest deferred ops while
+        the queue holds more than ``backup_deferred_pages`` pages."""
+        self.deferred.append(op)
+        self._deferred_pages += op.num_pages
+        limit = self.config.backup_deferred_pages
+        while self.deferred and self._deferred_pages > limit:
+            dropped = self.deferred.popleft()
+            self._deferred_pages -= dropped.num_pages
+            self._release(dropped)
+            del self.ops[dropped.op_id]
+            self._counters.backup_dropped_pages += dropped.num_pages
+
+    def _release(self, op: BackupOp) -> None:
+        """Unpin every node and state ``op`` pins (it will not read them again)."""
+        for node in op.nodes():
+            node.backup_pins -= 1
+        for info in op.states:
+            info.host_pins -= 1
+
+    def resume(self) -> None:
+        """The store is back: issue every deferred op again, oldest first."""
+        deferred, self.deferred = self.deferred, collections.deque()
+        self._deferred_pages = 0
+        for op in deferred:
+            self._start_backup(op)
+
+    def republish(self, nodes: list[Node]) -> None:
+        """The store came back without what it held: back up again every page of ``nodes`` (the
+        nodes L2 holds; exists-then-put skips what is still there). States are not re-published:
+        a missing state only shortens a hybrid hit."""
+        by_namespace: dict[Namespace, list[Node]] = {}
+        for node in nodes:
+            by_namespace.setdefault(node.namespace, []).append(node)
+        for namespace, group in by_namespace.items():
+            self._counters.republished_pages += sum(node.num_pages for node in group)
+            self.enqueue(namespace, group)
+
+    def deferred_pages(self) -> int:
+        return self._deferred_pages
 
     def on_split(self, node: Node, prefix: Node) -> None:
         """``node`` was split and ``prefix`` took its first pages: page references move to the
@@ -176,7 +230,9 @@ class Backups:
         if len(states_failed) != len(op.states):  # a result without its states: none is stored
             states_failed = [True] * len(op.states)
         counters = self._counters
-        for status in result.statuses:
+        if result.skipped:  # not tried (the store went down): not an attempt, retried at once
+            op.attempts -= 1
+        for status in result.statuses if not result.skipped else ():
             counters.backup_pages[status.value] += 1
         counters.backup_bytes += self._page_nbytes * sum(
             status is PutStatus.STORED for status in result.statuses
@@ -210,7 +266,7 @@ class Backups:
             op.host[mask] if len(mask) else op.host,
             [ref for ref, bad in zip(op.refs, failed, strict=True) if bad],
             attempts=op.attempts,
-            retry_at=self._now() + self.config.backoff(op.attempts),
+            retry_at=self._now() + (0.0 if result.skipped else self.config.backoff(op.attempts)),
             states=[info for info, bad in zip(op.states, states_failed, strict=True) if bad],
             state_digests=b"".join(
                 op.state_digests[i * _DIGEST : (i + 1) * _DIGEST]

@@ -19,6 +19,8 @@ class L3Counters:
     backup_bytes: int = 0
     backup_retries: int = 0
     backup_abandoned_pages: int = 0
+    backup_dropped_pages: int = 0  # deferred while the store was down, dropped to stay bounded
+    republished_pages: int = 0  # backed up again after the store came back empty
     prefetch_ops: int = 0
     prefetch_queried_pages: int = 0
     prefetch_hit_pages: int = 0
@@ -26,3 +28,4 @@ class L3Counters:
     prefetch_bytes: int = 0
     prefetch_committed_pages: int = 0
     prefetch_skipped: int = 0  # queries with a hit that could not reserve (limit, no room)
+    prefetch_unserved: int = 0  # prefetches answered "nothing" at once: the store was down

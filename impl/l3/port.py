@@ -81,5 +81,8 @@ class TreePort(Protocol):
         ``host`` is freed. The pages added and the node the range ends at (``None``: not in the
         tree, or nothing arrived)."""
 
+    def host_nodes(self) -> list[Node]:
+        """Every node with a valid L2 copy of all its pages and their hashes (to re-publish)."""
+
     def commit_state(self, end: Node | None, slot: int) -> None:
         """A prefetched state in L2 ``slot`` becomes the L2 state at ``end``'s end, or is freed."""

@@ -101,7 +101,8 @@ class Prefetches:
             return None
         whole = query[: total * size].copy()
         hasher = self._tree.chain_after(anchor, whole, matched, namespace)
-        return self.start(whole, namespace, anchor, matched, hasher).op_id
+        op = self.start(whole, namespace, anchor, matched, hasher)
+        return None if op is None else op.op_id
 
     def start(
         self,
@@ -110,20 +111,23 @@ class Prefetches:
         anchor: Node,
         prefix_pages: int,
         hasher: Callable[[], bytes],
-    ) -> PrefetchOp:
+    ) -> PrefetchOp | None:
         """Query the store for the continuation after ``prefix_pages`` (``anchor`` ends the prefix
-        and is host-claimed or a root; the cache checked the threshold)."""
+        and is host-claimed or a root; the cache checked the threshold). ``None`` at once, nothing
+        locked or reserved, when the store is down."""
         tree = self._tree
         op = PrefetchOp(tree.new_op(), namespace, anchor, tokens, prefix_pages, started=self._now())
+        remaining = len(tokens) // tree.page_size - prefix_pages
+        if not self._worker.query(op.op_id, namespace, hasher, remaining):
+            self._counters.prefetch_unserved += 1
+            return None
         if anchor.is_root:
             op.anchor_locked = False
         else:
             tree.lock(anchor, +1)
         self.ops[op.op_id] = op
         self._counters.prefetch_ops += 1
-        remaining = len(tokens) // tree.page_size - prefix_pages
         self._counters.prefetch_queried_pages += remaining
-        self._worker.query(op.op_id, namespace, hasher, remaining)
         return op
 
     def _release_anchor(self, op: PrefetchOp) -> None:
@@ -145,14 +149,18 @@ class Prefetches:
         if hit and self.reserved() + hit <= limit:
             reserved = self._tree.reserve_host(hit, state=self._states)
             if reserved is not None:
-                op.digests = result.digests[: hit * _DIGEST]
-                op.host, op.state_slot = reserved
-                op.state = PrefetchState.LOADING
-                op.in_flight = True
-                self._worker.fetch(
-                    op.op_id, op.namespace, op.digests, op.host, state_slot=op.state_slot
-                )
-                return
+                digests = result.digests[: hit * _DIGEST]
+                host, slot = reserved
+                if self._worker.fetch(op.op_id, op.namespace, digests, host, state_slot=slot):
+                    op.digests, op.host, op.state_slot = digests, host, slot
+                    op.state = PrefetchState.LOADING
+                    op.in_flight = True
+                    return
+                self._tree.free_host(host)  # the store went down meanwhile: nothing to read
+                if slot is not None:
+                    self._tree.free_host_state(slot)
+                self._counters.prefetch_unserved += 1
+                hit = 0
         if hit:
             self._counters.prefetch_skipped += 1
         # nothing to read: the op is complete with no pages; the anchor is free again
@@ -198,6 +206,7 @@ class Prefetches:
             loading=op.state is None or op.state is PrefetchState.LOADING,
             waited=self._now() - op.started,
             limit=self.config.prefetch_timeout(pages * size),
+            deadline=self.config.prefetch_deadline_s,
         )
 
     def commit(self, op_id: int) -> int:

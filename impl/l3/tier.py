@@ -3,7 +3,10 @@
 
 Owned by one cache and run on its scheduler thread; the store I/O runs on the worker. It reaches the
 tree only through a :class:`~kvstrata.impl.l3.port.TreePort`. :meth:`L3Tier.poll` is the one place
-where store results change anything (the cache's ``check_events`` calls it).
+where store results change anything (the cache's ``check_events`` calls it): it also runs the store
+link's judgements (deadlines, health, probes; :mod:`kvstrata.impl.storage.link`) and, when the
+store comes back, resumes deferred backups and, after an outage that reached ``DOWN`` or one that
+emptied the store, re-publishes L2 (exists-then-put: only what the store lost is written).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from kvstrata.impl.l3.port import TreePort
 from kvstrata.impl.l3.prefetch import Prefetches, PrefetchOp
 from kvstrata.impl.storage.base import StorageBackend
 from kvstrata.impl.storage.hybrid import HybridStorage
+from kvstrata.impl.storage.link import Lanes, StoreLink
 from kvstrata.impl.storage.worker import (
     BackupResult,
     QueryResult,
@@ -42,7 +46,7 @@ class L3Tier:
         tree: TreePort,
         backend: StorageBackend | HybridStorage,
         config: StorageConfig,
-        executor: Executor | None = None,
+        executor: Executor | Lanes | None = None,
         *,
         clock: Callable[[], float] = time.monotonic,
         page_nbytes: int = 0,
@@ -50,9 +54,10 @@ class L3Tier:
         self.config = config
         self.hybrid = backend if isinstance(backend, HybridStorage) else None
         states = self.hybrid is not None and tree.has_states
-        self.worker = StorageWorker(backend, executor)
-        self.counters = L3Counters()
         self._now = clock  # read through now(): a test may swap the clock after construction
+        self._tree = tree
+        self.worker = StorageWorker(backend, executor, health=config.health(), clock=self.now)
+        self.counters = L3Counters()
         context = L3Context(tree, self.worker, config, self.counters, states, self.now, page_nbytes)
         self.backup = Backups(context)
         self.prefetch = Prefetches(context)
@@ -70,8 +75,9 @@ class L3Tier:
         return self.prefetch.ops
 
     def poll(self) -> list[StorageResult]:
-        """Apply every storage result that finished (scheduler thread), then resubmit due retries."""
-        results = self.worker.results()
+        """Apply every storage result that returned (scheduler thread); if the store came back,
+        resume deferred backups (and re-publish L2 if it came back empty); resubmit due retries."""
+        results, recovery = self.worker.poll()
         self.last_applied = results
         for result in results:
             if isinstance(result, BackupResult):
@@ -80,17 +86,34 @@ class L3Tier:
                 self.prefetch.apply_query(result)
             else:
                 self.prefetch.apply_fetch(result)
+        if recovery is not None:
+            self.backup.resume()
+            if recovery.republish:
+                self.backup.republish(self._tree.host_nodes())
         self.backup.resubmit_due()
         return results
 
+    @property
+    def link(self) -> StoreLink:
+        return self.worker.link
+
     def pending(self) -> dict[str, int]:
-        return {"backup": len(self.backup.ops), "prefetch": len(self.prefetch.ops)}
+        """Backup and prefetch ops not finished; ``deferred``: backup ops waiting for the store
+        to come back (not in flight: nothing will finish them while it is down)."""
+        deferred = len(self.backup.deferred)
+        return {
+            "backup": len(self.backup.ops) - deferred,
+            "prefetch": len(self.prefetch.ops),
+            "deferred": deferred,
+        }
 
     def idle(self) -> bool:
-        return not self.backup.ops and not self.prefetch.ops
+        """Nothing in flight or due: every backup op is done or deferred while the store is down
+        (waiting for it would not end), and no prefetch op is open."""
+        return len(self.backup.ops) == len(self.backup.deferred) and not self.prefetch.ops
 
     def close(self) -> None:
         self.worker.close()
 
     def describe(self) -> dict[str, Any]:
-        return attrs.asdict(self.counters)
+        return {**attrs.asdict(self.counters), "store": dict(self.worker.link.describe())}

@@ -11,12 +11,14 @@ fields; new fields may be added, existing ones keep their name and meaning):
   (load-back), ``l2_to_l3`` (backup, pages newly stored), ``l3_to_l2`` (prefetch, pages arrived);
 - ``tiers``: per tier ``pages``, ``tokens`` and ``bytes`` of capacity; L3 adds ``backend``, ``where``
   and ``store_bytes`` (what the store was sized to; ``null`` for a configured cluster);
-- ``l3``: the L3 counters (backup and prefetch outcomes), ``null`` without L3;
+- ``l3``: the L3 counters (backup and prefetch outcomes) and ``store``, the store link's health
+  (``state``, ``faults``, ``answered_nothing``, ``recoveries``, ``losses``), ``null`` without L3;
 - ``timings``: ``wall_s`` (everything), ``startup_s`` (pools, store, cluster), ``replay_s`` (the
   request loop), ``drain_s`` (waiting for background work at the end), ``shutdown_s``, and per request
   ``scheduler_us_per_request`` (time inside kvstrata's calls), ``wait_us_per_request`` (blocked on
   prefetch / load-back, draining events meanwhile), ``kv_us_per_request`` (synthetic KV: hashing,
-  writing, verifying);
+  writing, verifying), and the distribution of the per-request waits, ``wait_ms_per_request`` and
+  its L3 part ``l3_wait_ms_per_request`` (each ``p50``, ``p99``, ``max`` in milliseconds);
 - ``verify``: ``enabled`` and ``pages_checked``;
 - ``config``: the replay's configuration; ``trace``: its path and ``limit``;
 - ``timeline``: cumulative counts after sampled requests (``requests``, ``input_tokens``,
@@ -32,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import attrs
+import numpy as np
 
 __all__ = ["SCHEMA", "Moved", "ReplayResult", "TierTokens", "Timeline", "Timings"]
 
@@ -77,8 +80,10 @@ class Timings:
     scheduler_ns: int = 0
     wait_ns: int = 0
     kv_ns: int = 0
+    waits_ns: list[int] = attrs.field(factory=list)  # per request: blocked on background work
+    l3_waits_ns: list[int] = attrs.field(factory=list)  # per request: the part spent on L3
 
-    def as_dict(self, requests: int) -> dict[str, float]:
+    def as_dict(self, requests: int) -> dict[str, Any]:
         per = max(requests, 1) * 1000
         return {
             "wall_s": round(self.wall_s, 3),
@@ -89,7 +94,22 @@ class Timings:
             "scheduler_us_per_request": round(self.scheduler_ns / per, 1),
             "wait_us_per_request": round(self.wait_ns / per, 1),
             "kv_us_per_request": round(self.kv_ns / per, 1),
+            "wait_ms_per_request": _distribution(self.waits_ns),
+            "l3_wait_ms_per_request": _distribution(self.l3_waits_ns),
         }
+
+
+def _distribution(values_ns: list[int]) -> dict[str, float]:
+    """p50, p99 and max of per-request times, in milliseconds (0 without requests)."""
+    if not values_ns:
+        return {"p50": 0.0, "p99": 0.0, "max": 0.0}
+    ms = np.asarray(values_ns, dtype=np.float64) / 1e6
+    p50, p99 = np.percentile(ms, [50, 99])
+    return {
+        "p50": round(float(p50), 3),
+        "p99": round(float(p99), 3),
+        "max": round(float(ms.max()), 3),
+    }
 
 
 @attrs.define

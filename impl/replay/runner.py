@@ -21,13 +21,16 @@ from kvstrata.impl.replay.config import ReplayConfig, TierPages, TimestampMode
 from kvstrata.impl.replay.kv import KVSynth
 from kvstrata.impl.replay.maximum import max_hit_pages
 from kvstrata.impl.replay.result import DIRECTIONS, Moved, ReplayResult
-from kvstrata.impl.replay.scheduler import ReferenceScheduler
+from kvstrata.impl.replay.scheduler import ReferenceScheduler, Served
 from kvstrata.impl.replay.store import L3Store, open_l3
 from kvstrata.impl.replay.trace import Request, request_tokens
 
-__all__ = ["ProgressSink", "replay", "sweep"]
+__all__ = ["OnServed", "ProgressSink", "replay", "sweep"]
 
 TIMELINE_POINTS = 256
+
+#: ``on_served(index, served, cache)``: called after each request of a replay.
+OnServed = Callable[[int, Served, HierarchicalRadixCache], None]
 
 
 class ProgressSink(Protocol):
@@ -61,13 +64,22 @@ def _cache(
     config: ReplayConfig, pages: TierPages, store: L3Store | None, progress: Progress
 ) -> Iterator[tuple[HierarchicalRadixCache, Any]]:
     """The pools and the cache over them; the cache (its workers, the backend) closed on exit."""
+    from kvstrata.impl.l3 import Lanes  # noqa: PLC0415
     from kvstrata.impl.pools import DeviceKVPool, HostKVPool, HostLayout  # noqa: PLC0415
 
     shape = _kv_shape(config)
     device = DeviceKVPool(shape, pages.l1)
     host = HostKVPool(shape, pages.l2, HostLayout.PAGE_FIRST_DIRECT) if pages.l2 else None
     copies = signalling_executor(progress, "kvstrata-copy") if host is not None else None
-    io = signalling_executor(progress, "kvstrata-store") if store is not None else None
+    io = (
+        None
+        if store is None
+        else Lanes(  # reads, backups and probes apart: a prefetch never waits behind a backup
+            signalling_executor(progress, "kvstrata-l3-read"),
+            signalling_executor(progress, "kvstrata-l3-write"),
+            signalling_executor(progress, "kvstrata-l3-probe"),
+        )
+    )
     try:
         cache = HierarchicalRadixCache.build(
             RadixCacheConfig(page_size=config.page_size, write_policy=config.write_policy),
@@ -131,8 +143,10 @@ def replay(
     progress: ProgressSink | None = None,
     label: str = "replay",
     clock: Callable[[], float] = time.monotonic,
+    on_served: OnServed | None = None,
 ) -> ReplayResult:
-    """Replay ``requests`` through a fresh three-tier stack built from ``config``."""
+    """Replay ``requests`` through a fresh three-tier stack built from ``config``; ``on_served``
+    (the chaos benchmark's hook) runs after each request with its index, what it got and the cache."""
     started = clock()
     pages = config.tier_pages(requests)
     max_pages = max_hit_pages(requests, config.page_size)
@@ -162,6 +176,7 @@ def replay(
                     step=step,
                     progress=progress,
                     clock=clock,
+                    on_served=on_served,
                 )
             finally:
                 if progress is not None:
@@ -191,6 +206,7 @@ def _serve_all(
     step: int,
     progress: ProgressSink | None,
     clock: Callable[[], float],
+    on_served: OnServed | None = None,
 ) -> None:
     size = config.page_size
     honour = config.timestamps is TimestampMode.HONOUR
@@ -211,7 +227,11 @@ def _serve_all(
         result.max_hit_tokens += max_pages[index] * size
         result.timings.scheduler_ns += served.scheduler_ns
         result.timings.wait_ns += served.wait_ns
+        result.timings.waits_ns.append(served.wait_ns)
+        result.timings.l3_waits_ns.append(served.l3_wait_ns)
         result.timings.kv_ns += served.kv_ns
+        if on_served is not None:
+            on_served(index, served, scheduler.cache)
         if index % step == 0 or index == last:
             result.timeline.add(result.requests, result.input_tokens, hits, result.max_hit_tokens)
             if progress is not None:

@@ -75,6 +75,7 @@ class Served:
     refused: bool = False
     scheduler_ns: int = 0  # in the cache's calls (the scheduler-path cost)
     wait_ns: int = 0  # blocked on background work (prefetch, load-back)
+    l3_wait_ns: int = 0  # the part of it spent waiting for an L3 prefetch
     kv_ns: int = 0  # hashing, writing and verifying synthetic KV (the model's share)
 
     @property
@@ -130,8 +131,9 @@ class ReferenceScheduler:
                 for op_id in event.op_ids:
                     self._loads[op_id] = event.ok
 
-    def _wait(self, done: Callable[[], bool], what: str) -> None:
-        """Drain events until ``done()``; sleep meanwhile until a background job finishes."""
+    def _wait(self, done: Callable[[], bool], what: str) -> int:
+        """Drain events until ``done()``; sleep meanwhile until a background job finishes. The
+        nanoseconds waited."""
         start = _now_ns()  # everything until done, the draining included, is waiting
         deadline = time.monotonic() + self.wait_limit_s
         while True:
@@ -144,7 +146,9 @@ class ReferenceScheduler:
                     f"request {self._request}: {what} did not finish within {self.wait_limit_s:g} s"
                 )
             self.progress.wait(seen, _POLL_S)
-        self._served.wait_ns += _now_ns() - start
+        waited = _now_ns() - start
+        self._served.wait_ns += waited
+        return waited
 
     def idle_until(self, deadline: float) -> None:
         """Keep draining events until ``time.monotonic()`` reaches ``deadline`` (between requests
@@ -230,7 +234,7 @@ class ReferenceScheduler:
         if started is None:
             return 0
         op: int = started
-        self._wait(lambda: cache.prefetch_ready(op), "an L3 prefetch")
+        self._served.l3_wait_ns += self._wait(lambda: cache.prefetch_ready(op), "an L3 prefetch")
         return self._call(lambda: cache.prefetch_commit(op))
 
     def _load_back(self, tokens: npt.NDArray[np.uint32], match: MatchResult) -> MatchResult:

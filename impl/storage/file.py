@@ -29,6 +29,12 @@ Size cap and recency
     file's mtime from the injected ``clock``, so recency survives restarts and is shared by processes.
     A scan evicts down to the cap at once (the cap may have shrunk since the last run).
 
+Free space
+    Whatever the cap, a put keeps ``min_free_bytes`` free on the file system (default: 5 % of it,
+    at most 1 GiB): it evicts least recently used files first, or answers ``FULL`` (counted, nothing
+    stored evicted) when its files cannot fit above the reserve. So a full disk is a smaller cache,
+    never a disk the rest of the machine cannot write.
+
 Sharing
     Existence is the file system's truth: another process's files are hits, and files that another
     process evicted are misses. The index only steers eviction: it learns files that ``exists``/``get``
@@ -45,86 +51,45 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import errno
-import hashlib
 import os
-import re
-import struct
+import shutil
 import tempfile
 import threading
 import time
-import zlib
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from kvstrata.impl.errors import ConfigError, MisuseError
+from kvstrata.impl.errors import ConfigError
 from kvstrata.impl.pools.sizes import parse_size
 from kvstrata.impl.storage.base import GetStatus, PutStatus
+from kvstrata.impl.storage.file_format import (
+    FORMAT_VERSION,
+    FULL_ERRNOS,
+    NAME_RE,
+    SHARD_RE,
+    SUFFIX,
+    TEMP_RE,
+    decode,
+    encode_header,
+    file_size,
+    object_name,
+    same_file,
+)
 from kvstrata.impl.storage.objects import ObjectBackend, Payload
 from kvstrata.model.keys import KeySpace, Namespace, PageHash, StoreKey
 
 __all__ = ["FORMAT_VERSION", "FileBackend", "object_name"]
-
-FORMAT_VERSION = 1
-_MAGIC = b"KVSF"
-_HEADER = struct.Struct("<4sB3xIQI")
-_SUFFIX = ".kvs"
-_DIGEST_BYTES = 20
-_SHARD_RE = re.compile(r"[0-9a-f]{2}")
-_NAME_RE = re.compile(rf"[0-9a-f]{{{2 * _DIGEST_BYTES}}}\.kvs")
-_TEMP_RE = re.compile(rf"\.[0-9a-f]{{{2 * _DIGEST_BYTES}}}\..*\.tmp")
-_FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
-
-
-def object_name(key: StoreKey) -> str:
-    """The fixed-length file name stem of ``key``'s object (40 hex digits)."""
-    if not isinstance(key, StoreKey):
-        raise MisuseError(f"object_name takes a StoreKey, got {key!r}")
-    return hashlib.blake2b(key.text.encode(), digest_size=_DIGEST_BYTES).hexdigest()
-
-
-def _file_size(key_bytes: bytes, nbytes: int) -> int:
-    return _HEADER.size + len(key_bytes) + nbytes
-
-
-def _encode_header(key_bytes: bytes, payload: Payload) -> bytes:
-    crc = zlib.crc32(payload, zlib.crc32(key_bytes))
-    return _HEADER.pack(_MAGIC, FORMAT_VERSION, len(key_bytes), len(payload), crc)
-
-
-def _decode(data: bytes, key_bytes: bytes, nbytes: int) -> memoryview | None:
-    """The payload of a complete, intact object file of key ``key_bytes`` and ``nbytes`` payload
-    bytes (a view into ``data``), or ``None`` for anything else."""
-    if len(data) != _file_size(key_bytes, nbytes):
-        return None
-    magic, version, key_length, payload_length, crc = _HEADER.unpack_from(data)
-    start = _HEADER.size + key_length
-    if (
-        magic != _MAGIC
-        or version != FORMAT_VERSION
-        or key_length != len(key_bytes)
-        or payload_length != nbytes
-        or data[_HEADER.size : start] != key_bytes
-    ):
-        return None
-    payload = memoryview(data)[start:]
-    return payload if zlib.crc32(payload, zlib.crc32(key_bytes)) == crc else None
-
-
-def _same_file(a: os.stat_result, b: os.stat_result) -> bool:
-    """Whether two stats describe the same file version (inode numbers are reused at once after an
-    unlink, so the times take part too)."""
-    fields = ("st_dev", "st_ino", "st_size", "st_mtime_ns", "st_ctime_ns")
-    return all(getattr(a, field) == getattr(b, field) for field in fields)
 
 
 class FileBackend(ObjectBackend):
     """An L3 backend storing one file per object under ``root`` (see the module docstring).
 
     ``capacity_bytes`` (an int or a size string) caps the bytes of object files, headers included;
-    ``None`` means no cap. ``writer=False`` makes every put ``SKIPPED``. ``fsync`` makes stored
-    objects durable across power loss. ``clock`` (nanoseconds since the epoch) stamps recency;
-    inject one to make LRU order deterministic in tests. Thread-safe: one lock guards the index.
+    ``None`` means no cap; ``min_free_bytes`` is the file system's free space puts never use
+    (``free_bytes`` reads it; injectable for tests). ``writer=False`` makes every put
+    ``SKIPPED``. ``fsync`` makes stored objects durable across power loss. ``clock`` (nanoseconds
+    since the epoch) stamps recency; inject one to make LRU order deterministic in tests.
+    Thread-safe: one lock guards the index.
     """
 
     name = "file"
@@ -142,6 +107,8 @@ class FileBackend(ObjectBackend):
         fsync: bool = False,
         clock: Callable[[], int] = time.time_ns,
         stale_temp_s: float = 3600.0,
+        min_free_bytes: int | str | None = None,
+        free_bytes: Callable[[], int] | None = None,
     ) -> None:
         super().__init__(keyspace, writer=writer)
         if not isinstance(root, str | os.PathLike):
@@ -171,6 +138,12 @@ class FileBackend(ObjectBackend):
             else parse_size(capacity_bytes, what="FileBackend.capacity_bytes")
         )
         self.fsync = fsync
+        self._free = free_bytes or (lambda: shutil.disk_usage(self.root).free)
+        self.min_free_bytes = (
+            min(1 << 30, shutil.disk_usage(self.root).total // 20)
+            if min_free_bytes is None
+            else parse_size(min_free_bytes, what="FileBackend.min_free_bytes")
+        )
         self._clock = clock
         self._stale_temp_ns = int(stale_temp_s * 1e9)
         self._lock = threading.Lock()
@@ -196,7 +169,7 @@ class FileBackend(ObjectBackend):
             shards = [
                 entry
                 for entry in os.scandir(self.root)
-                if _SHARD_RE.fullmatch(entry.name) and entry.is_dir(follow_symlinks=False)
+                if SHARD_RE.fullmatch(entry.name) and entry.is_dir(follow_symlinks=False)
             ]
         except OSError:
             shards, errors = [], 1
@@ -208,11 +181,11 @@ class FileBackend(ObjectBackend):
                 continue
             for entry in entries:
                 try:
-                    if _NAME_RE.fullmatch(entry.name) and entry.name.startswith(shard.name):
+                    if NAME_RE.fullmatch(entry.name) and entry.name.startswith(shard.name):
                         stat = entry.stat()
-                        found.append((stat.st_mtime_ns, entry.name[: -len(_SUFFIX)], stat.st_size))
+                        found.append((stat.st_mtime_ns, entry.name[: -len(SUFFIX)], stat.st_size))
                     elif (
-                        _TEMP_RE.fullmatch(entry.name)
+                        TEMP_RE.fullmatch(entry.name)
                         and now - entry.stat().st_mtime_ns > self._stale_temp_ns
                     ):
                         stale.append(entry.path)
@@ -225,7 +198,8 @@ class FileBackend(ObjectBackend):
         with self._lock:
             self._index = collections.OrderedDict((name, size) for _, name, size in found)
             self._used = sum(size for _, _, size in found)
-            evicted = self._evict_locked(0, frozenset()) if self.capacity_bytes is not None else 0
+            cap = self.capacity_bytes
+            evicted = self._evict_locked(self._used - cap, frozenset()) if cap is not None else 0
         self.counters.add(objects_evicted=evicted or 0, io_errors=errors)
 
     @property
@@ -242,7 +216,7 @@ class FileBackend(ObjectBackend):
     def path_of(self, key: StoreKey) -> Path:
         """Where ``key``'s object file lives."""
         name = object_name(key)
-        return self.root / name[:2] / (name + _SUFFIX)
+        return self.root / name[:2] / (name + SUFFIX)
 
     def evict(self, namespace: Namespace, page: PageHash, component: str | None = None) -> int:
         """Remove ``page``'s object files (only ``component``'s when given), as the cap's own
@@ -271,7 +245,7 @@ class FileBackend(ObjectBackend):
     def _present(self, keys: Sequence[StoreKey], nbytes: int) -> list[bool] | None:
         out = []
         for key in keys:
-            name, expected = object_name(key), _file_size(key.text.encode(), nbytes)
+            name, expected = object_name(key), file_size(key.text.encode(), nbytes)
             try:
                 size = self.path_of(key).stat().st_size
             except FileNotFoundError:
@@ -292,13 +266,16 @@ class FileBackend(ObjectBackend):
         self, objects: Sequence[tuple[StoreKey, Payload]], page_keys: Sequence[StoreKey]
     ) -> PutStatus:
         files = [(key, object_name(key), key.text.encode(), data) for key, data in objects]
-        sizes = {name: _file_size(key_bytes, len(data)) for _, name, key_bytes, data in files}
+        sizes = {name: file_size(key_bytes, len(data)) for _, name, key_bytes, data in files}
         with self._lock:
             need = sum(size - self._index.get(name, 0) for name, size in sizes.items())
-            evicted = 0
+            excess = self.min_free_bytes - (self._free_now() - need)  # below the reserve
             if self.capacity_bytes is not None:
+                excess = max(excess, self._used + need - self.capacity_bytes)
+            evicted = 0
+            if excess > 0:
                 protect = frozenset(object_name(key) for key in page_keys)
-                evicted_or_none = self._evict_locked(need, protect)
+                evicted_or_none = self._evict_locked(excess, protect)
                 if evicted_or_none is None:
                     return PutStatus.FULL
                 evicted = evicted_or_none
@@ -315,7 +292,7 @@ class FileBackend(ObjectBackend):
                     for _, unwritten, _, _ in files[done:]:
                         self._forget_locked(unwritten)
                 self.counters.add(io_errors=1)
-                return PutStatus.FULL if error.errno in _FULL_ERRNOS else PutStatus.FAILED
+                return PutStatus.FULL if error.errno in FULL_ERRNOS else PutStatus.FAILED
         return PutStatus.STORED
 
     def _read(self, keys: Sequence[StoreKey], nbytes: int) -> list[Payload] | GetStatus:
@@ -324,7 +301,7 @@ class FileBackend(ObjectBackend):
             path, name, key_bytes = self.path_of(key), object_name(key), key.text.encode()
             try:
                 with open(path, "rb") as file:
-                    data = file.read(_file_size(key_bytes, nbytes) + 1)
+                    data = file.read(file_size(key_bytes, nbytes) + 1)
                     identity = os.fstat(file.fileno())
             except FileNotFoundError:
                 with self._lock:
@@ -333,7 +310,7 @@ class FileBackend(ObjectBackend):
             except OSError:
                 self.counters.add(io_errors=1)
                 return GetStatus.FAILED
-            payload = _decode(data, key_bytes, nbytes)
+            payload = decode(data, key_bytes, nbytes)
             if payload is None:
                 self._discard(path, name, identity)
                 return GetStatus.MISSING
@@ -360,7 +337,7 @@ class FileBackend(ObjectBackend):
             fd, temp = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=path.parent)
         try:
             with os.fdopen(fd, "wb") as file:
-                file.write(_encode_header(key_bytes, payload))
+                file.write(encode_header(key_bytes, payload))
                 file.write(key_bytes)
                 file.write(payload)
                 if self.fsync:
@@ -386,7 +363,7 @@ class FileBackend(ObjectBackend):
             self._forget_locked(name)
         try:
             now = path.stat()
-            if _same_file(now, identity):
+            if same_file(now, identity):
                 path.unlink()
                 self.counters.add(objects_discarded=1)
         except FileNotFoundError:
@@ -405,11 +382,15 @@ class FileBackend(ObjectBackend):
         if size is not None:
             self._used -= size
 
-    def _evict_locked(self, need: int, protect: frozenset[str]) -> int | None:
-        """Remove least recently used files outside ``protect`` until ``need`` more bytes fit under
-        the cap: how many were removed, or ``None`` (and nothing removed) if they cannot fit."""
-        assert self.capacity_bytes is not None
-        excess = self._used + need - self.capacity_bytes
+    def _free_now(self) -> int:
+        try:
+            return int(self._free())
+        except OSError:  # cannot tell: do not block puts on it
+            return 1 << 62
+
+    def _evict_locked(self, excess: int, protect: frozenset[str]) -> int | None:
+        """Remove least recently used files outside ``protect`` until ``excess`` bytes are freed:
+        how many were removed, or ``None`` (and nothing removed) if they cannot be."""
         if excess <= 0:
             return 0
         victims, freed = [], 0
@@ -424,7 +405,7 @@ class FileBackend(ObjectBackend):
         for name in victims:
             self._forget_locked(name)
             try:
-                os.unlink(self.root / name[:2] / (name + _SUFFIX))
+                os.unlink(self.root / name[:2] / (name + SUFFIX))
             except FileNotFoundError:  # another process evicted it first
                 pass
             except OSError:

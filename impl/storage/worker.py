@@ -10,7 +10,11 @@ Invariants:
 
 - a job never raises into the worker: whatever the backend does (including raising, which a
   well-behaved backend does not), the result is a complete, per-page account, failures included;
-- results are delivered in submission order (one executor, FIFO);
+- calls run on the lanes of a :class:`~kvstrata.impl.storage.link.StoreLink` (reads, writes and
+  probes apart; FIFO within a lane) and are refused there while the store is down (the methods
+  return ``False`` and nothing runs); results are delivered in the order the calls returned;
+- a call *faults* when a backend call raised or the backend counted an unreachable store or a
+  timeout during it (``outages``, an optional counter of the backend); the link judges it;
 - the worker never touches the tree, the allocators or the scheduler's state; it reads host pages
   named by a backup job and writes host pages named by a fetch job, which the cache keeps pinned
   (backup) or reserved (fetch) until the result is drained.
@@ -25,7 +29,7 @@ is in the store into the op's state slot: :attr:`FetchResult.usable` is where th
 from __future__ import annotations
 
 import logging
-import queue
+import time
 from collections.abc import Callable, Sequence
 from typing import TypeAlias, TypeVar
 
@@ -33,10 +37,13 @@ import attrs
 import numpy as np
 import numpy.typing as npt
 
+from kvstrata.impl.errors import StoreError
 from kvstrata.impl.storage.base import GetStatus, PutStatus, StorageBackend
 from kvstrata.impl.storage.hybrid import HybridStorage
-from kvstrata.impl.transfer import Executor, ThreadExecutor, drain
+from kvstrata.impl.storage.link import Body, Lanes, StoreLink
+from kvstrata.impl.transfer import Executor
 from kvstrata.model.keys import Namespace, PageHash
+from kvstrata.model.l3.health import CallKind, HealthConfig, Recovery
 
 __all__ = ["BackupResult", "FetchResult", "QueryResult", "StorageResult", "StorageWorker"]
 
@@ -54,6 +61,8 @@ class BackupResult:
     op_id: int
     statuses: tuple[PutStatus, ...]
     states: tuple[PutStatus, ...] = ()
+    sentinel: tuple[Namespace, PageHash] | None = None  # the last page now in the store
+    skipped: bool = False  # the store was down when the lane got to it: nothing was tried
 
 
 @attrs.frozen
@@ -84,20 +93,44 @@ def _pages(digests: bytes) -> list[PageHash]:
     return [PageHash(digests[i : i + 32]) for i in range(0, len(digests), 32)]
 
 
+@attrs.define
+class _Trace:
+    """Whether a backend call of one store call raised."""
+
+    raised: bool = False
+
+
+_NO_PAGE = PageHash(bytes(32))
+
+
 class StorageWorker:
     """Runs backup, query and fetch jobs against one backend on one executor."""
 
     def __init__(
-        self, backend: StorageBackend | HybridStorage, executor: Executor | None = None
+        self,
+        backend: StorageBackend | HybridStorage,
+        executor: Executor | Lanes | None = None,
+        *,
+        health: HealthConfig | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.backend = backend
         self.hybrid = backend if isinstance(backend, HybridStorage) else None
         self.plain: StorageBackend | None = None if isinstance(backend, HybridStorage) else backend
-        self.executor: Executor = (
-            executor if executor is not None else ThreadExecutor("kvstrata-storage")
+        self._kv: StorageBackend = (
+            backend.backend if isinstance(backend, HybridStorage) else backend
         )
-        self._done: queue.SimpleQueue[StorageResult] = queue.SimpleQueue()
+        if executor is None:
+            lanes = Lanes.threads()
+        elif isinstance(executor, Lanes):
+            lanes = executor
+        else:
+            lanes = Lanes.shared(executor)
+        self.link = StoreLink(lanes, self._probe, health or HealthConfig(), clock)
         self.submitted = 0
+        #: The last page a backup confirmed while the store was healthy: a probe that finds it
+        #: gone after an outage means the store came back empty.
+        self.sentinel: tuple[Namespace, PageHash] | None = None
 
     # ------------------------------------------------------------------ jobs
     def backup(
@@ -109,10 +142,10 @@ class StorageWorker:
         *,
         state_digests: bytes = b"",
         state_slots: Indices = (),
-    ) -> None:
+    ) -> bool:
         """Store the pages named by ``digests`` from ``host_indices`` (exists-then-put-missing),
         and (hybrid storage) the states at the end of the pages named by ``state_digests`` from
-        host state slots ``state_slots``."""
+        host state slots ``state_slots``. ``False``: the store is down, nothing was issued."""
         pages = _pages(digests)
         indices = [int(i) for i in host_indices]
         state_pages = _pages(state_digests)
@@ -125,9 +158,9 @@ class StorageWorker:
                 return self.plain.put(namespace, pages, indices)
             return hybrid.put(namespace, pages, indices).pages if pages else []
 
-        def run() -> None:
+        def run(trace: _Trace) -> BackupResult:
             statuses = self._statuses(
-                self._guard(put, [PutStatus.FAILED] * len(pages), "put"),
+                self._guard(put, [PutStatus.FAILED] * len(pages), "put", trace),
                 len(pages),
                 PutStatus.FAILED,
                 "put",
@@ -140,40 +173,53 @@ class StorageWorker:
                         lambda: hybrid.put_states(namespace, state_pages, slots),
                         [PutStatus.FAILED] * len(state_pages),
                         "put",
+                        trace,
                     ),
                     len(state_pages),
                     PutStatus.FAILED,
                     "put",
                 )
-            self._done.put(BackupResult(op_id, tuple(statuses), tuple(states)))
+            stored = [i for i, status in enumerate(statuses) if status.ok]
+            last = (namespace, pages[stored[-1]]) if stored else None
+            return BackupResult(op_id, tuple(statuses), tuple(states), last)
 
-        self._submit(run)
+        def skip() -> BackupResult:
+            failed = PutStatus.FAILED
+            return BackupResult(
+                op_id, (failed,) * len(pages), (failed,) * len(state_pages), skipped=True
+            )
+
+        return self._submit(CallKind.BACKUP, op_id, len(pages), run, skip)
 
     def query(
         self, op_id: int, namespace: Namespace, hasher: Callable[[], bytes], max_pages: int
-    ) -> None:
+    ) -> bool:
         """Compute the continuation's page hashes with ``hasher`` (off the scheduler thread) and ask
-        the store how many leading pages (at most ``max_pages``) it holds."""
+        the store how many leading pages (at most ``max_pages``) it holds. ``False``: the store is
+        down, nothing was issued (the answer is "nothing")."""
 
-        def run() -> None:
+        def run(trace: _Trace) -> QueryResult:
             try:
                 digests = hasher()[: max_pages * 32]
             except Exception:  # a hashing failure is a miss, never an exception on the worker
                 log.exception("kvstrata: prefetch query %d could not hash its pages", op_id)
-                self._done.put(QueryResult(op_id, b"", 0))
-                return
+                return QueryResult(op_id, b"", 0)
             pages = _pages(digests)
             hybrid = self.hybrid
             plain = self.plain
             if plain is not None:
-                hit = self._guard(lambda: plain.exists(namespace, pages), 0, "exists")
+                hit = self._guard(lambda: plain.exists(namespace, pages), 0, "exists", trace)
             else:  # the prefix usable in every pool, never the bare KV hit
                 assert hybrid is not None
-                hit = self._guard(lambda: hybrid.exists(namespace, pages).usable, 0, "exists")
+                hit = self._guard(
+                    lambda: hybrid.exists(namespace, pages).usable, 0, "exists", trace
+                )
             count = hit if isinstance(hit, int) else 0
-            self._done.put(QueryResult(op_id, digests, max(0, min(count, len(pages)))))
+            return QueryResult(op_id, digests, max(0, min(count, len(pages))))
 
-        self._submit(run)
+        return self._submit(
+            CallKind.QUERY, op_id, max_pages, run, lambda: QueryResult(op_id, b"", 0)
+        )
 
     def fetch(
         self,
@@ -183,10 +229,11 @@ class StorageWorker:
         host_indices: Indices,
         *,
         state_slot: int | None = None,
-    ) -> None:
+    ) -> bool:
         """Read the pages named by ``digests`` into the reserved ``host_indices`` (with their
         ``ALL_PAGES`` objects over hybrid storage), then, with a ``state_slot``, the state of the
-        deepest arrived page that has one in the store (:meth:`HybridStorage.read_state`)."""
+        deepest arrived page that has one in the store (:meth:`HybridStorage.read_state`).
+        ``False``: the store is down, nothing was issued (the slots are the caller's again)."""
         pages = _pages(digests)
         indices = [int(i) for i in host_indices]
         hybrid = self.hybrid
@@ -197,10 +244,10 @@ class StorageWorker:
                 return self.plain.get(namespace, pages, indices)
             return hybrid.get(namespace, pages, indices).pages
 
-        def run() -> None:
+        def run(trace: _Trace) -> FetchResult:
             failed = [GetStatus.FAILED] * len(pages)
             statuses = self._statuses(
-                self._guard(get, failed, "get"), len(pages), GetStatus.FAILED, "get"
+                self._guard(get, failed, "get", trace), len(pages), GetStatus.FAILED, "get"
             )
             usable: int | None = None
             if state_slot is not None:
@@ -209,24 +256,80 @@ class StorageWorker:
                     (i for i, s in enumerate(statuses) if s is not GetStatus.LOADED), len(pages)
                 )
                 got = self._guard(
-                    lambda: hybrid.read_state(namespace, pages, whole, state_slot), 0, "get"
+                    lambda: hybrid.read_state(namespace, pages, whole, state_slot),
+                    0,
+                    "get",
+                    trace,
                 )
                 usable = got if isinstance(got, int) and 0 <= got <= whole else 0
-            self._done.put(FetchResult(op_id, tuple(statuses), usable))
+            return FetchResult(op_id, tuple(statuses), usable)
 
-        self._submit(run)
+        def skip() -> FetchResult:
+            return FetchResult(
+                op_id, (GetStatus.FAILED,) * len(pages), None if state_slot is None else 0
+            )
+
+        return self._submit(CallKind.FETCH, op_id, len(pages), run, skip)
 
     # ------------------------------------------------------------------ plumbing
-    def _submit(self, job: Callable[[], None]) -> None:
+    def _outages(self) -> int:
+        count = getattr(self._kv, "outages", 0)
+        return count if isinstance(count, int) else 0
+
+    def _body(self, run: Callable[[_Trace], T]) -> Body:
+        """``run`` as a link call body: its result and whether the call faulted."""
+
+        def body() -> tuple[T, bool]:
+            trace = _Trace()
+            before = self._outages()
+            result = run(trace)
+            return result, trace.raised or self._outages() > before
+
+        return body
+
+    def _submit(
+        self,
+        kind: CallKind,
+        op_id: int,
+        pages: int,
+        run: Callable[[_Trace], T],
+        skip: Callable[[], T],
+    ) -> bool:
+        if not self.link.submit(kind, op_id, pages, self._body(run), skip):
+            return False
         self.submitted += 1
-        self.executor.submit(job)
+        return True
+
+    def _probe(self) -> Body:
+        """A probe: can the store answer, and does it still hold the sentinel page? Its outcome
+        is ``True`` when the sentinel is gone (the store came back empty)."""
+        kv = self._kv
+
+        probe = getattr(kv, "probe", None)  # a backend's fast single-key check, if it has one
+
+        def run(trace: _Trace) -> bool:
+            sentinel = self.sentinel
+            namespace, page = sentinel if sentinel is not None else (Namespace(), _NO_PAGE)
+            if callable(probe):
+                hit = self._guard(lambda: int(bool(probe(namespace, page))), 0, "probe", trace)
+            else:
+                hit = self._guard(lambda: kv.exists(namespace, [page]), 0, "probe", trace)
+            return sentinel is not None and hit == 0
+
+        return self._body(run)
 
     @staticmethod
-    def _guard(call: Callable[[], T], fallback: T, what: str) -> T:
-        """Run ``call``; on an exception, log it and return ``fallback`` instead."""
+    def _guard(call: Callable[[], T], fallback: T, what: str, trace: _Trace) -> T:
+        """Run ``call``; on an exception, note it in ``trace``, log it and return ``fallback``
+        (a store error at debug level: the link reports outages once, not per call)."""
         try:
             return call()
+        except StoreError as error:
+            trace.raised = True
+            log.debug("kvstrata: storage %s failed: %s", what, error)
+            return fallback
         except Exception:
+            trace.raised = True
             log.exception("kvstrata: storage %s raised; reported as failed", what)
             return fallback
 
@@ -238,11 +341,25 @@ class StorageWorker:
         log.error("kvstrata: storage %s gave %r for %d pages", what, statuses, count)
         return [failed] * count
 
-    def results(self) -> list[StorageResult]:
-        """Every result finished since the last call, in completion (= submission) order."""
-        return drain(self._done)
+    def poll(self) -> tuple[list[StorageResult], Recovery | None]:
+        """Every result that returned since the last call, in return order, and a recovery of the
+        store if one happened (the link judged the calls; see :meth:`StoreLink.poll`). A backup
+        judged healthy moves the sentinel to its last stored page; a recovery that found the
+        store empty clears it."""
+        calls, recovery = self.link.poll()
+        results: list[StorageResult] = []
+        for call in calls:
+            result = call.outcome
+            if not isinstance(result, BackupResult | QueryResult | FetchResult):
+                continue  # pragma: no cover - a body that raised (logged as a bug)
+            if call.healthy_ok and isinstance(result, BackupResult) and result.sentinel:
+                self.sentinel = result.sentinel
+            results.append(result)
+        if recovery is not None and recovery.lost:
+            self.sentinel = None
+        return results, recovery
 
     def close(self) -> None:
-        """Finish submitted jobs, stop the executor and close the backend."""
-        self.executor.close()
+        """Let issued calls return, stop the lanes and close the backend."""
+        self.link.close()
         self.backend.close()

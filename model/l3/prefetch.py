@@ -225,6 +225,7 @@ class Prefetch:
             loading=op.state is PrefetchState.LOADING,
             waited=self.clock.now - op.started,
             limit=self.config.prefetch_timeout.limit(len(op.pages) * self.config.page_size),
+            deadline=self.config.prefetch_timeout.deadline,
         )
 
     def commit(self, op: PrefetchOp) -> int:

@@ -151,6 +151,12 @@ class MooncakeBackend:
         role = "writer" if self.writer else "reader"
         return f"MooncakeBackend({self.client!r}, {self.keyspace!r}, {role})"
 
+    @property
+    def outages(self) -> int:
+        """Objects or calls that failed because the store was unreachable or timed out (only
+        grows): the store link judges a call that raised it as a fault."""
+        return self.errors.count(ErrorKind.UNAVAILABLE) + self.errors.count(ErrorKind.TIMEOUT)
+
     # ------------------------------------------------------------------------------- helpers
     def _check_open(self, operation: str) -> None:
         if self._closed:
@@ -237,6 +243,20 @@ class MooncakeBackend:
                 break
             found += 1
         return found
+
+    def probe(self, namespace: Namespace, page: PageHash) -> bool:
+        """Whether the first object of ``page`` is in the store, in one single-key call (fast
+        also against a dead master); an unreachable store counts as an outage and answers False."""
+        self._checked("probe", namespace, [page], None)
+        try:
+            code = self.client.is_exist(self._keys(namespace, [page])[0])
+        except StoreUnavailable:
+            code = RPC_FAIL
+        if code < 0:
+            self._count_errors("exists", [code])
+            return False
+        self.errors.success("exists")
+        return code == EXISTS
 
     # ---------------------------------------------------------------------------------- put
     def put(

@@ -14,12 +14,16 @@ wherever a pointer points. This wrapper makes those impossible:
   raises at once, naming the address; ``MC_STORE_CLIENT_SETUP_RETRIES`` (``setup_retries``, never 0)
   bounds the native setup to about 4.4 s per retry when something answers the port but no master does.
   ``MC_LOG_LEVEL`` defaults to ``ERROR`` (it is read when the native module is first imported, so
-  this module imports ``mooncake.store`` lazily, after setting it).
+  this module imports ``mooncake.store`` lazily, after setting it), and the native client's glog
+  lines are kept off stderr (:mod:`.native_log`; ``KVSTRATA_DEBUG=1`` keeps them).
 - **Memory safety**: every pointer range handed to a batch call must lie inside a buffer registered
   through this client; keys must be :class:`~kvstrata.model.keys.StoreKey` values (made only by the
   key schema).
-- **One lock** around every native call (the native client is not documented as thread-safe; the GIL
-  is released inside the calls, so a long call blocks other callers of this client, not the process).
+- **A gate** around every native call: data calls (``batch_*``, ``health``) run side by side (the
+  cache's read, write and probe lanes share one client, as sglang's prefetch and backup threads
+  share one native store; the GIL is released inside the calls), while setup, close and buffer
+  (un)registration run alone, after every running data call returned: a slow call against a dead
+  master never turns into a call on a closed native object.
 
 Batch calls return the native per-key ints unchanged (``>= 0`` success, negative ``ErrorCode``; see
 :mod:`.codes`), one per key, always of the right length: a native exception or a malformed answer
@@ -31,9 +35,6 @@ from __future__ import annotations
 import bisect
 import enum
 import logging
-import os
-import socket
-import threading
 from collections.abc import Callable, Sequence
 from types import TracebackType
 from typing import Any, Final, TypeVar
@@ -41,6 +42,12 @@ from typing import Any, Final, TypeVar
 from kvstrata.impl.errors import MisuseError, StoreUnavailable
 from kvstrata.impl.storage.mooncake.codes import describe, error_for
 from kvstrata.impl.storage.mooncake.config import MooncakeConfig
+from kvstrata.impl.storage.mooncake.connect import (
+    Gate,
+    native_store_class,
+    prepare_environment,
+    probe_master,
+)
 from kvstrata.model.keys import StoreKey
 
 __all__ = [
@@ -94,43 +101,6 @@ class ClientHealth(enum.Enum):
     NOT_READY = "not_ready"
 
 
-def probe_master(config: MooncakeConfig) -> None:
-    """:class:`StoreUnavailable` naming the address unless a TCP connection to the master's RPC port
-    opens within ``config.probe_timeout`` seconds."""
-    try:
-        with socket.create_connection(
-            (config.master_host, config.master_port), timeout=config.probe_timeout
-        ):
-            pass
-    except OSError as error:
-        raise StoreUnavailable(
-            f"mooncake master {config.master} is not reachable ({error}); is mooncake_master "
-            f"running and is the address right?"
-        ) from None
-
-
-def _prepare_environment(config: MooncakeConfig) -> None:
-    # Read by the native library: MC_LOG_LEVEL when mooncake.store is first imported,
-    # the retry count at every setup.
-    os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
-    retries = str(config.setup_retries)
-    if os.environ.get("MC_STORE_CLIENT_SETUP_RETRIES") != retries:
-        os.environ["MC_STORE_CLIENT_SETUP_RETRIES"] = retries
-
-
-def _native_store_class() -> Any:
-    try:
-        from mooncake.store import (  # type: ignore[import-untyped]  # noqa: PLC0415 (lazy)
-            MooncakeDistributedStore,
-        )
-    except ImportError as error:
-        raise StoreUnavailable(
-            f"the mooncake client is not installed ({error}); "
-            f"pip install mooncake-transfer-engine-non-cuda (or the CUDA variant)"
-        ) from None
-    return MooncakeDistributedStore
-
-
 def _check_int(value: object, what: str, low: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < low:
         raise MisuseError(f"{what}: expected an int >= {low}, got {value!r}")
@@ -150,7 +120,7 @@ class MooncakeClient:
         self._state = ClientState.NEW
         self._native: Any = None
         self._hostname: str | None = None
-        self._lock = threading.Lock()
+        self._gate = Gate()
         self._starts: list[int] = []  # sorted starts of registered buffers
         self._sizes: dict[int, int] = {}  # start -> size
         self._refs: dict[int, int] = {}  # start -> registrations of exactly that range
@@ -175,7 +145,7 @@ class MooncakeClient:
     def setup(self) -> MooncakeClient:
         """Connect; :class:`StoreUnavailable` (state ``FAILED``) when the master is unreachable or
         the native setup fails. Returns ``self``."""
-        with self._lock:
+        with self._gate.exclusive():
             if self._state is ClientState.CLOSED:
                 raise StoreUnavailable("mooncake client: setup() after close()")
             if self._state is ClientState.READY:
@@ -192,8 +162,8 @@ class MooncakeClient:
     def _connect(self) -> tuple[Any, str]:
         config = self.config
         probe_master(config)
-        _prepare_environment(config)
-        native = _native_store_class()()
+        prepare_environment(config)
+        native = native_store_class()()
         try:
             rc = native.setup(
                 config.local_hostname,
@@ -222,7 +192,7 @@ class MooncakeClient:
     def close(self) -> None:
         """Close the connection (0.2-2 s: it unmounts this client's segment, whose objects vanish
         from the store). Idempotent; the client is ``CLOSED`` afterwards whatever happened."""
-        with self._lock:
+        with self._gate.exclusive():
             native, self._native = self._native, None
             self._advance(ClientEvent.CLOSE)
             self._starts.clear()
@@ -253,14 +223,23 @@ class MooncakeClient:
 
     # ------------------------------------------------------------------------------ plumbing
     def _call(
-        self, what: str, call: Callable[[Any], T], check: Callable[[], None] | None = None
+        self,
+        what: str,
+        call: Callable[[Any], T],
+        check: Callable[[], None] | None = None,
+        *,
+        exclusive: bool = False,
     ) -> T:
-        """Run ``check()`` then ``call(native)`` under the lock, only when ``READY``."""
-        with self._lock:
+        """Run ``check()`` then ``call(native)`` through the gate (alone when ``exclusive``), only
+        when ``READY``."""
+        if self._released:
+            with self._gate.exclusive():
+                if self._state is ClientState.READY and self._native is not None:
+                    while self._released:
+                        self._drop_reference(self._native, self._released.pop())
+        with self._gate.exclusive() if exclusive else self._gate.shared():
             if self._state is not ClientState.READY or self._native is None:
                 raise StoreUnavailable(f"mooncake client: {what} while {self._state.value}")
-            while self._released:
-                self._drop_reference(self._native, self._released.pop())
             if check is not None:
                 check()
             return call(self._native)
@@ -296,7 +275,7 @@ class MooncakeClient:
 
     def _check_ranges(self, ptrs: Sequence[int], sizes: Sequence[int], what: str) -> None:
         """:class:`MisuseError` unless every ``[ptr, ptr + size)`` lies in one registered buffer
-        (called under the lock: registrations do not change meanwhile)."""
+        (called through the gate: registrations change only while no data call runs)."""
         for ptr, size in zip(ptrs, sizes, strict=True):
             _check_int(ptr, f"{what}: pointer", 1)
             _check_int(size, f"{what}: size", 1)
@@ -333,7 +312,7 @@ class MooncakeClient:
             self._sizes[ptr] = size
             self._refs[ptr] = 1
 
-        self._call("register_buffer", register)
+        self._call("register_buffer", register, exclusive=True)
 
     def unregister_buffer(self, ptr: int) -> None:
         """Drop one reference taken by :meth:`register_buffer`; the last one unregisters the range
@@ -346,7 +325,7 @@ class MooncakeClient:
             if rc != 0:
                 raise error_for(rc, "unregister_buffer")
 
-        self._call("unregister_buffer", unregister)
+        self._call("unregister_buffer", unregister, exclusive=True)
 
     def release_buffer_later(self, ptr: int) -> None:
         """:meth:`unregister_buffer` at the start of this client's next call. Safe from a garbage
@@ -356,7 +335,7 @@ class MooncakeClient:
         self._released.append(ptr)
 
     def _drop_reference(self, native: Any, ptr: int) -> int:
-        """One reference less on the registration at ``ptr`` (under the lock); the native
+        """One reference less on the registration at ``ptr`` (gate held alone); the native
         unregister's code when it was the last one, else 0."""
         if ptr not in self._refs:
             return 0
@@ -378,6 +357,21 @@ class MooncakeClient:
         if not texts:
             return []
         return self._batch("batch_is_exist", len(texts), lambda n: n.batch_is_exist(texts))
+
+    def is_exist(self, key: StoreKey) -> int:
+        """One key: 1 exists, 0 not, negative error. Against a dead master it answers -900 in
+        well under a millisecond, where ``batch_is_exist`` takes about 4.3 s (MOONCAKE.md §5.3):
+        the store link's probes use it."""
+        (text,) = self._texts([key], "is_exist")
+
+        def call(native: Any) -> int:
+            try:
+                return int(native.is_exist(text))
+            except Exception as error:
+                log.error("mooncake is_exist raised %r", error)
+                return INTERNAL_ERROR
+
+        return self._call("is_exist", call)
 
     def batch_put_from(
         self, keys: Sequence[StoreKey], ptrs: Sequence[int], sizes: Sequence[int]
@@ -435,7 +429,7 @@ class MooncakeClient:
 
     def health(self) -> ClientHealth:
         """A hint about the connection; never raises."""
-        with self._lock:
+        with self._gate.shared():
             if self._state is not ClientState.READY or self._native is None:
                 return ClientHealth.NOT_READY
             try:

@@ -173,7 +173,16 @@ def test_master_runs_in_the_foreground_until_sigterm() -> None:
 def test_bench_lists_the_benchmarks() -> None:
     run = kvstrata("bench", "--list", timeout=60)
     assert run.returncode == 0, run.stderr
-    for name in ("stateful", "copy", "scheduler_path", "replay", "mutants", "embedding", "hybrid"):
+    for name in (
+        "stateful",
+        "copy",
+        "scheduler_path",
+        "replay",
+        "mutants",
+        "embedding",
+        "hybrid",
+        "chaos",
+    ):
         assert name in run.stdout
     assert "--limit 2000 --l1 1M --l2 4M --l3 16M" in run.stdout
 

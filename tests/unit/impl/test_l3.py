@@ -23,6 +23,7 @@ from kvstrata.impl.storage.base import PutStatus
 from kvstrata.impl.storage.memory import MemoryBackend, MemoryStore
 from kvstrata.impl.transfer import ManualExecutor
 from kvstrata.model.keys import KeySpace, KVKind, ModelIdentity, PageHash, chain_page_hashes
+from kvstrata.model.lifecycles import Health
 
 PAGE = 4
 SHAPE = KVShape(KVKind.MHA, layers=2, heads=2, head_dim=4, dtype=torch.float16, page_size=PAGE)
@@ -196,10 +197,12 @@ def test_a_backend_that_raises_is_a_failure_not_a_crash() -> None:
     rig.insert(TOKENS)
     rig.settle()
     assert rig.counters.backup_abandoned_pages == 4
-    op = rig.cache.prefetch([*TOKENS, 99, 98, 97, 96])
-    assert op is not None  # the continuation exists locally up to the last page
-    rig.settle()
-    assert rig.cache.prefetch_commit(op) == 0
+    # a raising backend is a faulty store: the backup and the probe that followed it faulted, so
+    # the store is down and a prefetch is answered "nothing" at once (no call is issued)
+    l3 = rig.cache.l3
+    assert l3 is not None and l3.link.state is Health.DOWN
+    assert rig.cache.prefetch([*TOKENS, 99, 98, 97, 96]) is None
+    assert l3.link.answered_nothing == 1 and rig.counters.prefetch_unserved == 1
 
 
 def test_wait_complete_and_timeout_policies() -> None:
@@ -320,6 +323,10 @@ def test_metrics_are_scraped_from_the_cache() -> None:
     assert 'kvstrata_copy_pages_total{direction="write"} 4.0' in text
     assert 'kvstrata_queue_depth{queue="backup"} 0.0' in text
     assert "kvstrata_store_errors_total" in text
+    assert 'kvstrata_store_health{state="healthy"} 1.0' in text
+    assert 'kvstrata_store_health{state="down"} 0.0' in text
+    assert "kvstrata_store_faults_total 0.0" in text
+    assert "kvstrata_backup_deferred_pages 0.0" in text
 
 
 def test_partial_failure_retries_only_the_failed_pages() -> None:

@@ -212,6 +212,36 @@ def test_removing_a_damaged_file_spares_a_fresh_rewrite(tmp_path: Path) -> None:
     assert b.get(NS, p, [3]) == [GetStatus.LOADED]
 
 
+def test_a_full_disk_evicts_the_oldest_files_or_answers_full(tmp_path: Path) -> None:
+    """Whatever the cap, puts keep ``min_free_bytes`` free on the file system (issue 17): the
+    oldest files go first; when nothing can go the put is FULL and what is stored stays intact."""
+    disk = {"free": 10 << 20}
+    b = backend(
+        MHA, tmp_path, clock=Tick(), min_free_bytes=1 << 20, free_bytes=lambda: disk["free"]
+    )
+    size = file_size(b, MHA)  # one object file (a page is two)
+    p = pages(MHA, 3)
+    host = host_of(b)
+    assert b.put(NS, p[:2], [0, 1]) == [PutStatus.STORED] * 2
+    disk["free"] = (1 << 20) + 2 * size  # room for one more page above the reserve
+    assert b.put(NS, p[2:], [2]) == [PutStatus.STORED]
+    assert b.exists(NS, p) == 3
+    disk["free"] = (1 << 20) + size  # one object short: the oldest page's files go
+    fresh = pages(MHA, 4)[3:]
+    assert b.put(NS, fresh, [3]) == [PutStatus.STORED]
+    assert b.exists(NS, p[:1]) == 0 and b.exists(NS, p[1:]) == 2
+    assert b.counters.snapshot().objects_evicted >= 1
+    disk["free"] = 0  # a disk filled by someone else, and nothing of ours can make room enough
+    keep = {page: b.exists(NS, [page]) for page in (*p[1:], *fresh)}
+    b._index.clear()  # this instance knows no file it could evict
+    assert b.put(NS, pages(MHA, 5)[4:], [4]) == [PutStatus.FULL]
+    assert {page: b.exists(NS, [page]) for page in keep} == keep
+    assert b.get(NS, fresh, [0]) == [GetStatus.LOADED]
+    assert torch.equal(
+        host.read_pages([0]).view(torch.int16), host.read_pages([3]).view(torch.int16)
+    )
+
+
 # ------------------------------------------------------------------------------ atomic writes, crashes
 def test_a_failed_write_leaves_nothing_behind(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch

@@ -200,6 +200,10 @@ def test_master_killed_during_backup_and_prefetch_then_restarted(
                 assert found == 0
         assert traffic.records[-1][0], "the traffic never ran a round during the outage"
         assert backend.errors.count(ErrorKind.UNAVAILABLE) > 0
+        # the store link's probe: one single-key call, an outage counted (fast: -900 at once)
+        outages = backend.outages
+        assert backend.probe(page_kit.NS, page_kit.pages(KVKind.MHA, 1)[0]) is False
+        assert backend.outages == outages + 1
         assert backend.errors.in_burst("put")
         assert backend.counters.puts_failed >= 2
 
@@ -218,5 +222,7 @@ def test_master_killed_during_backup_and_prefetch_then_restarted(
             time.sleep(0.2)
         assert page_kit.holds(host, [6, 7], pages)
         assert not backend.errors.in_burst("put")
+        assert backend.probe(page_kit.NS, pages[0]) is True
+        assert backend.probe(page_kit.NS, page_kit.pages(KVKind.MHA, 1, first_token=7)[0]) is False
     finally:
         backend.close()
