@@ -42,6 +42,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
+import attrs
 import hypothesis.strategies as st
 import pytest
 import torch
@@ -70,6 +71,7 @@ from kvstrata.impl.storage.mooncake import LocalCluster, MooncakeBackend, Moonca
 from kvstrata.impl.storage.worker import BackupResult, FetchResult, QueryResult
 from kvstrata.impl.transfer import ManualExecutor
 from kvstrata.model.cache import WritePolicy
+from kvstrata.model.errors import KeyParseError
 from kvstrata.model.hybrid import side_page_keys
 from kvstrata.model.keys import (
     KeySpace,
@@ -77,14 +79,29 @@ from kvstrata.model.keys import (
     ModelIdentity,
     Namespace,
     PageHash,
+    Shard,
     StoreKey,
     chain_page_hashes,
+    parse_store_key,
+    render_store_key,
 )
 from kvstrata.model.l3.policy import PrefetchPolicy
 from kvstrata.model.lifecycles import HOST_VALID, PrefetchState, Residency
 from kvstrata.model.store import StoreModel
 
 TAG = "ci-l3"
+#: Identities drawn per machine (issue 19): the shard and the deployment tag are part of every key.
+SHARDS = {
+    KVKind.MHA: (
+        Shard(),
+        Shard(tp_rank=1, tp_size=2),
+        Shard(tp_rank=3, tp_size=4, pp_rank=1, pp_size=2),
+    ),
+    KVKind.MLA: (Shard.replicated(), Shard(tp_rank=1, tp_size=2)),
+}
+TAGS = (TAG, "prod.eu-1", None)
+#: A foreign namespace: another tenant's pages in the same store.
+FOREIGN = Namespace(extra_key="tenant-b", salt="b")
 
 
 class L3Differential(DifferentialMachine):
@@ -105,8 +122,11 @@ class L3Differential(DifferentialMachine):
     ) -> dict[str, Any]:
         self.keyspace = KeySpace(
             ModelIdentity(name="tiny-llm", dtype="float16", kind=kind, page_size=page_size),
-            tag=TAG,
+            shard=data.draw(st.sampled_from(SHARDS[kind]), label="shard"),
+            tag=data.draw(st.sampled_from(TAGS), label="tag"),
         )
+        self.strangers: dict[str, KeySpace] = {}  # rendered key -> the key space that wrote it
+        self.garbage: set[str] = set()  # malformed keys a broken foreign writer left
         self.prefetch_policy = data.draw(
             st.sampled_from([PrefetchPolicy.BEST_EFFORT, PrefetchPolicy.WAIT_COMPLETE]),
             label="prefetch_policy",
@@ -154,8 +174,23 @@ class L3Differential(DifferentialMachine):
 
         self.backend.put = put  # type: ignore[method-assign]
 
+    lists_keys = True  # the store can list its keys (memory); Mooncake cannot
+
+    def mine(self, text: str) -> bool:
+        """Whether a stored key belongs to this instance's key space (any of its namespaces)."""
+        if text in self.garbage or text in self.strangers:
+            return False
+        try:
+            parts = parse_store_key(text)
+        except KeyParseError:
+            return False
+        space = self.keyspace
+        return (parts.model, parts.shard, parts.tag) == (space.model, space.shard, space.tag) and (
+            parts.namespace_id in {ns.key_id() for ns in NAMESPACES}
+        )
+
     def visible_keys(self) -> list[str]:
-        return sorted(key.text for key in self.shared.visible_keys())
+        return sorted(key.text for key in self.shared.visible_keys() if self.mine(key.text))
 
     def model_keys(self) -> list[str]:
         return sorted(key.text for key, _ in self.store_model.visible_items())
@@ -268,6 +303,74 @@ class L3Differential(DifferentialMachine):
         statuses = peer.put(ns, list(pages), slots)
         assert all(status.ok for status in statuses)
         event("a peer backed up a sequence")
+
+    def stranger_backend(self, space: KeySpace) -> StorageBackend:
+        return MemoryBackend(space, store=self.shared)
+
+    @precondition(lambda self: self.ready and self.known)
+    @rule(data=st.data())
+    def stranger_backs_up(self, data: st.DataObject) -> None:
+        """Another deployment shares the store (issue 19): the same pages under another tag,
+        shard, model or tenant namespace, with other bytes. This instance must never see them."""
+        tokens = data.draw(st.sampled_from(self.known), label="stranger's tokens")
+        space, ns = self.keyspace, data.draw(st.sampled_from(NAMESPACES), label="namespace")
+        how = data.draw(st.sampled_from(["tag", "shard", "model", "tenant"]), label="differs by")
+        if how == "tag":
+            space = attrs.evolve(space, tag="other" if space.tag != "other" else None)
+        elif how == "shard":
+            others = [
+                s
+                for s in (*SHARDS[space.model.kind], Shard(tp_rank=0, tp_size=2))
+                if s != space.shard
+            ]
+            space = attrs.evolve(space, shard=others[0])
+        elif how == "model":
+            space = attrs.evolve(space, model=attrs.evolve(space.model, name="other-llm"))
+        else:
+            ns = FOREIGN
+        pages = chain_page_hashes(tokens, self.page_size, ns)
+        if not pages:
+            return
+        scratch = HostKVPool(self.shape, len(pages), HostLayout.PAGE_FIRST)
+        slots = list(range(len(pages)))
+        scratch.write_pages(
+            slots, torch.zeros(self.shape.canonical(len(pages)), dtype=self.shape.dtype)
+        )
+        stranger = self.stranger_backend(space)
+        stranger.attach(scratch)
+        assert all(status.ok for status in stranger.put(ns, list(pages), slots))
+        for page in pages:
+            for key in space.page_keys(ns, page):
+                self.strangers[key.text] = space
+        event(f"a stranger ({how}) backed up the same tokens")
+
+    @precondition(lambda self: self.ready and self.lists_keys and self.seen)
+    @rule(data=st.data())
+    def garbage_in_store(self, data: st.DataObject) -> None:
+        """A broken foreign writer leaves malformed keys (a doubled tag, a doubled version, an
+        uppercase hash, a trailing segment) next to this instance's: the parser must refuse them
+        and nothing may read them."""
+        ns, tokens = data.draw(st.sampled_from(sorted(self.seen, key=repr)), label="sequence")
+        pages = chain_page_hashes(tokens, self.page_size, ns)
+        if not pages:
+            return
+        good = self.keyspace.page_keys(ns, pages[0])[0].text
+        head, _, digest = good.rpartition("/")
+        tag = self.keyspace.tag or "_"
+        variants = {
+            "doubled version": good.replace("kvs1/", "kvs1/kvs1/", 1),
+            "uppercase hash": f"{head}/{digest.upper()}",
+            "trailing segment": good + "/x",
+            "doubled tag": good.replace(f"kvs1/{tag}/", f"kvs1/{tag}/{tag}/", 1),
+            "quoted name": good.replace("/tiny-llm/", "/tiny%2Dllm/", 1),
+            "zero-padded page": good.replace(f"/p{self.page_size}/", f"/p0{self.page_size}/", 1),
+        }
+        how = data.draw(st.sampled_from(sorted(variants)), label="malformed")
+        text = variants[how]
+        size = self.shape.nbytes(1) // len(self.keyspace.model.components)
+        self.shared.write([(StoreKey(text), bytes(size))], [], owner=0, hold=False)
+        self.garbage.add(text)
+        event(f"a malformed key in the store ({how})")
 
     # ------------------------------------------------------------ prefetch
     @rule(data=st.data())
@@ -426,10 +529,30 @@ class L3Differential(DifferentialMachine):
 
     @invariant()
     def store_keys_parse(self) -> None:
-        if self.ready:
-            for key in self.visible_keys():
-                assert key.startswith(f"kvs1/{TAG}/"), key
-                assert key.count(TAG) == 1, f"tagged twice: {key}"
+        """Every key in the store parses back to the parts that rendered it (round trip), and those
+        parts name the key space that wrote it: this instance's, or a stranger's; a malformed
+        key is refused by the parser (issue 19)."""
+        if not self.ready:
+            return
+        keys = (
+            [k.text for k in self.shared.visible_keys()] if self.lists_keys else self.visible_keys()
+        )
+        for text in keys:
+            if text in self.garbage:
+                try:
+                    parse_store_key(text)
+                except KeyParseError:
+                    continue
+                raise AssertionError(f"the parser accepted a malformed key: {text}")
+            parts = parse_store_key(text)
+            assert render_store_key(parts).text == text, f"round trip changed {text}"
+            owner = self.strangers.get(text)
+            if owner is None:
+                assert self.mine(text), f"a key nobody rendered: {text}"
+                continue
+            assert (parts.model, parts.shard, parts.tag) == (owner.model, owner.shard, owner.tag), (
+                f"{text} does not name the key space that wrote it"
+            )
 
     def teardown(self) -> None:
         if self.ready:
@@ -460,6 +583,12 @@ class MooncakeL3(L3Differential):
     every sequence seen (which covers everything either side can have written)."""
 
     client: MooncakeClient | None = None
+    lists_keys = False
+
+    def stranger_backend(self, space: KeySpace) -> StorageBackend:
+        client = MooncakeL3.client
+        assert client is not None
+        return MooncakeBackend(client, space)
 
     def storage(self) -> dict[str, Any]:
         client = MooncakeL3.client
@@ -779,6 +908,11 @@ class MooncakeHybridL3Tier(HybridL3TierDifferential):
 
     def storage(self) -> dict[str, Any]:
         return {**MooncakeL3.storage(self), "side_specs": self.specs}  # type: ignore[arg-type]
+
+    lists_keys = False
+
+    def stranger_backend(self, space: KeySpace) -> StorageBackend:
+        return MooncakeL3.stranger_backend(self, space)  # type: ignore[arg-type]
 
     def _candidates(self) -> dict[str, StoreKey]:
         keys: dict[str, StoreKey] = {}

@@ -58,6 +58,19 @@ def kv_for(shape: KVShape, page: PageHash) -> torch.Tensor:
     return raw.view(shape.dtype).reshape(dims)
 
 
+def model_locks(model: Any, tokens: tuple[int, ...], namespace: Namespace) -> tuple[object, ...]:
+    """Per cached page of ``tokens``: its node's ``(lock_ref, pins)`` in the model (issue 19: locks
+    compared node by node, not as totals)."""
+    walk = model.tree.walk(list(tokens), namespace, split=False)
+    return tuple((node.lock_ref, node.pins) for node in walk.path for _ in node.pages)
+
+
+def impl_locks(impl: Any, tokens: tuple[int, ...], namespace: Namespace) -> tuple[object, ...]:
+    """The same view of the implementation's tree."""
+    path = impl._index.cached_path(list(tokens), namespace)
+    return tuple((node.lock_ref, node.pins) for node in path for _ in range(node.num_pages))
+
+
 def try_alloc(alloc: Callable[[int], T], pages: int) -> T | None:
     """``alloc(pages)``, or None when the pool is full of locked pages."""
     try:
@@ -425,8 +438,11 @@ class DifferentialMachine(RuleBasedStateMachine):
     # ------------------------------------------------------------ comparison
     def observe(self) -> tuple[object, object]:
         model, impl = self.model, self.impl
-        residency_model = tuple(model.residency(t, ns) for ns, t in sorted(self.seen, key=repr))
-        residency_impl = tuple(impl.residency(t, ns) for ns, t in sorted(self.seen, key=repr))
+        seen = sorted(self.seen, key=repr)
+        residency_model = tuple(model.residency(t, ns) for ns, t in seen)
+        residency_impl = tuple(impl.residency(t, ns) for ns, t in seen)
+        locks_model = tuple(model_locks(model, t, ns) for ns, t in seen)
+        locks_impl = tuple(impl_locks(impl, t, ns) for ns, t in seen)
         model_view = (
             model.device.free_count,
             model.host.free_count,
@@ -435,6 +451,7 @@ class DifferentialMachine(RuleBasedStateMachine):
             model.evictable_pages,
             model.protected_pages,
             residency_model,
+            locks_model,
         )
         impl_view = (
             impl.device_free,
@@ -444,6 +461,7 @@ class DifferentialMachine(RuleBasedStateMachine):
             impl.evictable_pages,
             impl.protected_pages,
             residency_impl,
+            locks_impl,
         )
         return model_view, impl_view
 
