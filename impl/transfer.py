@@ -17,30 +17,49 @@ copied by the injected ``side_copy`` in the same job, so a batch is acked only w
 copied, and fails as a whole if any pool's copy fails.
 
 The executor is injected: :class:`ThreadExecutor` (a single worker thread) or :class:`ManualExecutor`,
-with which a test decides when each batch runs. When CUDA is present the copies run on the controller's
-own CUDA stream (non-blocking copies through pinned staging) and a batch is reported done only after that
-stream is synchronised; that path needs a GPU and is not exercised by CI (CPU only).
+with which a test decides when each batch runs, whole or a step at a time.
+
+A batch is a :class:`CopyJob` of steps: one *issue* per chunk of pages (``chunk_pages``; the whole batch
+by default) and per side pool, then *synchronize*, then *report*. Copies are issued on a
+:class:`CopyStream`, and data counts as landed only once the stream is synchronised:
+
+- :class:`ImmediateStream` (CPU): a copy lands when issued;
+- :class:`CudaStream` (CUDA present): the controller's own CUDA stream (non-blocking copies through
+  pinned staging); needs a GPU, so CI (CPU only) does not run it;
+- :class:`DeferredStream` (tests): the CPU stand-in for a CUDA stream. An issued copy lands only when
+  the test says so or at synchronisation, and reads its source when it lands. An ack before
+  synchronisation, or a freed page a copy still writes, then shows as wrong bytes on CPU.
+
+Invariants: a batch is reported (done or failed) only after its stream was synchronised, so no copy of
+a reported batch can still land; a failed batch, too, first waits for what it already issued.
 """
 
 from __future__ import annotations
 
 import enum
+import functools
 import logging
 import queue
 import threading
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Protocol, TypeVar
 
 import attrs
 import numpy as np
 import torch
 
-from kvstrata.impl.errors import KvStrataError
+from kvstrata.impl.errors import KvStrataError, MisuseError
+from kvstrata.impl.streams import CopyStream, CudaStream, DeferredStream, ImmediateStream
 
 __all__ = [
     "CopyFunction",
+    "CopyJob",
+    "CopyStream",
+    "CudaStream",
+    "DeferredStream",
     "Direction",
+    "ImmediateStream",
     "Executor",
     "ManualExecutor",
     "PoolTransfer",
@@ -132,6 +151,18 @@ class ManualExecutor:
         self.jobs.popleft()()
         return True
 
+    def step_next(self) -> bool:
+        """Advance the oldest job by one step (a :class:`CopyJob`; any other job runs whole); the
+        job leaves the queue once it finished. Whether a job was there to step."""
+        if not self.jobs:
+            return False
+        job = self.jobs[0]
+        if not isinstance(job, CopyJob) or job.step():
+            self.jobs.popleft()
+            if not isinstance(job, CopyJob):
+                job()
+        return True
+
     def begin_next(self) -> bool:
         """Begin the oldest job without finishing it (a call left hanging): its ``begin()`` runs
         if it has one (the store link's calls note when they started); ``run_next`` finishes it."""
@@ -150,6 +181,24 @@ class ManualExecutor:
 
     def close(self) -> None:
         self.run_all()
+
+
+class CopyJob:
+    """One batch's copies as steps (see the module docstring): :meth:`step` runs the next one and
+    says whether the job finished; calling the job runs every step left (a worker thread's way)."""
+
+    def __init__(self, steps: Iterator[None]) -> None:
+        self._steps = steps
+        self.started = False
+
+    def step(self) -> bool:
+        self.started = True
+        return next(self._steps, StopIteration) is StopIteration
+
+    def __call__(self) -> None:
+        self.started = True
+        for _ in self._steps:
+            pass
 
 
 #: ``copy(direction, src_pages, dst_pages) -> bytes moved`` (the pools' vectorised page copy).
@@ -220,7 +269,17 @@ class TransferController:
         self._pending = {direction: _Pending() for direction in Direction}
         self._done: queue.SimpleQueue[Completion] = queue.SimpleQueue()
         self.batches_submitted = 0
-        self._stream = torch.cuda.Stream() if torch.cuda.is_available() else None  # type: ignore[no-untyped-call]
+        self._stream: CopyStream = CudaStream() if torch.cuda.is_available() else ImmediateStream()
+        self._chunk_pages: int | None = None
+
+    def use_stream(self, stream: CopyStream, chunk_pages: int | None = None) -> None:
+        """Run later batches on ``stream``, issuing ``chunk_pages`` pages per copy (the whole batch
+        when ``None``). Only before the first batch was submitted (tests use a :class:`DeferredStream`)."""
+        if self.batches_submitted:
+            raise MisuseError("use_stream: batches were already submitted on the current stream")
+        if chunk_pages is not None and chunk_pages < 1:
+            raise MisuseError(f"use_stream: chunk_pages must be positive, got {chunk_pages}")
+        self._stream, self._chunk_pages = stream, chunk_pages
 
     @property
     def executor(self) -> Executor:
@@ -270,28 +329,40 @@ class TransferController:
         src: np.ndarray,
         dst: np.ndarray,
         side: tuple[PoolTransfer, ...] = (),
-    ) -> Callable[[], None]:
-        def copy_all() -> int:
-            moved = self._copy(direction, src, dst) if len(src) else 0
+    ) -> CopyJob:
+        return CopyJob(self._steps(direction, op_ids, src, dst, side))
+
+    def _steps(
+        self,
+        direction: Direction,
+        op_ids: tuple[int, ...],
+        src: np.ndarray,
+        dst: np.ndarray,
+        side: tuple[PoolTransfer, ...],
+    ) -> Iterator[None]:
+        stream = self._stream
+        chunk = self._chunk_pages or max(len(src), 1)
+        try:
+            for start in range(0, len(src), chunk):
+                part = slice(start, start + chunk)
+                stream.issue(functools.partial(self._copy, direction, src[part], dst[part]))
+                yield
             for transfer in side:
-                assert self._side_copy is not None  # enqueue refuses side transfers otherwise
-                moved += self._side_copy(direction, transfer) if len(transfer.src) else 0
-            return moved
-
-        def run() -> None:
-            try:
-                if self._stream is None:
-                    moved = copy_all()
-                else:  # CUDA: copies run on the controller's own stream; done means synchronised
-                    with torch.cuda.stream(self._stream):
-                        moved = copy_all()
-                    self._stream.synchronize()
-            except Exception:  # reported to the scheduler thread, never raised on the worker
-                self._done.put(Completion(direction, op_ids, False, 0))
-            else:
-                self._done.put(Completion(direction, op_ids, True, moved))
-
-        return run
+                if len(transfer.src):
+                    assert self._side_copy is not None  # enqueue refuses side transfers otherwise
+                    stream.issue(functools.partial(self._side_copy, direction, transfer))
+                    yield
+            moved = stream.synchronize()
+            yield
+        except Exception:  # reported to the scheduler thread, never raised on the worker
+            log.debug("kvstrata: a %s copy batch failed", direction.value, exc_info=True)
+            try:  # a failed batch frees its pages: nothing it issued may land afterwards
+                stream.synchronize()
+            except Exception:
+                log.debug("kvstrata: the copy stream failed again while settling", exc_info=True)
+            self._done.put(Completion(direction, op_ids, False, 0))
+            return
+        self._done.put(Completion(direction, op_ids, True, moved))
 
     def completed(self) -> list[Completion]:
         """Every batch finished since the last call, in completion (= FIFO) order."""

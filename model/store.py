@@ -5,6 +5,13 @@ every reader), :meth:`StoreModel.end_put` makes it visible. ``exists`` and ``get
 only (I2: visible implies durable). Puts are content-addressed and idempotent: a key that is visible or
 being written is not written again (exists-then-put-missing). The store may drop any visible object at
 any time (:meth:`StoreModel.evict`), so a page is present only while *all* its component objects are.
+
+A store may also **lag** (issue 19): while :attr:`StoreModel.hold_writes` is set, a completed write is
+accepted (the writer sees success) but its object stays invisible, *lagging*, until the store
+:meth:`publishes <StoreModel.publish>` it, or forever if the store :meth:`loses <StoreModel.lose>` it.
+A lagging key is neither visible nor writable (a new put of it is refused, as a key mid-put is). So a
+put's success alone never makes a page stored: a page counts as stored only once a reader would see
+every object of it (``exists_pages``), which is what the backup checks after its puts.
 """
 
 from __future__ import annotations
@@ -27,10 +34,13 @@ def _check_key(key: object) -> StoreKey:
 
 @attrs.define
 class StoreModel:
-    """Visible objects and in-flight writes, disjoint by construction."""
+    """Visible, in-flight and lagging objects, pairwise disjoint by construction."""
 
     _visible: dict[StoreKey, Hashable] = attrs.field(factory=dict)
     _writing: dict[StoreKey, Hashable] = attrs.field(factory=dict)
+    _lagging: dict[StoreKey, Hashable] = attrs.field(factory=dict)
+    #: While set, :meth:`end_put` leaves the object lagging instead of visible.
+    hold_writes: bool = False
 
     def contains(self, key: StoreKey) -> bool:
         return _check_key(key) in self._visible
@@ -42,17 +52,32 @@ class StoreModel:
     def begin_put(self, key: StoreKey) -> bool:
         """Reserve ``key`` for a write; ``False`` (nothing to write) if it is visible or being written."""
         _check_key(key)
-        if key in self._visible or key in self._writing:
+        if key in self._visible or key in self._writing or key in self._lagging:
             return False
         self._writing[key] = None
         return True
 
     def end_put(self, key: StoreKey, content: Hashable) -> None:
-        """Complete a write begun with :meth:`begin_put`: the object becomes visible."""
+        """Complete a write begun with :meth:`begin_put`: the object becomes visible (lagging,
+        while :attr:`hold_writes` is set)."""
         if _check_key(key) not in self._writing:
             raise InvariantViolation("I2", f"end_put of {key} without begin_put")
         del self._writing[key]
-        self._visible[key] = content
+        (self._lagging if self.hold_writes else self._visible)[key] = content
+
+    def publish(self, keys: Iterable[StoreKey]) -> int:
+        """The store makes the lagging ``keys`` visible at last; how many were lagging."""
+        published = 0
+        for key in keys:
+            if _check_key(key) in self._lagging:
+                self._visible[key] = self._lagging.pop(key)
+                published += 1
+        return published
+
+    def lose(self, keys: Iterable[StoreKey]) -> int:
+        """The store loses the lagging ``keys``: success was returned, no reader will ever see
+        them; how many were lagging."""
+        return sum(self._lagging.pop(_check_key(key), None) is not None for key in keys)
 
     def abort_put(self, key: StoreKey) -> None:
         if _check_key(key) not in self._writing:
@@ -80,6 +105,9 @@ class StoreModel:
 
     def writing_keys(self) -> frozenset[StoreKey]:
         return frozenset(self._writing)
+
+    def lagging_keys(self) -> frozenset[StoreKey]:
+        return frozenset(self._lagging)
 
     def __len__(self) -> int:
         return len(self._visible)

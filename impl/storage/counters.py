@@ -39,7 +39,9 @@ class BackendCounters:
     ``bytes_written`` / ``bytes_read`` count object payload bytes that reached the store / a host slot
     (not file headers); ``objects_evicted`` counts objects this backend removed to stay under its
     capacity, ``objects_discarded`` objects it removed because they were corrupt, truncated or foreign,
-    and ``io_errors`` every store I/O error it turned into a status.
+    ``puts_unconfirmed`` pages whose write the store accepted but whose objects a reader could not
+    see right after (answered ``FAILED``, retried), and ``io_errors`` every store I/O error it turned
+    into a status.
 
     Equality compares the numbers only, so a test can write ``snapshot() == BackendCounters(...)``.
     """
@@ -57,6 +59,7 @@ class BackendCounters:
     objects_evicted: int = 0
     objects_discarded: int = 0
     io_errors: int = 0
+    puts_unconfirmed: int = 0
     _lock: threading.Lock = attrs.field(factory=threading.Lock, init=False, repr=False)
 
     def record_puts(self, statuses: Iterable[PutStatus], nbytes: int = 0) -> None:
@@ -76,13 +79,19 @@ class BackendCounters:
             self.bytes_read += nbytes
 
     def add(
-        self, *, objects_evicted: int = 0, objects_discarded: int = 0, io_errors: int = 0
+        self,
+        *,
+        objects_evicted: int = 0,
+        objects_discarded: int = 0,
+        io_errors: int = 0,
+        puts_unconfirmed: int = 0,
     ) -> None:
         """Add to the object-level counters."""
         with self._lock:
             self.objects_evicted += objects_evicted
             self.objects_discarded += objects_discarded
             self.io_errors += io_errors
+            self.puts_unconfirmed += puts_unconfirmed
 
     def as_dict(self) -> dict[str, int]:
         """The numbers by field name (a consistent copy)."""

@@ -22,11 +22,13 @@ Test hooks (all on :class:`MemoryBackend`, all documented as such, none used by 
     the next ``n`` calls with at least one page (of ``op`` only, when given) serve their first
     ``after`` pages and fail the rest: put pages get ``status`` (``FAILED`` or ``FULL``), get pages
     ``FAILED``, and ``exists`` stops counting there. ``after > 0`` models a partial batch.
-``hold_puts`` / ``release_puts()`` / ``abort_puts()``
-    two-phase puts, as Mooncake's: while ``hold_puts`` is True a put reserves its objects (counted
-    against capacity, returned as ``STORED``: the write was accepted) but they are invisible to every
-    reader until ``release_puts()`` publishes them, or gone after ``abort_puts()`` (a writer that died
-    mid-put). Any put of a key that is mid-put answers ``FAILED`` ("another writer mid-put").
+``hold_puts`` / ``release_puts(keys=None)`` / ``abort_puts(keys=None)``
+    a store that lags (and Mooncake's two-phase puts): while ``hold_puts`` is True the store accepts a
+    write (its objects count against capacity) but keeps them invisible to every reader until
+    ``release_puts()`` publishes them, or loses them for good with ``abort_puts()`` (a lost put, or a
+    writer that died mid-put); both take all held objects or only ``keys``. The backend's confirm
+    step sees them invisible, so such a page answers ``FAILED``, never ``STORED``. Any put of a key
+    that is held answers ``FAILED`` ("another writer mid-put").
 
 Recency: a successful read and a write make an object most recently used; ``exists`` and an
 ``EXISTED`` put do not (probing a prefix is not using it).
@@ -116,15 +118,15 @@ class MemoryStore:
     ) -> tuple[PutStatus, int]:
         """Store copies of ``objects`` (published now, or held for ``owner`` when ``hold``), evicting
         least recently used visible objects other than ``protect`` to make room for all of them at
-        once. Returns the status and how many objects were evicted; ``FULL`` and ``FAILED`` change
-        nothing."""
+        once. Returns the status and how many objects were evicted; ``FULL`` changes nothing. Keys
+        another put holds are skipped, key by key as Mooncake's batch put does, and the answer is
+        then ``FAILED`` (another writer mid-put) even though the other objects were written."""
         with self.lock:
-            if any(key in self._pending for key, _ in objects):
-                return PutStatus.FAILED, 0  # another writer is mid-put
+            busy = any(key in self._pending for key, _ in objects)
             todo = [
                 (key, bytes(data))
                 for key, data in objects
-                if not _sized(self._visible.get(key), len(data))
+                if key not in self._pending and not _sized(self._visible.get(key), len(data))
             ]
             replaced = sum(len(self._visible[key]) for key, _ in todo if key in self._visible)
             need = sum(len(data) for _, data in todo) - replaced
@@ -145,7 +147,7 @@ class MemoryStore:
                 else:
                     self._visible[key] = data
                 self._used += len(data)
-            return PutStatus.STORED, evicted
+            return (PutStatus.FAILED if busy else PutStatus.STORED), evicted
 
     def _victims(self, amount: int, kept: set[StoreKey]) -> list[StoreKey] | None:
         """The least recently used visible keys outside ``kept`` that free at least ``amount`` bytes,
@@ -170,18 +172,28 @@ class MemoryStore:
                     removed += 1
             return removed
 
-    def publish(self, owner: int) -> int:
-        """Make ``owner``'s held objects visible (most recently used); how many."""
+    def _held(self, owner: int, keys: Sequence[StoreKey] | None) -> list[StoreKey]:
+        chosen = None if keys is None else set(keys)
+        return [
+            key
+            for key, held in self._pending.items()
+            if held.owner == owner and (chosen is None or key in chosen)
+        ]
+
+    def publish(self, owner: int, keys: Sequence[StoreKey] | None = None) -> int:
+        """Make ``owner``'s held objects (only ``keys``, when given) visible, most recently used;
+        how many."""
         with self.lock:
-            mine = [key for key, held in self._pending.items() if held.owner == owner]
+            mine = self._held(owner, keys)
             for key in mine:
                 self._visible[key] = self._pending.pop(key).data
             return len(mine)
 
-    def discard(self, owner: int) -> int:
-        """Forget ``owner``'s held objects (a writer that died mid-put); how many."""
+    def discard(self, owner: int, keys: Sequence[StoreKey] | None = None) -> int:
+        """Forget ``owner``'s held objects (only ``keys``, when given): a lost put, or a writer that
+        died mid-put; how many."""
         with self.lock:
-            mine = [key for key, held in self._pending.items() if held.owner == owner]
+            mine = self._held(owner, keys)
             for key in mine:
                 self._used -= len(self._pending.pop(key).data)
             return len(mine)
@@ -334,10 +346,12 @@ class MemoryBackend(ObjectBackend):
         self.down = False
         self.full = False
 
-    def release_puts(self) -> int:
-        """Test hook: publish every object this backend's held puts reserved; how many."""
-        return self.store.publish(self._owner)
+    def release_puts(self, keys: Sequence[StoreKey] | None = None) -> int:
+        """Test hook: publish the objects this backend's held puts reserved (all, or ``keys``);
+        how many."""
+        return self.store.publish(self._owner, keys)
 
-    def abort_puts(self) -> int:
-        """Test hook: drop every object this backend's held puts reserved; how many."""
-        return self.store.discard(self._owner)
+    def abort_puts(self, keys: Sequence[StoreKey] | None = None) -> int:
+        """Test hook: lose the objects this backend's held puts reserved (all, or ``keys``); how
+        many."""
+        return self.store.discard(self._owner, keys)

@@ -14,15 +14,17 @@ A subclass supplies three object-level operations on its store and nothing else:
 
 - ``_present(keys, nbytes)``: which keys are visible, complete objects of ``nbytes`` bytes (``None``
   when the store cannot say);
-- ``_write(objects, page_keys)``: write the missing objects of one page: ``STORED`` only once every one
-  of them is visible; room is made for all of them at once, never by evicting one of ``page_keys``, or
-  the answer is ``FULL`` with nothing evicted;
+- ``_write(objects, page_keys)``: write the missing objects of one page: ``STORED`` once the store
+  accepted every one of them; room is made for all of them at once, never by evicting one of
+  ``page_keys``, or the answer is ``FULL`` with nothing evicted;
 - ``_read(keys, nbytes)``: every object's bytes, or the :class:`GetStatus` of the miss.
 
 This class owns the contract of ``base``: misuse checks before any store access (so misuse stores
-nothing), exists-then-put-missing, ``writer=False`` → ``SKIPPED``, a host slot written only when every
-component of its page arrived complete (a page that misses leaves its slot untouched, which is stronger
-than the contract's "unspecified"), and the counters.
+nothing); exists-then-put-missing-then-confirm (an accepted write counts as ``STORED`` only if a
+reader sees every object of the page right after: a store may accept a put and show it later, or
+never; such a page is ``FAILED``, counted in ``puts_unconfirmed``); ``writer=False`` → ``SKIPPED``; a
+host slot written only when every component of its page arrived complete (a page that misses leaves
+its slot untouched, which is stronger than the contract's "unspecified"); and the counters.
 
 Design: page-at-a-time calls keep a page's objects together (room is made for all of them at once and a
 read verifies all of them before any byte reaches the slot). That suits stores whose calls are cheap (a
@@ -228,7 +230,13 @@ class ObjectBackend(abc.ABC):
         if not missing:
             return PutStatus.EXISTED, 0
         status = self._write(missing, keys)
-        return status, len(missing) * self._object_nbytes if status is PutStatus.STORED else 0
+        if status is not PutStatus.STORED:
+            return status, 0
+        confirmed = self._present(keys, self._object_nbytes)
+        if confirmed is None or not all(confirmed):  # accepted, but no reader sees it (yet)
+            self.counters.add(puts_unconfirmed=1)
+            return PutStatus.FAILED, 0
+        return status, len(missing) * self._object_nbytes
 
     def _check_open(self, op: str) -> None:
         if self._closed:

@@ -10,9 +10,11 @@ Invariants upheld here alone:
   "lost split" bug), and pins their host copies (and L2 state slots) until they are durable in L3,
   so L2 eviction never frees a slot a backup still reads (I5, the stale offset);
 * every object is put under the key the key space rendered (I1) with the content its host slot
-  holds (I2), and becomes visible only on ack;
-* a page is reported backed up only when every object of it is visible; the rest is queued again,
-  never dropped (a failed op is retried with its pins kept).
+  holds (I2), and becomes visible no earlier than on ack (a lagging store makes it visible later,
+  or never: :class:`~kvstrata.model.store.StoreModel`);
+* a page counts as stored (backed up) only when every object of it is visible after the op's puts,
+  never because a put returned success; the rest is queued again, never dropped (a failed op is
+  retried with its pins kept).
 """
 
 from __future__ import annotations
@@ -92,22 +94,13 @@ class Backup:
         return op.op_id
 
     def ack(self, op: BackupOp) -> int:
-        """``op`` completes: its objects become visible, host pins drop. A key this op did not
-        write (``begin_put`` said another writer had it) may still be invisible; such pages are
-        queued again rather than reported as backed up (I2, I4). Returns the pages now durable."""
+        """``op``'s puts complete, then the writer checks what a reader would see: a page counts as
+        stored only if every object of it is visible *now* (the store accepted each put, but may
+        lag or lose it, and a key another writer held may still be invisible). Stored pages drop
+        their host pins; the rest are queued again, pins kept (I2, I4). Returns the pages stored."""
         begun = set(op.begun)
         page_objs = [page_objects(self.config, op.namespace, p) for p in op.pages]
         state_objs = [state_objects(self.config, op.namespace, p) for p in op.states]
-        visible_after = [
-            all(key in begun or self.store.contains(key) for _c, key in objects)
-            for objects in page_objs
-        ]
-        states_after = [
-            all(key in begun or self.store.contains(key) for _c, key in objects)
-            for objects in state_objs
-        ]
-        event = BackupEvent.ACK if all(visible_after + states_after) else BackupEvent.RETRY
-        state = BACKUP_OP.next(op.state, event)
         for page, objects in zip(op.pages, page_objs, strict=True):
             slot = self.tiers.pages.records[page].host_slot
             assert slot is not None
@@ -122,6 +115,10 @@ class Backup:
             for component, key in objects:
                 if key in begun:
                     self.store.end_put(key, (named, component))
+        visible_after = [all(self.store.contains(key) for _c, key in objs) for objs in page_objs]
+        states_after = [all(self.store.contains(key) for _c, key in objs) for objs in state_objs]
+        event = BackupEvent.ACK if all(visible_after + states_after) else BackupEvent.RETRY
+        state = BACKUP_OP.next(op.state, event)
         done = [page for page, ok in zip(op.pages, visible_after, strict=True) if ok]
         self.tiers.pin(done, -1)
         self.states.pin((p for p, ok in zip(op.states, states_after, strict=True) if ok), -1)

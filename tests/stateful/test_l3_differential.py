@@ -220,15 +220,57 @@ class L3Differential(DifferentialMachine):
             if isinstance(result, BackupResult):
                 self.model.start_backup()
                 statuses = (*result.statuses, *result.states)
-                if all(status.ok for status in statuses):
-                    self.model.ack_backup()
-                else:
+                if fail:
                     assert all(s is PutStatus.FAILED for s in statuses)
                     event("backup batch failed and was retried")
                     self.model.fail_backup()
+                else:  # the model decides which pages count as stored (visible after the puts)
+                    if not all(status.ok for status in statuses):
+                        event("a backup's puts were accepted but not visible: retried")
+                    self.model.ack_backup()
             elif isinstance(result, FetchResult):
                 self.mirror_fetch(result)
         return applied
+
+    # ------------------------------------------------------------ a store that lags (issue 19)
+    lags = True  # the machine's store can accept a put and show it later, or never
+
+    def set_lagging(self, on: bool) -> None:
+        """While on, the store accepts puts but keeps their objects invisible (both sides)."""
+        if not self.lags:
+            return
+        self.backend.hold_puts = on
+        self.store_model.hold_writes = on
+
+    def lagging_keys(self) -> list[StoreKey]:
+        return sorted(self.store_model.lagging_keys(), key=lambda key: key.text)
+
+    def settle_lagging(self, keys: list[StoreKey], lose: bool) -> int:
+        """The store publishes the lagging ``keys`` at last, or loses them; how many it held."""
+        return self.backend.abort_puts(keys) if lose else self.backend.release_puts(keys)
+
+    @precondition(lambda self: self.ready and self.lags)
+    @rule(on=st.booleans())
+    def store_lags(self, on: bool) -> None:
+        """From now on the store accepts puts but shows their objects only later (``on``), or
+        again at once."""
+        self.set_lagging(on)
+
+    @precondition(lambda self: self.ready and self.lags and self.store_model.lagging_keys())
+    @rule(data=st.data(), lose=st.booleans())
+    def store_settles(self, data: st.DataObject, lose: bool) -> None:
+        """Objects the store accepted but did not show become visible at last, or are lost for
+        good (success was returned; no reader will ever see them)."""
+        lagging = self.lagging_keys()
+        chosen = data.draw(
+            st.lists(st.sampled_from(lagging), min_size=1, unique=True), label="keys"
+        )
+        settled = self.store_model.lose(chosen) if lose else self.store_model.publish(chosen)
+        assert self.settle_lagging(chosen, lose) == settled == len(chosen)
+        event("the store lost accepted puts" if lose else "the store showed lagging puts")
+
+    def impl_lagging(self) -> list[str]:
+        return sorted(key.text for key in self.shared.pending_keys() if self.mine(key.text))
 
     def mirror_fetch(self, result: FetchResult) -> None:
         model_op = self.prefetch_ops.get(result.op_id)
@@ -267,6 +309,7 @@ class L3Differential(DifferentialMachine):
     @precondition(lambda self: self.ready and self.storage_executor.jobs)
     @rule(fail=st.sampled_from([False, False, True]))
     def storage_job(self, fail: bool) -> None:
+        """The oldest storage job runs; a backup may fail as a whole (``fail``)."""
         for result in self.run_storage_job(fail):
             assert not isinstance(result, QueryResult), "a query outlived its prefetch rule"
 
@@ -293,8 +336,10 @@ class L3Differential(DifferentialMachine):
             for component, key in zip(
                 self.keyspace.model.components, self.keyspace.page_keys(ns, page), strict=True
             ):
-                if self.store_model.begin_put(key):
+                if self.store_model.begin_put(key):  # the peer's own puts do not lag
+                    self.store_model.hold_writes = False
                     self.store_model.end_put(key, (page, component))
+                    self.store_model.hold_writes = self.backend.hold_puts
         scratch = HostKVPool(self.shape, len(pages), HostLayout.PAGE_FIRST)
         peer = self.peer()
         peer.attach(scratch)
@@ -482,6 +527,14 @@ class L3Differential(DifferentialMachine):
     def drain(self) -> None:
         """Finish every copy and every storage job; then L3 holds every page the tree holds on L2
         (I4, seen from outside the tree through the backend)."""
+        self.set_lagging(False)
+        lagging = self.lagging_keys()
+        if lagging:  # the store settles first, or a backup of a lagging page never ends
+            half = len(lagging) // 2
+            self.store_model.publish(lagging[:half])
+            self.store_model.lose(lagging[half:])
+            assert self.settle_lagging(lagging[:half], lose=False) == half
+            assert self.settle_lagging(lagging[half:], lose=True) == len(lagging) - half
         while self.executor.jobs or self.storage_executor.jobs:
             if self.executor.jobs:
                 self.complete_copy_batch(fail=False)
@@ -513,12 +566,14 @@ class L3Differential(DifferentialMachine):
         seen = sorted(self.seen, key=repr)
         model_l3 = (
             model_keys,
+            sorted(key.text for key in self.lagging_keys()),
             len(self.model.backup_ops),
             self.model.prefetch_reserved(),
             tuple(self.model.l3_exists(t, ns) for ns, t in seen),
         )
         impl_l3 = (
             impl_keys,
+            self.impl_lagging(),
             len(l3.backups),
             self.impl.prefetch_reserved(),
             tuple(
@@ -584,6 +639,7 @@ class MooncakeL3(L3Differential):
 
     client: MooncakeClient | None = None
     lists_keys = False
+    lags = False
 
     def stranger_backend(self, space: KeySpace) -> StorageBackend:
         client = MooncakeL3.client
@@ -665,6 +721,8 @@ class TestMooncakeL3(MooncakeL3.TestCase):  # type: ignore[name-defined,misc]
 # ---------------------------------------------------------------------------- side pools (issue 6)
 class HybridL3TierDifferential(HybridDifferentialMachine, L3Differential):
     """See the module docstring."""
+
+    lags = False  # the side pools' stores do not lag (the KV machines cover visibility)
 
     policy = WritePolicy.WRITE_THROUGH
 

@@ -9,7 +9,11 @@ and protected sizes. Bytes are compared too: the KV of a page is a deterministic
 hash (so of its prefix), and every L1 page a match returns is read back from the device pool and
 compared bit for bit, which proves every write-through and load-back copy on the way.
 
-Copies run on a ManualExecutor: a rule decides when the oldest batch completes (or fails).
+Copies run on a ManualExecutor over a DeferredStream (the CPU stand-in for a CUDA stream), one page
+per issued copy: rules decide when the oldest batch completes whole (or fails), when it advances one
+step (issue a chunk, synchronise, report), when an issued copy lands, and when one fails as it lands.
+So every other rule also runs while a copy is half done, and an ack before the data landed shows as
+wrong bytes (issue 19, item 3).
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from kvstrata.impl.config import RadixCacheConfig
 from kvstrata.impl.errors import CapacityError, MisuseError
 from kvstrata.impl.pools import DeviceKVPool, HostKVPool, HostLayout, KVShape
 from kvstrata.impl.pools.side import SideBuffer, SideSpec, indexer_spec, mamba_spec
-from kvstrata.impl.transfer import Direction, ManualExecutor, PoolTransfer
+from kvstrata.impl.transfer import DeferredStream, Direction, ManualExecutor, PoolTransfer
 from kvstrata.model.cache import CacheConfig, CacheModel, WritePolicy
 from kvstrata.model.keys import DEFAULT_NAMESPACE, KVKind, Namespace, PageHash, chain_page_hashes
 from kvstrata.model.lifecycles import Residency
@@ -156,8 +160,10 @@ class DifferentialMachine(RuleBasedStateMachine):
             executor=self.executor,
             **self.storage(),
         )
+        self.stream = DeferredStream()
         if self.impl.transfer is not None:
             transfer = self.impl.transfer
+            transfer.use_stream(self.stream, chunk_pages=1)
             real_copy = transfer._copy
 
             def copy(direction: Direction, src: np.ndarray, dst: np.ndarray) -> int:
@@ -376,11 +382,53 @@ class DifferentialMachine(RuleBasedStateMachine):
 
     # ------------------------------------------------------------ background completion
     @precondition(lambda self: self.ready and self.executor.jobs)
-    @rule(fail=st.sampled_from([False, False, False, True]))
-    def complete_copy_batch(self, fail: bool) -> None:
-        self.flaky.fail_next = fail
-        self.executor.run_next()
-        self.flaky.fail_next = False
+    @rule(fail=st.sampled_from([False, False, False, True]), at_launch=st.booleans())
+    def complete_copy_batch(self, fail: bool, at_launch: bool = False) -> None:
+        """The oldest copy batch runs to its end; ``fail``: a copy fails as it lands, or (``at_launch``)
+        the batch's second copy fails to launch while its first is still in flight."""
+        if fail and at_launch:
+            self.executor.step_next()
+            self.stream.refuse_next = True
+            self.executor.run_next()
+            if not self.stream.refuse_next:
+                event("a copy fails to launch while another of its batch is in flight")
+            self.stream.refuse_next = False
+        else:
+            self.flaky.fail_next = fail
+            self.executor.run_next()
+            self.flaky.fail_next = False
+        self.deliver_copies()
+
+    @precondition(lambda self: self.ready and self.executor.jobs)
+    @rule(launch_fails=st.sampled_from([False, False, False, True]))
+    def copy_step(self, launch_fails: bool) -> None:
+        """The oldest copy batch advances one step: issues one page (which may fail to launch while
+        pages issued before it are still in flight), synchronises, or reports."""
+        self.stream.refuse_next = launch_fails
+        self.executor.step_next()
+        if launch_fails and not self.stream.refuse_next:
+            event("a copy fails to launch mid-batch")
+        self.stream.refuse_next = False
+        self.deliver_copies()
+
+    @precondition(lambda self: self.ready and self.stream.issued)
+    @rule(fault=st.sampled_from([False, False, True]))
+    def copy_lands(self, fault: bool) -> None:
+        """The oldest issued copy lands (its bytes move now), or fails as it lands (the batch then
+        fails at its synchronisation)."""
+        if fault:
+            event("an issued copy fails as it lands")
+
+            def broken() -> int:
+                raise RuntimeError("injected fault of an issued copy")
+
+            self.stream.issued[0] = broken
+        else:
+            event("an issued copy lands before its batch synchronised")
+        self.stream.land()
+
+    def deliver_copies(self) -> None:
+        """Apply every finished copy batch to the implementation and mirror it to the model."""
         for applied in self.impl.check_events():
             if not applied.op_ids:
                 continue
@@ -466,6 +514,17 @@ class DifferentialMachine(RuleBasedStateMachine):
         return model_view, impl_view
 
     @invariant()
+    def reported_copies_landed(self) -> None:
+        """No copy of a reported batch is still in flight: whatever the stream holds belongs to the
+        batch the executor is part-way through (a failed batch, too, waits for what it issued)."""
+        if not self.ready or not self.stream.issued:
+            return
+        jobs = self.executor.jobs
+        assert jobs and getattr(jobs[0], "started", False), (
+            f"{len(self.stream.issued)} copies still in flight after their batch was reported"
+        )
+
+    @invariant()
     def agree(self) -> None:
         if not self.ready:
             return
@@ -475,6 +534,7 @@ class DifferentialMachine(RuleBasedStateMachine):
     def teardown(self) -> None:
         if self.ready:
             self.executor.jobs.clear()
+            self.stream.issued.clear()
 
 
 # ---------------------------------------------------------------------------------------------------

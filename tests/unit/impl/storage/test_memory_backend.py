@@ -214,15 +214,40 @@ def test_held_puts_are_invisible_until_released() -> None:
     writer, reader = backend(MHA, store), backend(MHA, store)
     p = pages(MHA, 1)
     writer.hold_puts = True
-    assert writer.put(NS, p, [0]) == [PutStatus.STORED]
+    # the store accepted the write, but the confirm step sees nothing: never STORED
+    assert writer.put(NS, p, [0]) == [PutStatus.FAILED]
+    assert writer.counters.snapshot() == BackendCounters(puts_failed=1, puts_unconfirmed=1)
     assert store.pending_keys() == frozenset(writer.keyspace.page_keys(NS, p[0]))
     assert writer.exists(NS, p) == 0 and reader.exists(NS, p) == 0
     assert reader.get(NS, p, [4]) == [GetStatus.MISSING]
     assert reader.put(NS, p, [1]) == [PutStatus.FAILED]  # another writer is mid-put
+    assert writer.put(NS, p, [0]) == [PutStatus.FAILED]  # its own retry, too, until published
 
     assert writer.release_puts() == 2
     assert reader.get(NS, p, [4]) == [GetStatus.LOADED]
     assert slot_bits(host_of(reader), 4) == slot_bits(host_of(writer), 0)
+    writer.hold_puts = False
+    assert writer.put(NS, p, [0]) == [PutStatus.EXISTED]
+
+
+def test_held_puts_are_published_or_lost_key_by_key() -> None:
+    store = MemoryStore()
+    writer = backend(MHA, store)
+    p = pages(MHA, 2)
+    writer.hold_puts = True
+    assert writer.put(NS, p, [0, 1]) == [PutStatus.FAILED] * 2
+    first, second = writer.keyspace.page_keys(NS, p[0]), writer.keyspace.page_keys(NS, p[1])
+    assert writer.release_puts(first) == 2  # the first page becomes visible
+    assert writer.abort_puts(second[:1]) == 1  # one object of the second page is lost
+    assert writer.exists(NS, p) == 1
+    assert store.pending_keys() == frozenset(second[1:])
+    writer.hold_puts = False
+    # the lost object is written again at once; the held one still blocks the page
+    assert writer.put(NS, p, [0, 1]) == [PutStatus.EXISTED, PutStatus.FAILED]
+    assert store.pending_keys() == frozenset(second[1:]) and writer.exists(NS, p) == 1
+    assert writer.release_puts() == 1
+    assert writer.put(NS, p, [0, 1]) == [PutStatus.EXISTED, PutStatus.EXISTED]
+    assert writer.exists(NS, p) == 2
 
 
 def host_of(b: MemoryBackend) -> HostKVPool:
