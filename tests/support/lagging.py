@@ -1,0 +1,88 @@
+"""A real Mooncake client seen through a store that lags (issue 19, item 2): puts are accepted (rc 0)
+while their objects stay invisible to every reader until the test publishes them, or are lost for
+good (removed from the real store). Used by the real-Mooncake L3 machines; the in-memory twin is
+``MemoryBackend.hold_puts``.
+
+What it changes, call by call (everything else goes to the real client):
+
+- ``batch_put_from`` while :attr:`LaggingClient.hold` is set: keys the real store did not hold before
+  and stored now become hidden;
+- ``batch_is_exist`` / ``is_exist``: a hidden key answers 0 (not there);
+- ``batch_get_into``: a hidden key answers -703 (not ready, as for another writer's unfinished put)
+  and its slot is not written (the real read is made for the visible keys only).
+
+Several views can share one hidden set (:meth:`LaggingClient.view`): the store lags for every reader,
+but only the view with ``hold`` set writes lagging objects (the peer's and strangers' puts show at once).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from kvstrata.impl.storage.mooncake import MooncakeClient
+from kvstrata.model.keys import StoreKey
+
+NOT_READY = -703
+
+
+class LaggingClient:
+    """See the module docstring."""
+
+    def __init__(self, client: MooncakeClient, hidden: dict[str, StoreKey] | None = None) -> None:
+        self._client = client
+        self.hidden: dict[str, StoreKey] = {} if hidden is None else hidden
+        self.hold = False
+
+    def view(self) -> LaggingClient:
+        """Another client over the same store and the same hidden objects, not holding."""
+        return LaggingClient(self._client, self.hidden)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._client, name)
+
+    # ------------------------------------------------------------------------------ the store's view
+    def batch_is_exist(self, keys: Sequence[StoreKey]) -> list[int]:
+        codes = self._client.batch_is_exist(keys)
+        return [
+            0 if key.text in self.hidden else code for key, code in zip(keys, codes, strict=True)
+        ]
+
+    def is_exist(self, key: StoreKey) -> int:
+        return 0 if key.text in self.hidden else self._client.is_exist(key)
+
+    def batch_put_from(
+        self, keys: Sequence[StoreKey], ptrs: Sequence[int], sizes: Sequence[int]
+    ) -> list[int]:
+        before = self._client.batch_is_exist(keys) if self.hold else []
+        codes = self._client.batch_put_from(keys, ptrs, sizes)
+        if self.hold:
+            for key, was, code in zip(keys, before, codes, strict=True):
+                if code == 0 and was != 1:
+                    self.hidden[key.text] = key
+        return codes
+
+    def batch_get_into(
+        self, keys: Sequence[StoreKey], ptrs: Sequence[int], sizes: Sequence[int]
+    ) -> list[int]:
+        shown = [i for i, key in enumerate(keys) if key.text not in self.hidden]
+        codes = [NOT_READY] * len(keys)
+        if shown:
+            got = self._client.batch_get_into(
+                [keys[i] for i in shown], [ptrs[i] for i in shown], [sizes[i] for i in shown]
+            )
+            for i, code in zip(shown, got, strict=True):
+                codes[i] = code
+        return codes
+
+    # ---------------------------------------------------------------------------- the test's hooks
+    def publish(self, keys: Sequence[StoreKey]) -> int:
+        """The hidden ``keys`` become visible at last; how many were hidden."""
+        return sum(self.hidden.pop(key.text, None) is not None for key in keys)
+
+    def lose(self, keys: Sequence[StoreKey]) -> int:
+        """The hidden ``keys`` are lost for good (removed from the real store); how many."""
+        lost = [key for key in keys if self.hidden.pop(key.text, None) is not None]
+        if lost:
+            self._client.batch_remove(lost, force=True)
+        return len(lost)
