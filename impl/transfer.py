@@ -111,6 +111,8 @@ class ThreadExecutor:
     ) -> None:
         self._after_job = after_job
         self._jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self._unfinished = 0  # jobs submitted and not finished (guarded by _drained)
+        self._drained = threading.Condition()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -125,9 +127,26 @@ class ThreadExecutor:
                 log.exception("kvstrata: background job raised")
             if self._after_job is not None:
                 self._after_job()
+            with self._drained:
+                self._unfinished -= 1
+                self._drained.notify_all()
 
     def submit(self, job: Callable[[], None]) -> None:
+        with self._drained:
+            self._unfinished += 1
         self._jobs.put(job)
+
+    @property
+    def busy(self) -> bool:
+        """Whether a submitted job has not finished yet."""
+        with self._drained:
+            return self._unfinished > 0
+
+    def wait_drained(self, timeout: float | None = None) -> bool:
+        """Block until every job submitted so far has finished (an event, not a poll); ``False``
+        if ``timeout`` seconds passed first (a hang guard, for tests and shutdown)."""
+        with self._drained:
+            return self._drained.wait_for(lambda: self._unfinished == 0, timeout)
 
     def close(self) -> None:
         """Finish every submitted job, then stop the worker."""

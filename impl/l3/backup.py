@@ -278,6 +278,10 @@ class Backups:
         self._retry.append(retry)
         counters.backup_retries += 1
 
+    def next_retry_at(self) -> float | None:
+        """When the earliest retry waiting for its back-off is due (``None``: no retry waits)."""
+        return min((op.retry_at for op in self._retry), default=None)
+
     def resubmit_due(self) -> None:
         if not self._retry:
             return

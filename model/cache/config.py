@@ -53,6 +53,8 @@ class CacheConfig:
     Side pools (SPEC §5) are opt-in: ``side_pools`` lists them (distinct names). A
     ``TRAILING_PAGES`` pool needs state slots: ``device_states >= 1``, and ``host_states >= 1``
     when there is an L2 (``host_states == 0`` without one); with no such pool both are 0.
+    ``backup_batch_pages`` cuts a node's backup into ops of at most that many pages (the states go
+    with the last one), as the implementation's ``StorageConfig.backup_batch_pages``; ``None``: one op.
     """
 
     page_size: int = attrs.field(validator=_positive)
@@ -74,6 +76,9 @@ class CacheConfig:
     side_pools: tuple[SidePool, ...] = attrs.field(default=(), converter=_to_side_pools)
     device_states: int = attrs.field(default=0, validator=_non_negative)
     host_states: int = attrs.field(default=0, validator=_non_negative)
+    backup_batch_pages: int | None = attrs.field(
+        default=None, validator=attrs.validators.optional(_positive)
+    )
 
     def __attrs_post_init__(self) -> None:
         if self.keys is not None and self.keys.model.page_size != self.page_size:

@@ -65,9 +65,18 @@ class Backup:
     def enqueue(
         self, namespace: Namespace, pages: tuple[PageHash, ...], states: tuple[PageHash, ...] = ()
     ) -> None:
+        """Queue ops covering ``pages`` in order, at most ``backup_batch_pages`` each (the states
+        with the last): each one is started, acked or failed on its own."""
         self.tiers.pin(pages, +1)
         self.states.pin(states, +1)
-        self.ops.append(BackupOp(self.clock.op_id(), namespace, pages, states=states))
+        limit = self.config.backup_batch_pages or max(len(pages), 1)
+        starts = list(range(0, len(pages), limit)) or [0]
+        for start in starts:
+            last = start == starts[-1]
+            batch = pages[start : start + limit]
+            self.ops.append(
+                BackupOp(self.clock.op_id(), namespace, batch, states=states if last else ())
+            )
 
     def op(self, state: BackupState) -> BackupOp:
         """The oldest op in ``state`` (``MisuseError`` if none)."""

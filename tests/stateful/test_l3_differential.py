@@ -127,6 +127,8 @@ class L3Differential(DifferentialMachine):
             tag=data.draw(st.sampled_from(TAGS), label="tag"),
         )
         self.strangers: dict[str, KeySpace] = {}  # rendered key -> the key space that wrote it
+        #: each stranger's backend, namespace and pages: checked after every step
+        self.stranger_views: list[tuple[StorageBackend, Namespace, list[PageHash]]] = []
         self.garbage: set[str] = set()  # malformed keys a broken foreign writer left
         self.prefetch_policy = data.draw(
             st.sampled_from([PrefetchPolicy.BEST_EFFORT, PrefetchPolicy.WAIT_COMPLETE]),
@@ -135,7 +137,10 @@ class L3Differential(DifferentialMachine):
         self.threshold = page_size * data.draw(st.integers(1, 2), label="prefetch_pages")
         #: the store starts out lagging (puts accepted, shown later or never) in half the examples
         self.initial_lag = self.lags and data.draw(st.booleans(), label="store_lags")
+        #: a node's backup cut into ops of this many pages: a storage job is one chunk of a node
+        self.backup_batch = data.draw(st.sampled_from([None, 1, 2]), label="backup_batch_pages")
         return {
+            "backup_batch_pages": self.backup_batch,
             "keys": self.keyspace,
             "prefetch_threshold": self.threshold,
             "prefetch_policy": self.prefetch_policy,
@@ -159,6 +164,7 @@ class L3Differential(DifferentialMachine):
                 prefetch_policy=self.prefetch_policy,
                 backup_retries=10**6,  # the model retries forever
                 backup_backoff_s=0.0,
+                backup_batch_pages=self.backup_batch or 256,
             ),
         }
 
@@ -393,7 +399,16 @@ class L3Differential(DifferentialMachine):
         for page in pages:
             for key in space.page_keys(ns, page):
                 self.strangers[key.text] = space
+        self.stranger_views.append((stranger, ns, list(pages)))
         event(f"a stranger ({how}) backed up the same tokens")
+
+    @invariant()
+    def strangers_see_their_own(self) -> None:
+        """Every other identity sharing the store still finds every page it wrote, whatever this
+        instance did since (its own view is compared with the model's): two identities, one store,
+        each sees exactly its own pages (issue 19)."""
+        for stranger, ns, pages in getattr(self, "stranger_views", ()):
+            assert stranger.exists(ns, pages) == len(pages), "a stranger lost its pages"
 
     @precondition(lambda self: self.ready and self.lists_keys and self.seen)
     @rule(data=st.data())
@@ -622,6 +637,8 @@ class L3Differential(DifferentialMachine):
     def teardown(self) -> None:
         if self.ready:
             self.storage_executor.jobs.clear()
+        for stranger, _, _ in getattr(self, "stranger_views", ()):
+            stranger.close()
         super().teardown()
 
 
@@ -688,6 +705,7 @@ class MooncakeL3(L3Differential):
                 prefetch_policy=self.prefetch_policy,
                 backup_retries=10**6,
                 backup_backoff_s=0.0,
+                backup_batch_pages=self.backup_batch or 256,
             ),
         }
 
@@ -995,6 +1013,7 @@ class MooncakeHybridL3Tier(HybridL3TierDifferential):
         return {**MooncakeL3.storage(self), "side_specs": self.specs}  # type: ignore[arg-type]
 
     lists_keys = False
+    through_store = MooncakeL3.through_store
 
     def stranger_backend(self, space: KeySpace) -> StorageBackend:
         return MooncakeL3.stranger_backend(self, space)  # type: ignore[arg-type]

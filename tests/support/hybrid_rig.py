@@ -5,8 +5,6 @@ serves on L1 bit for bit. Shared by the in-memory and the real-Mooncake tests.""
 
 from __future__ import annotations
 
-import time
-
 import torch
 
 from kvstrata.impl.cache import HierarchicalRadixCache
@@ -17,14 +15,15 @@ from kvstrata.impl.storage.base import StorageBackend
 from kvstrata.impl.transfer import Executor, ThreadExecutor
 from kvstrata.model.keys import PageHash, chain_page_hashes
 from support.differential import kv_for, same_bits, side_bytes
+from support.settle import settle, settle_until
 
 __all__ = ["HybridRig"]
 
 
 class HybridRig:
     """A cache of ``shape`` pages with side pools ``indexer`` (ALL_PAGES) and ``mamba``
-    (TRAILING_PAGES), 16 pages and 4 state slots per tier, over ``backend``. ``poll_s`` and
-    ``rounds`` bound every wait."""
+    (TRAILING_PAGES), 16 pages and 4 state slots per tier, over ``backend``. Waits are events
+    (``support.settle``), never deadlines."""
 
     def __init__(
         self,
@@ -36,11 +35,8 @@ class HybridRig:
         layout: HostLayout = HostLayout.PAGE_FIRST,
         storage_executor: Executor | None = None,
         backoff_s: float = 0.0,
-        poll_s: float = 0.005,
-        rounds: int = 2000,
     ) -> None:
         self.shape, self.indexer, self.mamba = shape, indexer, mamba
-        self.poll_s, self.rounds = poll_s, rounds
         self.device = DeviceKVPool(shape, 16, "cpu")
         self.host = HostKVPool(shape, 16, layout)
         self.cache = HierarchicalRadixCache.build(
@@ -83,15 +79,9 @@ class HybridRig:
         self.cache.insert(tokens, match.device_indices.tolist() + fresh.tolist(), state_slot=slot)
 
     def settle(self) -> None:
-        """Poll ``check_events`` until no copy, backup or prefetch is pending (bounded)."""
-        l3 = self.cache.l3
-        assert l3 is not None
-        for _ in range(self.rounds):
-            self.cache.check_events()
-            if self.cache.idle():
-                return
-            time.sleep(self.poll_s)
-        raise AssertionError("background work did not finish")
+        """Step the workers until no copy, backup or prefetch is pending (``support.settle``: by
+        events; pending work nothing will finish fails at once)."""
+        settle(self.cache)
 
     def prefetch(self, tokens: list[int]) -> int:
         """Prefetch ``tokens``, wait for the read and commit; the pages the tree gained."""
@@ -100,14 +90,15 @@ class HybridRig:
             return 0
         l3 = self.cache.l3
         assert l3 is not None
-        for _ in range(self.rounds):
-            self.cache.check_events()
-            if op not in l3.prefetches:
-                return 0
-            if l3.prefetches[op].state is not None and not l3.prefetches[op].in_flight:
-                return self.cache.prefetch_commit(op)
-            time.sleep(self.poll_s)
-        raise AssertionError("prefetch did not finish")
+        settle_until(
+            self.cache,
+            lambda: (
+                op not in l3.prefetches
+                or (l3.prefetches[op].state is not None and not l3.prefetches[op].in_flight)
+            ),
+            "the prefetch read done",
+        )
+        return self.cache.prefetch_commit(op) if op in l3.prefetches else 0
 
     def check_l1(self, tokens: list[int]) -> int:
         """Load the cached prefix to L1 and compare KV, indexer and state bit for bit with what

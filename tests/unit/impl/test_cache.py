@@ -4,11 +4,11 @@ worker thread, and typed errors that leave the cache unchanged."""
 from __future__ import annotations
 
 import hashlib
-import time
 
 import numpy as np
 import pytest
 import torch
+from support.settle import settle_until
 
 from kvstrata.impl.cache import HierarchicalRadixCache
 from kvstrata.impl.config import RadixCacheConfig
@@ -56,11 +56,8 @@ def serve(cache: HierarchicalRadixCache, device: DeviceKVPool, tokens: list[int]
 
 
 def wait_for_copies(cache: HierarchicalRadixCache) -> None:
-    deadline = time.monotonic() + 10
-    while (cache.pending().write or cache.pending().load) and time.monotonic() < deadline:
-        cache.check_events()
-        time.sleep(0.001)
-    assert not cache.pending().write and not cache.pending().load
+    """Every copy applied, by events (``support.settle``): copies nothing will finish fail at once."""
+    settle_until(cache, lambda: not cache.pending().write and not cache.pending().load, "copies")
 
 
 @pytest.mark.parametrize("layout", list(HostLayout))

@@ -5,13 +5,13 @@ typed, misuse changes nothing."""
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 
 import numpy as np
 import pytest
 import torch
 from support.differential import kv_for, side_bytes
+from support.settle import settle_until
 
 from kvstrata.impl.cache import HierarchicalRadixCache
 from kvstrata.impl.config import RadixCacheConfig
@@ -83,11 +83,8 @@ def serve(cache: HierarchicalRadixCache, tokens: list[int], *, state: bool = Tru
 
 
 def wait_for_copies(cache: HierarchicalRadixCache) -> None:
-    deadline = time.monotonic() + 10
-    while (cache.pending().write or cache.pending().load) and time.monotonic() < deadline:
-        cache.check_events()
-        time.sleep(0.001)
-    assert not cache.pending().write and not cache.pending().load
+    """Every copy applied, by events (``support.settle``): copies nothing will finish fail at once."""
+    settle_until(cache, lambda: not cache.pending().write and not cache.pending().load, "copies")
 
 
 def same_bits(got: Sequence[torch.Tensor], want: Sequence[torch.Tensor]) -> bool:

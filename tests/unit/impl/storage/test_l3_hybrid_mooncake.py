@@ -42,8 +42,6 @@ def Instance(client: MooncakeClient) -> HybridRig:
         MAMBA,
         layout=HostLayout.PAGE_FIRST_DIRECT,
         backoff_s=0.05,
-        poll_s=0.01,
-        rounds=3000,
     )
 
 
