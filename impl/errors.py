@@ -33,6 +33,7 @@ __all__ = [
     "StoreNotReady",
     "StoreTimeout",
     "StoreUnavailable",
+    "TpAgreementError",
     "WrongThread",
 ]
 
@@ -76,3 +77,11 @@ class StoreNotReady(StoreError):
 
 class StoreTimeout(StoreUnavailable):
     """A store call did not complete in time (Mooncake ``RPC_TIMEOUT``)."""
+
+
+class TpAgreementError(KvStrataError):
+    """A tensor-parallel agreement did not complete (SPEC §10): another rank is gone or hung (no
+    answer within the group's timeout), or the ranks reported facts about different ops (their
+    trees already differ). Raised by ``check_events`` on every rank that reached it; the cache then
+    refuses every mutating call (:class:`CacheClosed`), since its tree can no longer follow the
+    other ranks': the engine restarts the TP group."""

@@ -21,7 +21,7 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
     "kvstrata.impl.config": ("RadixCacheConfig", "StorageConfig"),
     "kvstrata.impl.errors": (
         "CacheClosed", "CapacityError", "ConfigError", "KvStrataError", "MisuseError",
-        "StoreError", "WrongThread",
+        "StoreError", "TpAgreementError", "WrongThread",
     ),
     "kvstrata.impl.pools": ("DeviceKVPool", "HostKVPool", "HostLayout", "KVShape"),
     "kvstrata.impl.pools.side": ("SideSpec", "indexer_spec", "mamba_spec"),
@@ -29,9 +29,10 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
     "kvstrata.impl.storage.file": ("FileBackend",),
     "kvstrata.impl.storage.memory": ("MemoryBackend",),
     "kvstrata.impl.storage.mooncake": ("LocalCluster", "MooncakeBackend", "MooncakeConfig"),
+    "kvstrata.impl.tp": ("TorchTpGroup", "TpGroup"),
     "kvstrata.impl.transfer": ("Direction",),
     "kvstrata.model.cache": ("WritePolicy",),
-    "kvstrata.model.keys": ("KeySpace", "KVKind", "ModelIdentity", "Namespace"),
+    "kvstrata.model.keys": ("KeySpace", "KVKind", "ModelIdentity", "Namespace", "Shard"),
     "kvstrata.model.l3.policy": ("PrefetchPolicy",),
 }
 # fmt: on
@@ -58,15 +59,16 @@ if TYPE_CHECKING:  # what type checkers see: the same names, imported eagerly
     from kvstrata.impl.cache import Node, PendingWork, SchedulerCache
     from kvstrata.impl.config import RadixCacheConfig, StorageConfig
     from kvstrata.impl.errors import CacheClosed, CapacityError, ConfigError, KvStrataError
-    from kvstrata.impl.errors import MisuseError, StoreError, WrongThread
+    from kvstrata.impl.errors import MisuseError, StoreError, TpAgreementError, WrongThread
     from kvstrata.impl.pools import DeviceKVPool, HostKVPool, HostLayout, KVShape
     from kvstrata.impl.pools.side import SideSpec, indexer_spec, mamba_spec
     from kvstrata.impl.replay.background import Progress, signalling_executor
     from kvstrata.impl.storage.file import FileBackend
     from kvstrata.impl.storage.memory import MemoryBackend
     from kvstrata.impl.storage.mooncake import LocalCluster, MooncakeBackend, MooncakeConfig
+    from kvstrata.impl.tp import TorchTpGroup, TpGroup
     from kvstrata.impl.transfer import Direction
     from kvstrata.model.cache import WritePolicy
-    from kvstrata.model.keys import KeySpace, KVKind, ModelIdentity, Namespace
+    from kvstrata.model.keys import KeySpace, KVKind, ModelIdentity, Namespace, Shard
     from kvstrata.model.l3.policy import PrefetchPolicy
     # isort: on

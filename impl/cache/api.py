@@ -17,7 +17,8 @@ from collections.abc import Callable, Iterator, Sequence
 import numpy as np
 import numpy.typing as npt
 
-from kvstrata.impl.cache.build import build_cache
+from kvstrata.impl.cache.agreement import Agreement
+from kvstrata.impl.cache.build import Buildable
 from kvstrata.impl.cache.index import TreeIndex, as_tokens
 from kvstrata.impl.cache.node import (
     Allocator,
@@ -33,16 +34,14 @@ from kvstrata.impl.cache.node import (
 from kvstrata.impl.cache.pages import EMPTY
 from kvstrata.impl.cache.parts import assemble
 from kvstrata.impl.cache.protocol import MUTATING, SchedulerCache
-from kvstrata.impl.config import RadixCacheConfig, StorageConfig
+from kvstrata.impl.config import RadixCacheConfig
 from kvstrata.impl.errors import MisuseError
 from kvstrata.impl.guard import Guard, guarded
 from kvstrata.impl.hashing import PageHasher
-from kvstrata.impl.l3 import L3Tier, Lanes
-from kvstrata.impl.pools import KVPool
+from kvstrata.impl.l3 import L3Tier
 from kvstrata.impl.pools.group import PoolGroup
-from kvstrata.impl.pools.side import SideSpec
-from kvstrata.impl.storage.base import StorageBackend
-from kvstrata.impl.transfer import Direction, Executor, SideCopyFunction, TransferController
+from kvstrata.impl.tp import TpGroup
+from kvstrata.impl.transfer import Direction, SideCopyFunction, TransferController
 from kvstrata.model.keys import Namespace, PageHash
 from kvstrata.model.lifecycles import DEVICE_VALID, HOST_CLAIMED, HOST_VALID, Residency
 
@@ -60,7 +59,7 @@ def _check_count(pages: object) -> None:
 
 
 @guarded(*MUTATING)
-class HierarchicalRadixCache:
+class HierarchicalRadixCache(Buildable):
     """L1/L2 radix cache (L3 attached by :meth:`build`); ``MUTATING`` verbs are guarded."""
 
     def __init__(
@@ -97,39 +96,24 @@ class HierarchicalRadixCache:
         self.device_group: PoolGroup | None = None  # set by build() with side pools
         self.host_group: PoolGroup | None = None
         self._guard = Guard("HierarchicalRadixCache")
+        self.agreement: Agreement | None = None  # TP (SPEC §10): set by agree_with
 
-    @classmethod
-    def build(
-        cls,
-        config: RadixCacheConfig,
-        device_pool: KVPool,
-        host_pool: KVPool | None = None,
-        executor: Executor | None = None,
-        *,
-        storage: StorageBackend | None = None,
-        storage_config: StorageConfig | None = None,
-        storage_executor: Executor | Lanes | None = None,
-        side_specs: Sequence[SideSpec] = (),
-    ) -> HierarchicalRadixCache:
-        """A cache over real pools, with side pools and an L3 store if given
-        (:func:`~kvstrata.impl.cache.build.build_cache` says what it builds)."""
-        return build_cache(
-            cls,
-            config,
-            device_pool,
-            host_pool,
-            executor,
-            storage=storage,
-            storage_config=storage_config,
-            storage_executor=storage_executor,
-            side_specs=side_specs,
-        )
+    def agree_with(self, group: TpGroup) -> None:
+        """Mirror the other ranks of TP group ``group`` (``build(tp_group=...)`` calls this once):
+        background results change the tree only by agreement, at each :meth:`check_events`."""
+        if self.agreement is not None:
+            raise MisuseError("this cache is in a TP group already")
+        self.agreement = Agreement(group, self._tiers, self._clock, self._guard)
+        if self._l3 is not None:
+            self.agreement.attach_l3(self._l3)
 
     def attach_l3(self, tier: L3Tier) -> None:
         """Back L2 up to ``tier`` and prefetch from it (``build`` calls this once)."""
         if self._l3 is not None:
             raise MisuseError("an L3 tier is attached already")
         self._l3 = tier
+        if self.agreement is not None:
+            self.agreement.attach_l3(tier)
         self._tiers.backup = tier.backup.enqueue
         self._index.on_split = tier.backup.on_split
 
@@ -177,6 +161,8 @@ class HierarchicalRadixCache:
         if self._guard.closed:
             return
         self._guard.closed = True
+        if self.agreement is not None:
+            self.agreement.finish()
         if self._tiers.transfer is not None:
             self._tiers.transfer.close()
         if self._l3 is not None:
@@ -363,7 +349,10 @@ class HierarchicalRadixCache:
     def check_events(self) -> list[CacheEvent]:
         """Apply every copy batch that finished since the last call (FIFO), then every store
         result; returns the copy events applied. The only place where background work changes the
-        tree."""
+        tree. In a TP group every rank calls it at the same points: it agrees first
+        (:mod:`.agreement`; ``TpAgreementError`` closes the cache)."""
+        if self.agreement is not None:
+            return self.agreement.run()
         tiers = self._tiers
         if tiers.transfer is None:
             return []

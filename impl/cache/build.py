@@ -7,7 +7,7 @@ is built (:class:`~kvstrata.impl.errors.ConfigError`, naming the field).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol, TypeVar
+from typing import Any, Protocol, Self, TypeVar, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -23,6 +23,7 @@ from kvstrata.impl.pools.side import SideBuffer, SideSpec, copy_entries
 from kvstrata.impl.storage.base import StorageBackend, check_attachable
 from kvstrata.impl.storage.hybrid import HybridStorage
 from kvstrata.impl.storage.link import Lanes
+from kvstrata.impl.tp import TpGroup
 from kvstrata.impl.transfer import Direction, Executor, PoolTransfer, TransferController
 from kvstrata.model.hybrid import HitPolicy
 
@@ -39,6 +40,8 @@ class BuildTarget(Protocol):
     def port(self) -> TreePort: ...
 
     def attach_l3(self, tier: L3Tier) -> None: ...
+
+    def agree_with(self, group: TpGroup) -> None: ...
 
 
 C = TypeVar("C", bound=BuildTarget)
@@ -120,15 +123,17 @@ def build_cache(
     cls: Callable[..., C],
     config: RadixCacheConfig,
     device_pool: KVPool,
-    host_pool: KVPool | None,
-    executor: Executor | None,
+    host_pool: KVPool | None = None,
+    executor: Executor | None = None,
     *,
-    storage: StorageBackend | None,
-    storage_config: StorageConfig | None,
-    storage_executor: Executor | Lanes | None,
-    side_specs: Sequence[SideSpec],
+    storage: StorageBackend | None = None,
+    storage_config: StorageConfig | None = None,
+    storage_executor: Executor | Lanes | None = None,
+    side_specs: Sequence[SideSpec] = (),
+    tp_group: TpGroup | None = None,
 ) -> C:
-    """A cache over real pools: copies run on ``executor`` (a worker thread by default). With a
+    """A cache over real pools (in TP group ``tp_group`` if given: ``agree_with``): copies run on
+    ``executor`` (a worker thread by default). With a
     ``storage`` backend (which needs a page-first host pool) L2 is backed up to L3 and prefetched
     from it; store I/O runs on ``storage_executor`` (a worker thread by default).
 
@@ -138,7 +143,33 @@ def build_cache(
     (``device_group`` / ``host_group``). Every L1 <-> L2 copy moves the indexer entries of its
     pages and the state slots it carries in the same batch; with a ``storage`` backend the L3 tier
     drives a :class:`~kvstrata.impl.storage.hybrid.HybridStorage` over the host side buffers."""
-    specs = tuple(side_specs)
+    cache = _build(
+        cls,
+        config,
+        device_pool,
+        host_pool,
+        executor,
+        storage,
+        storage_config,
+        storage_executor,
+        tuple(side_specs),
+    )
+    if tp_group is not None:
+        cache.agree_with(tp_group)
+    return cache
+
+
+def _build(  # noqa: PLR0917
+    cls: Callable[..., C],
+    config: RadixCacheConfig,
+    device_pool: KVPool,
+    host_pool: KVPool | None,
+    executor: Executor | None,
+    storage: StorageBackend | None,
+    storage_config: StorageConfig | None,
+    storage_executor: Executor | Lanes | None,
+    specs: tuple[SideSpec, ...],
+) -> C:
     _check(config, device_pool, host_pool, specs)
     device_group = _side_group(specs, device_pool, config.device_states, host=False)
     if host_pool is None:
@@ -271,3 +302,38 @@ def _build_hybrid(
     cache.device_group = device_group
     cache.host_group = host_group
     return cache
+
+
+class Buildable:
+    """Mixed into the cache class: :meth:`build`, its constructor over real pools."""
+
+    @classmethod
+    def build(
+        cls,
+        config: RadixCacheConfig,
+        device_pool: KVPool,
+        host_pool: KVPool | None = None,
+        executor: Executor | None = None,
+        *,
+        storage: StorageBackend | None = None,
+        storage_config: StorageConfig | None = None,
+        storage_executor: Executor | Lanes | None = None,
+        side_specs: Sequence[SideSpec] = (),
+        tp_group: TpGroup | None = None,
+    ) -> Self:
+        """A cache over real pools, with side pools, an L3 store and a TP group if given
+        (:func:`build_cache` says what it builds)."""
+        target = cast("Callable[..., Any]", cls)
+        built = build_cache(
+            target,
+            config,
+            device_pool,
+            host_pool,
+            executor,
+            storage=storage,
+            storage_config=storage_config,
+            storage_executor=storage_executor,
+            side_specs=side_specs,
+            tp_group=tp_group,
+        )
+        return cast("Self", built)

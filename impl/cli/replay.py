@@ -176,6 +176,14 @@ def _capacities(text: str, flag: str) -> list[Capacity]:
 @click.option(
     "--progress/--no-progress", default=True, show_default=True, help="Show progress on stderr."
 )
+@click.option(
+    "--tp",
+    default=1,
+    show_default=True,
+    type=click.IntRange(min=1),
+    help="Tensor-parallel ranks: N processes (gloo on loopback), each with its own pools and shard "
+    "of the store, agreeing at every check_events; they must report the same hits.",
+)
 @click.pass_context
 def replay(ctx: click.Context, /, **options: Any) -> None:
     """Replay a Mooncake-format TRACE (JSON lines: timestamp, input_length, output_length, hash_ids)
@@ -226,6 +234,7 @@ def replay(ctx: click.Context, /, **options: Any) -> None:
         verify=options["verify"],
         settle=options["settle"],
         seed=options["seed"],
+        tp=options["tp"],
         **fields,
     )
     sweep_l1 = _capacities(options["sweep_l1"], "--sweep-l1") if options["sweep_l1"] else []
@@ -258,7 +267,15 @@ def _run(
 
     progress = ConsoleProgress(Console(stderr=True)) if options["progress"] else None
     label = str(path)
-    if sweep_l1:
+    if config.tp > 1:
+        from kvstrata.impl.replay.tp import replay_tp  # noqa: PLC0415
+
+        if sweep_l1:
+            raise click.UsageError("--sweep-l1 runs one process per capacity; use it with --tp 1")
+        if progress is not None:
+            Console(stderr=True).print(f"replaying as {config.tp} TP ranks (gloo, loopback)...")
+        result = replay_tp(config, requests, trace=label, limit=options["limit"])
+    elif sweep_l1:
         result = sweep(
             config, requests, sweep_l1, trace=label, limit=options["limit"], progress=progress
         )

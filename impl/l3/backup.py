@@ -37,6 +37,7 @@ from kvstrata.impl.storage.base import PutStatus
 from kvstrata.impl.storage.worker import BackupResult
 from kvstrata.model.keys import Namespace
 from kvstrata.model.lifecycles import BACKUP_OP, BackupEvent, BackupState
+from kvstrata.model.tp import BackupFact
 
 if TYPE_CHECKING:
     from kvstrata.impl.cache.node import Node, StateInfo
@@ -74,6 +75,8 @@ class BackupOp:
     states: list[StateInfo] = attrs.field(factory=list)
     state_digests: bytes = b""
     state_slots: Pages = attrs.field(factory=lambda: np.zeros(0, dtype=np.int64))
+    dropped: bool = False  # TP: dropped from the deferred queue here, released once agreed
+    parked: bool = False  # TP: deferred on some rank (agreed): nothing finishes it while down
 
     @property
     def num_pages(self) -> int:
@@ -97,6 +100,9 @@ class Backups:
         self.ops: dict[int, BackupOp] = {}
         self._retry: list[BackupOp] = []
         self.deferred: collections.deque[BackupOp] = collections.deque()  # oldest first
+        #: TP (``kvstrata.model.tp``): pins drop only by agreed facts, so a dropped op is marked
+        #: and reported, never released here
+        self.agreed = False
         self._deferred_pages = 0  # sum of the deferred ops' pages (kept, not recounted)
 
     def enqueue(
@@ -164,9 +170,16 @@ class Backups:
         while self.deferred and self._deferred_pages > limit:
             dropped = self.deferred.popleft()
             self._deferred_pages -= dropped.num_pages
-            self._release(dropped)
-            del self.ops[dropped.op_id]
-            self._counters.backup_dropped_pages += dropped.num_pages
+            if self.agreed:
+                dropped.dropped = True
+            else:
+                self.drop(dropped)
+
+    def drop(self, op: BackupOp) -> None:
+        """Forget ``op`` unwritten (the deferred queue overflowed): unpin it and count it."""
+        self._release(op)
+        del self.ops[op.op_id]
+        self._counters.backup_dropped_pages += op.num_pages
 
     def _release(self, op: BackupOp) -> None:
         """Unpin every node and state ``op`` pins (it will not read them again)."""
@@ -218,17 +231,34 @@ class Backups:
             if id(node) not in covers:
                 node.backup_pins -= 1
 
-    def apply(self, result: BackupResult) -> None:
-        """The model's ``ack_backup`` (every part in the store) or its retry: pages and states in
-        the store are done (nodes with no page pending here and those states are unpinned); the
-        rest is retried with back-off, or abandoned (and unpinned) after ``backup_retries``."""
-        op = self.ops.get(result.op_id)
-        if op is None:
-            return
+    def verdict(self, result: BackupResult) -> BackupFact:
+        """What ``result`` means for its op here: stored, retry, or give up (retries spent)."""
+        op = self.ops[result.op_id]
+        failed, states_failed = self._failures(op, result)
+        if not any(failed) and not any(states_failed):
+            return BackupFact.STORED
+        attempts = op.attempts - (1 if result.skipped else 0)
+        return BackupFact.GIVE_UP if attempts > self.config.backup_retries else BackupFact.RETRY
+
+    @staticmethod
+    def _failures(op: BackupOp, result: BackupResult) -> tuple[list[bool], list[bool]]:
         failed = [not status.ok for status in result.statuses]
         states_failed = [not status.ok for status in result.states]
         if len(states_failed) != len(op.states):  # a result without its states: none is stored
             states_failed = [True] * len(op.states)
+        return failed, states_failed
+
+    def apply(self, result: BackupResult, agreed: BackupFact | None = None) -> None:
+        """The model's ``ack_backup`` (every part in the store) or its retry: pages and states in
+        the store are done (nodes with no page pending here and those states are unpinned); the
+        rest is retried with back-off, or abandoned (and unpinned) after ``backup_retries``.
+        ``agreed`` (TP): the ranks' verdict decides instead, for the whole op."""
+        op = self.ops.get(result.op_id)
+        if op is None:
+            return
+        failed, states_failed = self._failures(op, result)
+        if agreed is not None and agreed is not BackupFact.STORED:
+            failed, states_failed = [True] * len(failed), [True] * len(states_failed)
         counters = self._counters
         if result.skipped:  # not tried (the store went down): not an attempt, retried at once
             op.attempts -= 1
@@ -241,7 +271,11 @@ class Backups:
         event = BackupEvent.RETRY if retry_any else BackupEvent.ACK
         op.state = BACKUP_OP.next(op.state, event)
         del self.ops[op.op_id]
-        abandon = retry_any and op.attempts > self.config.backup_retries
+        abandon = retry_any and (
+            op.attempts > self.config.backup_retries
+            if agreed is None
+            else agreed is BackupFact.GIVE_UP
+        )
         pending = {id(ref.node) for ref, bad in zip(op.refs, failed, strict=True) if bad}
         for node in op.nodes():  # unpin every node with nothing left to retry here
             if abandon or id(node) not in pending:
@@ -254,6 +288,15 @@ class Backups:
         if abandon:
             counters.backup_abandoned_pages += sum(failed)
             return
+        retry = self._retry_op(op, failed, states_failed, skipped=result.skipped)
+        self.ops[retry.op_id] = retry
+        self._retry.append(retry)
+        counters.backup_retries += 1
+
+    def _retry_op(
+        self, op: BackupOp, failed: list[bool], states_failed: list[bool], *, skipped: bool
+    ) -> BackupOp:
+        """The part of ``op`` to write again (same op id), due after its back-off."""
         mask = np.asarray(failed, dtype=bool)
         digests = b"".join(
             op.digests[i * _DIGEST : (i + 1) * _DIGEST] for i in np.flatnonzero(mask)
@@ -266,7 +309,7 @@ class Backups:
             op.host[mask] if len(mask) else op.host,
             [ref for ref, bad in zip(op.refs, failed, strict=True) if bad],
             attempts=op.attempts,
-            retry_at=self._now() + (0.0 if result.skipped else self.config.backoff(op.attempts)),
+            retry_at=self._now() + (0.0 if skipped else self.config.backoff(op.attempts)),
             states=[info for info, bad in zip(op.states, states_failed, strict=True) if bad],
             state_digests=b"".join(
                 op.state_digests[i * _DIGEST : (i + 1) * _DIGEST]
@@ -274,9 +317,7 @@ class Backups:
             ),
             state_slots=op.state_slots[state_mask] if len(state_mask) else op.state_slots,
         )
-        self.ops[retry.op_id] = retry
-        self._retry.append(retry)
-        counters.backup_retries += 1
+        return retry
 
     def next_retry_at(self) -> float | None:
         """When the earliest retry waiting for its back-off is due (``None``: no retry waits)."""

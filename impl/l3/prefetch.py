@@ -66,6 +66,7 @@ class PrefetchOp:
     state_slot: int | None = None  # the L2 state slot reserved for the trailing state (side pools)
     state_read: bool = False  # the slot holds the state at the end of page ``arrived - 1``
     state_released: bool = False  # the slot was taken by commit or freed
+    overdue: bool = False  # TP: some rank's clock says the wait is over (agreed)
 
     @property
     def reserved(self) -> int:
@@ -81,6 +82,9 @@ class Prefetches:
         self._counters, self._states = context.counters, context.states
         self._now, self._page_nbytes = context.now, context.page_nbytes
         self.ops: dict[int, PrefetchOp] = {}
+        #: TP (``kvstrata.model.tp``): where a job the worker refused leaves its empty result, so
+        #: the op goes on like every other rank's and the agreed minimum decides
+        self.hold: Callable[[QueryResult | FetchResult], None] | None = None
 
     def reserved(self) -> int:
         """Host pages currently reserved by prefetches (arrived or in flight, not committed)."""
@@ -120,7 +124,9 @@ class Prefetches:
         remaining = len(tokens) // tree.page_size - prefix_pages
         if not self._worker.query(op.op_id, namespace, hasher, remaining):
             self._counters.prefetch_unserved += 1
-            return None
+            if self.hold is None:
+                return None
+            self.hold(QueryResult(op.op_id, b"", 0))  # this rank hits nothing: the minimum is 0
         if anchor.is_root:
             op.anchor_locked = False
         else:
@@ -135,7 +141,8 @@ class Prefetches:
             op.anchor_locked = False
             self._tree.lock(op.anchor, -1)
 
-    def apply_query(self, result: QueryResult) -> None:
+    def apply_query(self, result: QueryResult, agreed: int | None = None) -> None:
+        """Reserve and fetch what the query found (``agreed``, TP: the ranks' minimum hit)."""
         op = self.ops.get(result.op_id)
         if op is None:
             return
@@ -143,7 +150,7 @@ class Prefetches:
         if op.cancelled:
             del self.ops[op.op_id]
             return
-        hit = result.hit
+        hit = result.hit if agreed is None else agreed
         self._counters.prefetch_hit_pages += hit
         limit = int(self._tree.host_capacity * self.config.prefetch_reserve_fraction)
         if hit and self.reserved() + hit <= limit:
@@ -156,6 +163,13 @@ class Prefetches:
                     op.state = PrefetchState.LOADING
                     op.in_flight = True
                     return
+                if self.hold is not None:  # TP: reserved like every rank; this one reads nothing
+                    op.digests, op.host, op.state_slot = digests, host, slot
+                    op.state = PrefetchState.LOADING
+                    op.in_flight = True
+                    self._counters.prefetch_unserved += 1
+                    self.hold(FetchResult(op.op_id, (), None if slot is None else 0))
+                    return
                 self._tree.free_host(host)  # the store went down meanwhile: nothing to read
                 if slot is not None:
                     self._tree.free_host_state(slot)
@@ -167,20 +181,33 @@ class Prefetches:
         self._release_anchor(op)
         op.state = PrefetchState.COMPLETE
 
-    def apply_fetch(self, result: FetchResult) -> None:
+    @staticmethod
+    def delivered(op: PrefetchOp, result: FetchResult) -> int:
+        """Leading pages ``result`` delivered complete; with a state slot, usable only up to a
+        state (the model's ``_read_state``)."""
+        arrived = 0
+        for status in result.statuses:
+            if status is not GetStatus.LOADED:
+                break
+            arrived += 1
+        return arrived if op.state_slot is None else min(arrived, result.usable or 0)
+
+    def apply_fetch(
+        self, result: FetchResult, agreed: int | None = None, state_agreed: bool = True
+    ) -> None:
+        """The pages that arrived (``agreed``, TP: the ranks' minimum; their state only if
+        ``state_agreed``: every rank read the same page's state)."""
         op = self.ops.get(result.op_id)
         if op is None:
             return
         op.in_flight = False
-        arrived = 0
         for status in result.statuses:
             self._counters.prefetch_pages[status.value] += 1
             if status is not GetStatus.LOADED:
                 break
-            arrived += 1
-        if op.state_slot is not None:  # usable only up to a state (the model's _read_state)
-            arrived = min(arrived, result.usable or 0)
-            op.state_read = arrived > 0
+        arrived = self.delivered(op, result) if agreed is None else agreed
+        if op.state_slot is not None:
+            op.state_read = arrived > 0 and state_agreed
         self._counters.prefetch_bytes += arrived * self._page_nbytes
         if op.state is PrefetchState.CANCELLING:  # committed or aborted meanwhile: drain
             op.state = PREFETCH_OP.next(op.state, PrefetchEvent.DRAIN)
@@ -199,11 +226,20 @@ class Prefetches:
     def ready(self, op_id: int) -> bool:
         """Whether the scheduler stops waiting for ``op_id`` now (its prefetch policy)."""
         op = self.op(op_id)
+        loading = op.state is None or op.state is PrefetchState.LOADING
+        if self.hold is not None:  # TP: the clock's part was agreed at the last check_events
+            loading = loading and not op.overdue
+            return wait_over(self.config.prefetch_policy, loading=loading, waited=0.0, limit=1.0)
+        return self.overdue(op, loading=loading)
+
+    def overdue(self, op: PrefetchOp, *, loading: bool = True) -> bool:
+        """Whether this rank's clock ends the wait for ``op`` (``loading``: even if it still
+        reads)."""
         size = self._tree.page_size
         pages = len(op.tokens) // size - op.prefix_pages
         return wait_over(
             self.config.prefetch_policy,
-            loading=op.state is None or op.state is PrefetchState.LOADING,
+            loading=loading,
             waited=self._now() - op.started,
             limit=self.config.prefetch_timeout(pages * size),
             deadline=self.config.prefetch_deadline_s,

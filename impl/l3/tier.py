@@ -18,6 +18,7 @@ from typing import Any
 import attrs
 
 from kvstrata.impl.config import StorageConfig
+from kvstrata.impl.l3.agreed import L3Reports, Layout
 from kvstrata.impl.l3.backup import BackupOp, Backups
 from kvstrata.impl.l3.context import L3Context
 from kvstrata.impl.l3.counters import L3Counters
@@ -62,6 +63,38 @@ class L3Tier:
         self.backup = Backups(context)
         self.prefetch = Prefetches(context)
         self.last_applied: list[StorageResult] = []  # what the latest poll applied (for tests)
+        self.reports: L3Reports | None = None  # TP: results held until the ranks agree
+
+    def agree_across_ranks(self) -> L3Reports:
+        """From now on store results wait for a TP agreement (:meth:`hold_results`, then the
+        cache's agreement applies them through :class:`L3Reports`)."""
+        self.reports = reports = L3Reports()
+        self.backup.agreed = True
+        self.prefetch.hold = reports.hold
+        return reports
+
+    def hold_results(self) -> None:
+        """TP: keep every returned result for the agreement; the store link's own recovery runs
+        here (resuming deferred backups changes no pin), a re-publish waits for the agreement."""
+        assert self.reports is not None
+        results, recovery = self.worker.poll()
+        self.last_applied = results
+        for result in results:
+            self.reports.hold(result)
+        if recovery is not None:
+            self.backup.resume()
+            self.reports.republish |= recovery.republish
+        self.backup.resubmit_due()
+
+    def reports_facts(self) -> tuple[Layout, list[int]]:
+        assert self.reports is not None
+        return self.reports.facts(self.backup, self.prefetch)
+
+    def apply_agreed(self, layout: Layout, agreed: list[int]) -> None:
+        assert self.reports is not None
+        if self.reports.apply(layout, agreed, self.backup, self.prefetch):
+            self.backup.republish(self._tree.host_nodes())
+        self.backup.resubmit_due()
 
     def now(self) -> float:
         return self._now()
@@ -110,7 +143,11 @@ class L3Tier:
     def idle(self) -> bool:
         """Nothing in flight or due: every backup op is done or deferred while the store is down
         (waiting for it would not end), and no prefetch op is open."""
-        return len(self.backup.ops) == len(self.backup.deferred) and not self.prefetch.ops
+        if self.prefetch.ops:
+            return False
+        if self.reports is not None:  # TP: what every rank agreed on (a deferral is local)
+            return all(op.parked for op in self.backup.ops.values())
+        return len(self.backup.ops) == len(self.backup.deferred)
 
     def close(self) -> None:
         self.worker.close()

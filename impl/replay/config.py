@@ -220,8 +220,14 @@ class ReplayConfig:
     settle: bool = False
     seed: int = attrs.field(default=0, validator=_non_negative_int)
     wait_limit_s: float = attrs.field(default=300.0, validator=_positive_float)
+    tp: int = attrs.field(default=1, validator=_positive_int)  # TP ranks (processes, gloo)
 
     def __attrs_post_init__(self) -> None:
+        if self.tp > 1 and self.timestamps is TimestampMode.HONOUR:
+            raise ConfigError(
+                "--tp with --timestamps honour: idling until a timestamp reads each rank's own "
+                "clock, so the ranks would not call check_events alike; use --timestamps ignore"
+            )
         if self.l2.is_off and not self.l3.is_off:
             raise ConfigError(
                 f"--l3 {self.l3}: L3 needs an L2 (host) tier to stage its pages; give --l2 a "
@@ -281,4 +287,5 @@ class ReplayConfig:
             "verify": self.verify,
             "settle": self.settle,
             "seed": self.seed,
+            "tp": self.tp,
         }

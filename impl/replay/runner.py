@@ -24,6 +24,8 @@ from kvstrata.impl.replay.result import DIRECTIONS, Moved, ReplayResult
 from kvstrata.impl.replay.scheduler import ReferenceScheduler, Served
 from kvstrata.impl.replay.store import L3Store, open_l3
 from kvstrata.impl.replay.trace import Request, request_tokens
+from kvstrata.impl.tp import TpGroup
+from kvstrata.model.keys import Shard
 
 __all__ = ["OnServed", "ProgressSink", "replay", "sweep"]
 
@@ -61,7 +63,11 @@ def _kv_shape(config: ReplayConfig) -> Any:
 
 @contextlib.contextmanager
 def _cache(
-    config: ReplayConfig, pages: TierPages, store: L3Store | None, progress: Progress
+    config: ReplayConfig,
+    pages: TierPages,
+    store: L3Store | None,
+    progress: Progress,
+    tp_group: TpGroup | None = None,
 ) -> Iterator[tuple[HierarchicalRadixCache, Any]]:
     """The pools and the cache over them; the cache (its workers, the backend) closed on exit."""
     from kvstrata.impl.l3 import Lanes  # noqa: PLC0415
@@ -89,6 +95,7 @@ def _cache(
             storage=None if store is None else store.backend,
             storage_config=config.storage_config(),
             storage_executor=io,
+            tp_group=tp_group,
         )
     except BaseException:
         for executor in (copies, io):
@@ -144,19 +151,20 @@ def replay(
     label: str = "replay",
     clock: Callable[[], float] = time.monotonic,
     on_served: OnServed | None = None,
+    tp_group: TpGroup | None = None,
+    shard: Shard | None = None,
 ) -> ReplayResult:
-    """Replay ``requests`` through a fresh three-tier stack built from ``config``; ``on_served``
-    (the chaos benchmark's hook) runs after each request with its index, what it got and the cache."""
+    """Replay ``requests`` through a fresh three-tier stack built from ``config``; ``on_served`` (the
+    chaos benchmark's hook) runs after each request; ``tp_group``/``shard``: one TP rank (:mod:`.tp`)."""
     started = clock()
     pages = config.tier_pages(requests)
-    max_pages = max_hit_pages(requests, config.page_size)
-    size = config.page_size
+    size, max_pages = config.page_size, max_hit_pages(requests, config.page_size)
     result = ReplayResult(trace=trace, limit=limit, config=config.describe())
     step = max(1, len(requests) // TIMELINE_POINTS)
     background = Progress()
-    with open_l3(config, pages.l3, size * config.shape.bytes_per_token) as store:
+    with open_l3(config, pages.l3, size * config.shape.bytes_per_token, shard) as store:
         result.tiers = _tiers(config, pages, store)
-        with _cache(config, pages, store, background) as (cache, device):
+        with _cache(config, pages, store, background, tp_group) as (cache, device):
             kv = KVSynth(_kv_shape(config), seed=config.seed)
             knobs = {"verify": config.verify, "settle": config.settle}
             scheduler = ReferenceScheduler(
@@ -189,8 +197,7 @@ def replay(
             result.moved = _moved(cache)
             result.l3 = None if cache.l3 is None else cache.l3.describe()
             result.pages_verified = scheduler.pages_verified
-            closing = clock()
-        # the cache is closed here, the store below
+            closing = clock()  # the cache is closed at the end of this block, the store below
     result.timings.shutdown_s = clock() - closing
     result.timings.wall_s = clock() - started
     return result

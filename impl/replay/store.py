@@ -31,7 +31,7 @@ import attrs
 
 from kvstrata.impl.replay.config import L3Backend, ReplayConfig
 from kvstrata.impl.storage.base import StorageBackend
-from kvstrata.model.keys import KeySpace, Namespace, PageHash
+from kvstrata.model.keys import KeySpace, Namespace, PageHash, Shard
 
 __all__ = [
     "WATERMARK",
@@ -113,14 +113,18 @@ def _mooncake(
 
 
 @contextlib.contextmanager
-def open_l3(config: ReplayConfig, pages: int, page_nbytes: int) -> Iterator[L3Store | None]:
+def open_l3(
+    config: ReplayConfig, pages: int, page_nbytes: int, shard: Shard | None = None
+) -> Iterator[L3Store | None]:
     """The L3 of ``config`` sized for ``pages`` pages of ``page_nbytes`` bytes (``None`` when L3 is
-    off). The backend itself is closed by the cache that uses it; whatever else was started (a
-    cluster, a client, a temporary directory) is stopped when the context exits."""
+    off), keyed for ``shard`` (a TP rank's; the whole model by default). The backend itself is
+    closed by the cache that uses it; whatever else was started (a cluster, a client, a temporary
+    directory) is stopped when the context exits."""
     if not config.has_l3:
         yield None
         return
-    keyspace = KeySpace(config.shape.identity(config.page_size, config.seed), tag="replay")
+    identity = config.shape.identity(config.page_size, config.seed)
+    keyspace = KeySpace(identity, shard=shard or Shard(), tag="replay")
     with contextlib.ExitStack() as stack:
         if config.l3_backend is L3Backend.MOONCAKE:
             yield _mooncake(stack, config, keyspace, pages, page_nbytes)

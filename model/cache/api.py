@@ -22,7 +22,7 @@ mutating verb (``tick`` aside).
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence, Sized
 from typing import ParamSpec, TypeVar
 
 import attrs
@@ -101,6 +101,7 @@ class CacheModel:
     load_ops = View[deque[CopyOp]]("_tiers", "load_ops")
     backup_ops = View[list[BackupOp]]("_backup", "ops")
     prefetch_ops = View[dict[int, PrefetchOp]]("_prefetch", "ops")
+    prefetches = property(lambda self: self._prefetch)  # pure queries: local_hit, readable (TP)
     scheduler_slots = View[set[int]]("_tiers", "scheduler_slots")
     scheduler_state_slots = View[set[int]]("_states", "scheduler_slots")
     clock = View[int]("_clock", "now")
@@ -157,10 +158,10 @@ class CacheModel:
         return tuple(self._states.state_of(page) for node in walk.path for page in node.pages)
 
     def device_content(self, slots: Sequence[int]) -> tuple[Hashable, ...]:
-        return tuple(self.device.read(slot) for slot in slots)
+        return tuple(map(self.device.read, slots))
 
     def host_content(self, slots: Sequence[int]) -> tuple[Hashable, ...]:
-        return tuple(self.host.read(slot) for slot in slots)
+        return tuple(map(self.host.read, slots))
 
     def l3_exists(self, tokens: Sequence[int], namespace: Namespace = DEFAULT_NAMESPACE) -> int:
         """How many leading full pages of ``tokens`` the store holds completely (0 without L3);
@@ -172,12 +173,8 @@ class CacheModel:
         return l3_hit(self.config, self.store, namespace, pages)
 
     def pending(self) -> dict[str, int]:
-        return {
-            "write": len(self.write_ops),
-            "load": len(self.load_ops),
-            "backup": len(self.backup_ops),
-            "prefetch": len(self.prefetch_ops),
-        }
+        ops: tuple[Sized, ...] = self.write_ops, self.load_ops, self.backup_ops, self.prefetch_ops
+        return dict(zip(("write", "load", "backup", "prefetch"), map(len, ops), strict=True))
 
     def prefetch_reserved(self) -> int:
         return self._prefetch.reserved()
@@ -390,18 +387,16 @@ class CacheModel:
         """The store worker starts the oldest queued backup: exists-then-put-missing, puts begun."""
         return self._step(self._backup.start, self._backup.op(BackupState.QUEUED))
 
-    def ack_backup(self) -> int:
-        """The oldest in-flight backup completes: its objects become visible, host pins drop.
+    def ack_backup(self, op_id: int | None = None) -> int:
+        """The oldest in-flight backup (or op ``op_id``) completes: its objects become visible, host
+        pins drop. A key another writer held (``begin_put``) may still be invisible: such pages are
+        queued again, not reported backed up (I2, I4). Returns the pages now durable in L3."""
+        return self._step(self._backup.ack, self._backup.op(BackupState.IN_FLIGHT, op_id))
 
-        A key this op did not write (``begin_put`` said another writer had it) may still be
-        invisible if that writer has not finished or failed; such pages are queued again rather
-        than reported as backed up (I2, I4). Returns the number of pages now durable in L3."""
-        return self._step(self._backup.ack, self._backup.op(BackupState.IN_FLIGHT))
-
-    def fail_backup(self) -> int:
-        """The oldest in-flight backup fails: its puts are aborted and it is queued again (retried
-        later, never dropped; host pages stay pinned)."""
-        return self._step(self._backup.fail, self._backup.op(BackupState.IN_FLIGHT))
+    def fail_backup(self, op_id: int | None = None) -> int:
+        """The oldest in-flight backup (or op ``op_id``) fails: its puts are aborted and it is
+        queued again (retried later, never dropped; host pages stay pinned)."""
+        return self._step(self._backup.fail, self._backup.op(BackupState.IN_FLIGHT, op_id))
 
     def store_evict(self, key: StoreKey) -> bool:
         """The store drops one object on its own (eviction, owner gone)."""
@@ -411,12 +406,22 @@ class CacheModel:
 
     # ----------------------------------------------------------------- prefetch (L3 -> L2)
     def prefetch(
-        self, tokens: Sequence[int], namespace: Namespace = DEFAULT_NAMESPACE
+        self,
+        tokens: Sequence[int],
+        namespace: Namespace = DEFAULT_NAMESPACE,
+        limit: int | None = None,
     ) -> int | None:
-        """Start reading from L3 what follows the local match of ``tokens``. Returns the op id, or
-        ``None`` when there is nothing worth fetching or no room (rate limit: half of L2)."""
-        op: PrefetchOp | None = self._step(self._prefetch.start, check_tokens(tokens), namespace)
+        """Start reading from L3 what follows the local match of ``tokens``, at most ``limit`` pages
+        (TP: agreed). The op id, or ``None``: nothing worth fetching, or no room (half of L2)."""
+        op: PrefetchOp | None = self._step(
+            self._prefetch.start, check_tokens(tokens), namespace, limit
+        )
         return None if op is None else op.op_id
+
+    def prefetch_finish(self, op_id: int, pages: int) -> int:
+        """The read of ``op_id`` ends with ``pages`` more pages (TP: agreed); the rest misses."""
+        op = self._prefetch.op(op_id, PrefetchEvent.ARRIVE)
+        return self._step(self._prefetch.finish, op, pages)
 
     def prefetch_arrive(self, op_id: int, pages: int = 1) -> int:
         """Up to ``pages`` more pages of op ``op_id`` are read from the store, in order; a page whose
@@ -427,8 +432,7 @@ class CacheModel:
             raise MisuseError(f"pages must be > 0, got {pages}")
         return self._step(self._prefetch.arrive, op, pages)
 
-    def tick(self, steps: int = 1) -> None:
-        """Let ``steps`` steps of time pass (for timeouts)."""
+    def tick(self, steps: int = 1) -> None:  # let ``steps`` steps of time pass (for timeouts)
         self._clock.tick(steps)
 
     def prefetch_commit(self, op_id: int) -> int:

@@ -78,12 +78,13 @@ class Backup:
                 BackupOp(self.clock.op_id(), namespace, batch, states=states if last else ())
             )
 
-    def op(self, state: BackupState) -> BackupOp:
-        """The oldest op in ``state`` (``MisuseError`` if none)."""
+    def op(self, state: BackupState, op_id: int | None = None) -> BackupOp:
+        """The oldest op in ``state`` (``op_id``: that op, if it is in ``state``); ``MisuseError``
+        if none."""
         for op in self.ops:
-            if op.state is state:
+            if op.state is state and op_id in (None, op.op_id):
                 return op
-        raise MisuseError(f"no backup op is {state.value}")
+        raise MisuseError(f"no backup op {'' if op_id is None else op_id} is {state.value}")
 
     def start(self, op: BackupOp) -> int:
         """The store worker starts ``op``: exists-then-put-missing, puts begun."""

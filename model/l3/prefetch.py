@@ -113,9 +113,25 @@ class Prefetch:
             PREFETCH_OP.next(op.state, event)
         return op
 
-    def start(self, tokens: tuple[int, ...], namespace: Namespace) -> PrefetchOp | None:
-        """Reserve L2 room for what L3 holds after the local match of ``tokens`` (None when
-        nothing is worth fetching or there is no room: rate limit, half of L2)."""
+    def local_hit(self, tokens: tuple[int, ...], namespace: Namespace) -> int:
+        """Pages this store serves after the local match of ``tokens`` (a pure query: what one TP
+        rank reports before the ranks agree on the minimum, ``kvstrata.model.tp``)."""
+        if not self.config.has_l3:
+            return 0
+        size = self.config.page_size
+        whole = tokens[: len(tokens) // size * size]
+        pages = chain_page_hashes(whole, size, namespace, None)
+        matched = 0
+        while matched < len(pages) and pages[matched] in self.tiers.pages.records:
+            matched += 1
+        return l3_hit(self.config, self.store, namespace, pages[matched:])
+
+    def start(
+        self, tokens: tuple[int, ...], namespace: Namespace, limit: int | None = None
+    ) -> PrefetchOp | None:
+        """Reserve L2 room for what L3 holds after the local match of ``tokens``, at most ``limit``
+        pages (TP: the ranks' agreed minimum); None when nothing is worth fetching or there is no
+        room (rate limit, half of L2)."""
         if not self.config.has_l3:
             return None
         walk = self.tree.walk(tokens, namespace, split=True)
@@ -130,6 +146,7 @@ class Prefetch:
             return None
         pages = chain_page_hashes(rest, size, namespace, anchor.last_page)
         hit = l3_hit(self.config, self.store, namespace, pages)
+        hit = hit if limit is None else min(hit, limit)
         if hit == 0 or self.reserved() + hit > self.config.host_pages // 2:
             return None
         if self.config.check and self.config.side_pools:
@@ -196,6 +213,28 @@ class Prefetch:
                 self._read_state(op)
             op.state = PREFETCH_OP.next(op.state, PrefetchEvent.COMPLETE)
         return op.arrived
+
+    def finish(self, op: PrefetchOp, pages: int) -> int:
+        """``op``'s read ends with ``pages`` more pages (TP: the ranks' agreed minimum; each rank's
+        store holds at least that many): they arrive and the rest is a miss."""
+        op.limit = min(op.limit, op.arrived + pages)
+        if pages > 0:
+            return self.arrive(op, pages)
+        if op.state_slot is not None:
+            self._read_state(op)
+        op.state = PREFETCH_OP.next(op.state, PrefetchEvent.COMPLETE)
+        return op.arrived
+
+    def readable(self, op: PrefetchOp) -> int:
+        """Pages of ``op`` after the arrived ones that this store can serve now (pure: what one TP
+        rank's read would deliver)."""
+        count = op.arrived
+        while count < op.limit and all(
+            self.store.contains(key)
+            for _component, key in page_objects(self.config, op.namespace, op.pages[count])
+        ):
+            count += 1
+        return count - op.arrived
 
     def _read_state(self, op: PrefetchOp) -> None:
         """The KV range of ``op`` is known: read the state of its deepest arrived page that has

@@ -72,6 +72,7 @@ def prepare(scratch: Path, patch: Path) -> str | None:
 ORDER = (
     "test_hasher",
     "test_cache_model",
+    "test_tp",
     "test_embedding",
     "test_hybrid",
     "test_radix_cache",

@@ -202,3 +202,26 @@ def test_master_names_the_flag_that_cannot_work_before_starting_anything(
     assert result.returncode != 0
     assert named in result.stderr, result.stderr
     assert "did not start" not in result.stderr
+
+
+def test_replay_as_two_tp_ranks_equals_one_rank(tmp_path: Path) -> None:
+    """``--tp 2``: two rank processes (gloo, loopback) on one local Mooncake cluster, each with its
+    own shard; with ``--settle`` the hits do not depend on timing, so they equal ``--tp 1``'s."""
+    results = {}
+    for tp in (1, 2):
+        out = tmp_path / f"tp{tp}.json"
+        args = ("replay", "--sample", "--limit", "120", "--settle", "--l1", "64K", "--l2", "256K")
+        run = kvstrata(*args, "--tp", str(tp), "--json", str(out))
+        assert run.returncode == 0, run.stderr
+        results[tp] = json.loads(out.read_text())
+    assert results[2]["config"]["tp"] == 2
+    assert results[2]["hit_tokens"] == results[1]["hit_tokens"]
+    assert results[1]["hit_tokens"]["l3"] > 0  # the comparison covers all three tiers
+    assert results[2]["verify"]["pages_checked"] == results[1]["verify"]["pages_checked"]
+
+
+def test_tp_refuses_what_it_cannot_keep_in_lockstep() -> None:
+    run = kvstrata("replay", "--sample", "--tp", "2", "--timestamps", "honour")
+    assert run.returncode != 0 and "--timestamps ignore" in run.stderr
+    run = kvstrata("replay", "--sample", "--tp", "2", "--sweep-l1", "1M")
+    assert run.returncode == 2 and "--tp 1" in run.stderr

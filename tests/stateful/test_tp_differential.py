@@ -1,0 +1,394 @@
+"""N tensor-parallel ranks of the real cache in one process, each with its own pools, copy worker,
+store worker and shard of one shared store, driven by Hypothesis with different background results
+per rank (SPEC §10; issue 18).
+
+Every rank runs on a thread of its own (``support.tp.InProcessTp``); the scheduler verbs go to
+every rank and must answer the same. Each rank's copies run, land or fail in its own order, each
+rank's store jobs run with their own faults (a put or a read failing, an object of its shard lost),
+and ``check_events`` on every rank makes the agreement (one in-process MIN all-reduce per call).
+Checked after every step:
+
+* every rank's tree (node by node: pages, residency, locks, backup pins), free pages per tier,
+  pending work and prefetch ops equal rank 0's (``tree_view``);
+* every rank made the same collective calls in the same order (length and layout digest);
+* bytes: every L1 page a match returns, and every page a prefetch commits, holds exactly that
+  rank's shard of the page's KV;
+* the same ``prefetch`` op ids and ``prefetch_ready`` answers on every rank.
+
+With a background result that differs per rank, a rank applying its own count instead of the
+agreed one diverges its tree; a rank that skips its collective leaves the others waiting
+(``TpAgreementError``): both are catalogued mutants (``tests/mutants/``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+import hypothesis.strategies as st
+import numpy as np
+import torch
+from hypothesis import event, settings
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from support.differential import NAMESPACES, related_tokens
+from support.tp import InProcessTp
+
+from kvstrata.impl.cache import HierarchicalRadixCache
+from kvstrata.impl.config import RadixCacheConfig, StorageConfig
+from kvstrata.impl.errors import CapacityError
+from kvstrata.impl.pools import DeviceKVPool, HostKVPool, HostLayout, KVShape
+from kvstrata.impl.storage.memory import MemoryBackend, MemoryStore
+from kvstrata.impl.transfer import Direction, ManualExecutor
+from kvstrata.model.keys import (
+    KeySpace,
+    KVKind,
+    ModelIdentity,
+    Namespace,
+    PageHash,
+    Shard,
+    chain_page_hashes,
+)
+from kvstrata.model.l3.policy import PrefetchPolicy
+
+
+def shard_kv(shape: KVShape, page: PageHash, rank: int) -> torch.Tensor:
+    """Rank ``rank``'s shard of one page's KV: bytes derived from the page hash and the rank."""
+    dims = shape.canonical(1)
+    count = int(np.prod(dims)) * shape.itemsize
+    stream = hashlib.shake_256(page.digest + bytes([rank])).digest(count)
+    return torch.frombuffer(bytearray(stream), dtype=torch.uint8).view(shape.dtype).reshape(dims)
+
+
+def tree_view(cache: HierarchicalRadixCache) -> tuple[object, ...]:
+    """Everything about one rank's cache that agreement keeps equal on every rank."""
+    nodes = tuple(
+        (
+            node.id,
+            -1 if node.parent is None else node.parent.id,
+            node.num_pages,
+            None if node.state is None else node.state.value,
+            node.lock_ref,
+            node.backup_pins,
+            None if node.device is None else node.device.tolist(),
+            None if node.host is None else node.host.tolist(),
+        )
+        for node in cache.nodes()
+    )
+    l3 = cache.l3
+    prefetches: tuple[object, ...] = ()
+    if l3 is not None:
+        prefetches = tuple(
+            (op_id, None if op.state is None else op.state.value, op.arrived, op.reserved)
+            for op_id, op in l3.prefetches.items()
+        )
+    pending = cache.pending()
+    return (
+        nodes,
+        cache.device_free,
+        cache.host_free,
+        cache.held_pages().tolist(),
+        (pending.write, pending.load, pending.backup, pending.prefetch),
+        prefetches,
+        sorted(() if l3 is None else l3.backups),
+    )
+
+
+class TpDifferential(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.tp: InProcessTp | None = None
+        self.known: list[tuple[int, ...]] = []
+        self.inserted: list[tuple[tuple[int, ...], Namespace]] = []
+
+    @initialize(
+        data=st.data(),
+        size=st.sampled_from([2, 3, 4]),
+        page_size=st.integers(1, 2),
+        device_pages=st.integers(4, 8),
+        host_pages=st.integers(4, 10),
+    )
+    def setup(
+        self, data: st.DataObject, size: int, page_size: int, device_pages: int, host_pages: int
+    ) -> None:
+        self.size = size
+        self.page_size = page_size
+        self.tp = InProcessTp(size)
+        self.shape = KVShape(
+            KVKind.MHA, layers=2, heads=2, head_dim=4, dtype=torch.float16, page_size=page_size
+        )
+        policy = data.draw(
+            st.sampled_from([PrefetchPolicy.BEST_EFFORT, PrefetchPolicy.WAIT_COMPLETE]),
+            label="prefetch_policy",
+        )
+        self.store = MemoryStore()
+        identity = ModelIdentity("tiny-llm", "float16", KVKind.MHA, page_size=page_size)
+        self.device_pools = [DeviceKVPool(self.shape, device_pages, "cpu") for _ in range(size)]
+        self.host_pools = [
+            HostKVPool(self.shape, host_pages, HostLayout.PAGE_FIRST) for _ in range(size)
+        ]
+        self.copy_workers = [ManualExecutor() for _ in range(size)]
+        self.store_workers = [ManualExecutor() for _ in range(size)]
+        self.backends = [
+            MemoryBackend(
+                KeySpace(identity, shard=Shard(tp_rank=rank, tp_size=size)), store=self.store
+            )
+            for rank in range(size)
+        ]
+        tp = self.tp
+
+        def build(rank: int) -> HierarchicalRadixCache:
+            return HierarchicalRadixCache.build(
+                RadixCacheConfig(
+                    page_size=page_size, write_through_threshold=1, fingerprint_seed=0
+                ),
+                self.device_pools[rank],
+                self.host_pools[rank],
+                executor=self.copy_workers[rank],
+                storage=self.backends[rank],
+                storage_config=StorageConfig(
+                    prefetch_threshold=page_size,
+                    prefetch_policy=policy,
+                    backup_retries=10**6,
+                    backup_backoff_s=0.0,
+                ),
+                storage_executor=self.store_workers[rank],
+                tp_group=tp.group(rank),
+            )
+
+        self.caches = tp.on_each(build)  # built on its scheduler thread, as in an engine
+        self.failing_copies = [False] * size
+        for rank, cache in enumerate(self.caches):
+            transfer = cache.transfer
+            assert transfer is not None
+            real = transfer._copy
+
+            def copy(direction: Direction, src: Any, dst: Any, r: int = rank, f: Any = real) -> int:
+                if self.failing_copies[r]:
+                    self.failing_copies[r] = False
+                    raise RuntimeError(f"rank {r}: injected copy failure")
+                result: int = f(direction, src, dst)
+                return result
+
+            transfer._copy = copy
+
+    def teardown(self) -> None:
+        if self.tp is not None:
+            self.tp.on_each(lambda rank: self.caches[rank].close())
+            self.tp.close()
+
+    # ------------------------------------------------------------ helpers
+    def each(self, verb: str, *args: Any) -> Any:
+        """``verb`` on every rank, on its own thread; every rank must answer the same."""
+        assert self.tp is not None
+        results = self.tp.on_each(lambda rank: getattr(self.caches[rank], verb)(*args))
+        return results
+
+    def draw_tokens(self, data: st.DataObject) -> tuple[tuple[int, ...], Namespace]:
+        if self.inserted and data.draw(st.booleans(), label="an inserted sequence"):
+            return data.draw(st.sampled_from(self.inserted), label="inserted")
+        tokens = data.draw(related_tokens(self.known), label="tokens")
+        return tokens, data.draw(st.sampled_from(NAMESPACES), label="namespace")
+
+    def ranks(self, data: st.DataObject) -> list[int]:
+        every = list(range(self.size))
+        if data.draw(st.booleans(), label="all ranks"):
+            return every
+        return data.draw(st.lists(st.sampled_from(every), min_size=1, unique=True), label="ranks")
+
+    def check_l1(self, rank: int, tokens: tuple[int, ...], ns: Namespace, result: Any) -> None:
+        pages = chain_page_hashes(tokens, self.page_size, ns)[: result.device_pages]
+        if pages:
+            want = torch.cat([shard_kv(self.shape, p, rank) for p in pages], dim=2)
+            got = self.device_pools[rank].read_pages(result.device_indices)
+            assert torch.equal(got.view(torch.int16), want.view(torch.int16)), f"rank {rank}: L1"
+
+    # ------------------------------------------------------------ scheduler verbs (every rank)
+    @rule(data=st.data())
+    def request(self, data: st.DataObject) -> None:
+        tokens, ns = self.draw_tokens(data)
+        pages = chain_page_hashes(tokens, self.page_size, ns)
+
+        def one(rank: int) -> tuple[object, ...]:
+            cache = self.caches[rank]
+            result = cache.match_prefix(tokens, ns)
+            self.check_l1(rank, tokens, ns, result)
+            locked = not result.device_node.is_root
+            if locked:
+                cache.lock(result.device_node)
+            try:
+                fresh = cache.alloc_device(len(pages) - result.device_pages)
+            except CapacityError:
+                fresh = None
+            if fresh is not None:
+                if len(fresh):
+                    kv = [shard_kv(self.shape, p, rank) for p in pages[result.device_pages :]]
+                    self.device_pools[rank].write_pages(fresh, torch.cat(kv, dim=2))
+                cache.insert(tokens, result.device_indices.tolist() + fresh.tolist(), ns)
+            if locked:
+                cache.unlock(result.device_node)
+            return (result.device_pages, result.host_pages, fresh is None)
+
+        outcomes = self.each_call(one)
+        if outcomes[0][2]:
+            event("request refused: L1 full")
+        elif (tokens, ns) not in self.inserted:
+            self.inserted.append((tokens, ns))
+            self.known.append(tokens)
+
+    def each_call(self, call: Any) -> list[Any]:
+        assert self.tp is not None
+        results = self.tp.on_each(call)
+        assert all(r == results[0] for r in results), results
+        return results
+
+    @rule(pages=st.sampled_from([0, 1, 2, 32]), host=st.booleans())
+    def evict(self, pages: int, host: bool) -> None:
+        self.each_call(lambda rank: self.caches[rank].evict(pages))
+        if host:
+            self.each_call(lambda rank: self.caches[rank].evict_host(pages))
+
+    @rule(data=st.data())
+    def load_back(self, data: st.DataObject) -> None:
+        tokens, ns = self.draw_tokens(data)
+
+        def one(rank: int) -> object:
+            cache = self.caches[rank]
+            result = cache.match_prefix(tokens, ns)
+            if not result.host_pages:
+                return None
+            return cache.load_back(result.host_node)
+
+        if self.each_call(one)[0] is not None:
+            event("load-back started")
+
+    @rule(data=st.data())
+    def prefetch(self, data: st.DataObject) -> None:
+        tokens, ns = self.draw_tokens(data)
+        if self.each_call(lambda rank: self.caches[rank].prefetch(tokens, ns))[0] is not None:
+            event("prefetch started")
+
+    def open_prefetches(self) -> list[int]:
+        l3 = self.caches[0].l3
+        assert l3 is not None
+        return sorted(op_id for op_id, op in l3.prefetches.items() if not op.cancelled)
+
+    @precondition(lambda self: self.tp is not None and self.open_prefetches())
+    @rule(data=st.data(), commit=st.booleans())
+    def prefetch_end(self, data: st.DataObject, commit: bool) -> None:
+        op_id = data.draw(st.sampled_from(self.open_prefetches()), label="prefetch op")
+        ready = self.each_call(lambda rank: self.caches[rank].prefetch_ready(op_id))[0]
+        if not ready and not data.draw(st.booleans(), label="abort while waiting"):
+            return
+        self.prefetch_end_op(op_id, commit=commit)
+
+    def prefetch_end_op(self, op_id: int, *, commit: bool) -> None:
+        def one(rank: int) -> int | None:
+            cache = self.caches[rank]
+            l3 = cache.l3
+            assert l3 is not None
+            op = l3.prefetches[op_id]
+            if not commit:
+                cache.prefetch_abort(op_id)
+                return None
+            arrived, host = op.arrived, op.host[: op.arrived].copy()
+            digests = op.digests
+            added = cache.prefetch_commit(op_id)
+            if arrived and op.state is not None:
+                pages = [PageHash(digests[i * 32 : (i + 1) * 32]) for i in range(arrived)]
+                want = torch.cat([shard_kv(self.shape, p, rank) for p in pages], dim=2)
+                got = self.host_pools[rank].read_pages(host)
+                assert torch.equal(got.view(torch.int16), want.view(torch.int16)), "prefetched"
+            return added
+
+        added = self.each_call(one)[0]
+        if added:
+            event("prefetch committed pages")
+
+    # ------------------------------------------------------------ per-rank background work
+    @rule(data=st.data())
+    def copies_run(self, data: st.DataObject) -> None:
+        for rank in self.ranks(data):
+            if data.draw(st.integers(0, 5), label="copy fails") == 0:
+                self.failing_copies[rank] = True
+            self.copy_workers[rank].run_next()
+            self.failing_copies[rank] = False
+
+    @rule(data=st.data())
+    def store_jobs_run(self, data: st.DataObject) -> None:
+        for rank in self.ranks(data):
+            fault = data.draw(st.sampled_from([None, None, None, "put", "get"]), label="fault")
+            if fault is not None:
+                self.backends[rank].fail_next(op=fault, after=data.draw(st.integers(0, 2)))
+            self.store_workers[rank].run_next()
+            self.backends[rank].clear_faults()
+            if fault is not None:
+                event(f"one rank's store {fault} failed")
+
+    @rule(data=st.data())
+    def store_loses(self, data: st.DataObject) -> None:
+        """An object of one rank's shard disappears from the shared store."""
+        keys = self.store.visible_keys()
+        if keys:
+            key = data.draw(st.sampled_from(sorted(keys, key=str)), label="lost key")
+            self.store.drop([key])
+            event("the store lost an object of one shard")
+
+    def agree_now(self) -> None:
+        """Two ``check_events`` on every rank: the agreement the first starts, the second applies
+        (agreements are pipelined)."""
+        self.each("check_events")
+        self.each("check_events")
+
+    @rule(settle=st.booleans())
+    def check_events(self, settle: bool) -> None:
+        """Every rank's ``check_events``: one agreement (with ``settle``, every job runs first)."""
+        rounds = 3 if settle else 1
+        for _ in range(rounds):
+            if settle:
+                for rank in range(self.size):
+                    self.copy_workers[rank].run_all()
+                    self.store_workers[rank].run_all()
+            events = self.each("check_events")
+            if events[0]:
+                event("an agreement applied copies")
+
+    @precondition(lambda self: self.tp is not None and self.inserted)
+    @rule(data=st.data())
+    def round_trip(self, data: st.DataObject) -> None:
+        """A sequence goes to L3 and comes back by prefetch, one rank's reads failing part-way
+        (the ranks must agree on the shortest read)."""
+        tokens, ns = data.draw(st.sampled_from(self.inserted), label="inserted")
+        self.check_events(settle=True)
+        self.evict(32, host=True)
+        op_ids = self.each_call(lambda rank: self.caches[rank].prefetch(tokens, ns))
+        if op_ids[0] is None:
+            return
+        self.agree_now()  # the query results (reads not run yet)
+        for rank in range(self.size):
+            self.store_workers[rank].run_all()  # queries
+        self.agree_now()  # the agreed hit: reserve and fetch
+        short = data.draw(st.integers(0, self.size - 1), label="short rank")
+        self.backends[short].fail_next(op="get", after=data.draw(st.integers(0, 2), label="after"))
+        for rank in range(self.size):
+            self.store_workers[rank].run_all()
+        self.backends[short].clear_faults()
+        self.agree_now()
+        if self.each_call(lambda rank: self.caches[rank].prefetch_ready(op_ids[0]))[0]:
+            self.prefetch_end_op(op_ids[0], commit=True)
+
+    # ------------------------------------------------------------ invariants
+    @invariant()
+    def ranks_identical(self) -> None:
+        if self.tp is None:
+            return
+        first = tree_view(self.caches[0])
+        for rank in range(1, self.size):
+            assert tree_view(self.caches[rank]) == first, f"rank {rank}'s tree differs"
+        reports = self.tp.reports
+        assert all(log == reports[0] for log in reports[1:]), "different collective calls"
+        agreements = {cache.agreement.agreements for cache in self.caches if cache.agreement}
+        assert len(agreements) == 1
+
+
+TestTpDifferential = TpDifferential.TestCase
+TestTpDifferential.settings = settings(max_examples=100, stateful_step_count=40, deadline=None)

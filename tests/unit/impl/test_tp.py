@@ -1,0 +1,178 @@
+"""The cache in a TP group, in one process (``support.tp.InProcessTp``): one collective per
+``check_events`` on every rank (started there, applied at the next call); a rank that skips it ends
+in ``TpAgreementError`` within the timeout and closes the cache; a refused store job does not split
+the ranks; a copy failure waits until no rank copies; a cache with no group makes no collective."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import pytest
+import torch
+from support.tp import InProcessTp
+
+from kvstrata.impl.cache import HierarchicalRadixCache
+from kvstrata.impl.config import RadixCacheConfig, StorageConfig
+from kvstrata.impl.errors import CacheClosed, ConfigError, TpAgreementError
+from kvstrata.impl.pools import DeviceKVPool, HostKVPool, HostLayout, KVShape
+from kvstrata.impl.storage.memory import MemoryBackend, MemoryStore
+from kvstrata.impl.tp import TorchTpGroup
+from kvstrata.impl.transfer import ManualExecutor
+from kvstrata.model.keys import KeySpace, KVKind, ModelIdentity, Shard
+
+PAGE = 2
+SHAPE = KVShape(KVKind.MHA, layers=1, heads=1, head_dim=2, dtype=torch.float16, page_size=PAGE)
+IDENTITY = ModelIdentity("tp-unit", "float16", KVKind.MHA, page_size=PAGE)
+
+
+class Ranks:
+    def __init__(self, size: int, timeout_s: float = 1.0) -> None:
+        self.tp = InProcessTp(size, timeout_s=timeout_s)
+        store = MemoryStore()
+        self.copies = [ManualExecutor() for _ in range(size)]
+        self.io = [ManualExecutor() for _ in range(size)]
+        self.backends = [
+            MemoryBackend(KeySpace(IDENTITY, shard=Shard(tp_rank=r, tp_size=size)), store=store)
+            for r in range(size)
+        ]
+        self.caches = self.tp.on_each(self._build)
+
+    def _build(self, rank: int) -> HierarchicalRadixCache:
+        return HierarchicalRadixCache.build(
+            RadixCacheConfig(page_size=PAGE, write_through_threshold=1),
+            DeviceKVPool(SHAPE, 8),
+            HostKVPool(SHAPE, 8, HostLayout.PAGE_FIRST),
+            self.copies[rank],
+            storage=self.backends[rank],
+            storage_config=StorageConfig(prefetch_threshold=PAGE, backup_backoff_s=0.0),
+            storage_executor=self.io[rank],
+            tp_group=self.tp.group(rank),
+        )
+
+    def insert(self, tokens: list[int]) -> None:
+        def one(rank: int) -> None:
+            cache = self.caches[rank]
+            fresh = cache.alloc_device(len(tokens) // PAGE)
+            cache.insert(tokens, fresh)
+
+        self.tp.on_each(one)
+
+    def agree(self) -> list[object]:
+        """Two ``check_events`` on every rank: the first starts an agreement on what each rank
+        holds now, the second applies it (agreements are pipelined: applied at the next call)."""
+        self.tp.on_each(lambda r: self.caches[r].check_events())
+        return self.tp.on_each(lambda r: self.caches[r].check_events())
+
+    def close(self) -> None:
+        self.tp.on_each(lambda rank: self.caches[rank].close())
+        self.tp.close()
+
+
+@pytest.fixture
+def ranks() -> Iterator[Ranks]:
+    group = Ranks(2)
+    yield group
+    group.close()
+
+
+def test_a_copy_applies_only_once_every_rank_has_it(ranks: Ranks) -> None:
+    ranks.insert([1, 2, 3, 4])
+    assert [c.pending().write for c in ranks.caches] == [1, 1]
+    ranks.copies[0].run_all()  # rank 0's write-through landed, rank 1's not yet
+    ranks.agree()
+    assert [c.pending().write for c in ranks.caches] == [1, 1]
+    ranks.copies[1].run_all()
+    events = ranks.agree()
+    assert [c.pending().write for c in ranks.caches] == [0, 0]
+    assert events[0] == events[1] and events[0][0].ok  # type: ignore[index]
+    assert [c.agreement.agreements for c in ranks.caches if c.agreement] == [4, 4]
+
+
+def test_one_rank_s_failed_copy_fails_it_on_every_rank(ranks: Ranks) -> None:
+    ranks.insert([1, 2, 3, 4])
+    transfer = ranks.caches[1].transfer
+    assert transfer is not None
+
+    def broken(*_: object) -> int:
+        raise RuntimeError("rank 1's copy failed")
+
+    transfer._copy = broken
+    for executor in ranks.copies:
+        executor.run_all()
+    ranks.agree()
+    assert [c.cached_pages() for c in ranks.caches] == [{"device": 2, "host": 0}] * 2
+
+
+def test_a_rank_that_skips_its_collective_fails_the_others_within_the_timeout(
+    ranks: Ranks,
+) -> None:
+    started = time.monotonic()
+    ranks.tp.on_rank(0, ranks.caches[0].check_events)  # starts an agreement rank 1 never joins
+    with pytest.raises(TpAgreementError, match="no answer"):
+        ranks.tp.on_rank(0, ranks.caches[0].check_events)
+    assert time.monotonic() - started < 5
+    with pytest.raises(CacheClosed):  # its tree can no longer follow the others'
+        ranks.tp.on_rank(0, lambda: ranks.caches[0].alloc_device(1))
+
+
+def test_a_refused_query_does_not_split_the_ranks(ranks: Ranks) -> None:
+    ranks.insert([1, 2, 3, 4])
+    for executor in ranks.copies:
+        executor.run_all()
+    for _ in range(3):
+        for executor in (*ranks.copies, *ranks.io):
+            executor.run_all()
+        ranks.agree()
+    ranks.tp.on_each(lambda r: (ranks.caches[r].evict(10), ranks.caches[r].evict_host(10)))
+    ranks.backends[1].down = True  # rank 1's store refuses: its query is not even sent
+    ops = ranks.tp.on_each(lambda r: ranks.caches[r].prefetch([1, 2, 3, 4]))
+    assert ops[0] == ops[1] and ops[0] is not None
+    for executor in ranks.io:
+        executor.run_all()
+    ranks.agree()
+    ready = ranks.tp.on_each(lambda r: ranks.caches[r].prefetch_ready(ops[0]))
+    added = ranks.tp.on_each(lambda r: ranks.caches[r].prefetch_commit(ops[0]))
+    assert ready == [True, True] and added == [0, 0]  # rank 1 hit nothing: the minimum is 0
+
+
+def test_no_group_no_collective() -> None:
+    cache = HierarchicalRadixCache.build(
+        RadixCacheConfig(page_size=PAGE), DeviceKVPool(SHAPE, 4), HostKVPool(SHAPE, 4)
+    )
+    assert cache.agreement is None
+    assert cache.check_events() == []
+    cache.close()
+
+
+def test_a_torch_group_needs_torch_distributed() -> None:
+    with pytest.raises(ConfigError, match="not initialized"):
+        TorchTpGroup()
+
+
+def test_a_failure_waits_until_no_rank_still_copies_that_direction(ranks: Ranks) -> None:
+    """Rank 1's first write-through fails; rank 0's second is still copying: failing both now
+    would free host pages rank 0's copy still writes, so the failure waits for it."""
+    ranks.insert([1, 2, 3, 4])
+    ranks.insert([5, 6, 7, 8])
+    assert [c.pending().write for c in ranks.caches] == [2, 2]
+    transfer = ranks.caches[1].transfer
+    assert transfer is not None
+    real = transfer._copy
+    calls = []
+
+    def first_fails(*args: object) -> int:
+        calls.append(args)
+        if len(calls) == 1:
+            raise RuntimeError("rank 1's first copy failed")
+        return real(*args)  # type: ignore[arg-type]
+
+    transfer._copy = first_fails
+    ranks.copies[1].run_all()
+    ranks.copies[0].run_next()  # rank 0: the first landed, the second is still in flight
+    ranks.agree()
+    assert [c.pending().write for c in ranks.caches] == [2, 2]
+    ranks.copies[0].run_all()
+    ranks.agree()
+    assert [c.pending().write for c in ranks.caches] == [0, 0]
+    assert [c.cached_pages() for c in ranks.caches] == [{"device": 4, "host": 0}] * 2
