@@ -23,13 +23,15 @@ from kvstrata.impl.storage.mooncake.connect import probe_master
 
 class Listener:
     """A TCP service on loopback that accepts and then answers ``reply`` (or nothing, holding the
-    connection open). ``accepted`` is set at the first connection."""
+    connection open). ``accepted`` is set at the first connection, ``requested`` once its first
+    bytes arrived (the client then waits in its handshake's read)."""
 
     def __init__(self, reply: bytes | None) -> None:
         self.socket = socket.create_server(("127.0.0.1", 0))
         self.port = self.socket.getsockname()[1]
         self.reply = reply
         self.accepted = threading.Event()
+        self.requested = threading.Event()
         self.held: list[socket.socket] = []
         threading.Thread(target=self._serve, daemon=True).start()
 
@@ -41,8 +43,9 @@ class Listener:
                 return
             self.held.append(connection)
             self.accepted.set()
+            connection.recv(64)
+            self.requested.set()
             if self.reply is not None:
-                connection.recv(64)
                 connection.sendall(self.reply)
                 connection.close()
 
@@ -92,8 +95,8 @@ def test_a_real_master_passes_the_handshake() -> None:
         probe_master(cluster.config)
 
 
-def cli(*args: str) -> subprocess.Popen[str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KVSTRATA_")}
+def cli(*args: str, **variables: str) -> subprocess.Popen[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVSTRATA_")} | variables
     return subprocess.Popen(
         [sys.executable, "-m", "kvstrata.impl.cli.main", *args],
         stdout=subprocess.PIPE,
@@ -114,9 +117,11 @@ def test_the_cli_names_a_master_that_is_not_one(silent: Listener) -> None:
 
 
 def test_ctrl_c_while_connecting_exits_130(silent: Listener) -> None:
-    run = cli("replay", "--sample", "--master", f"127.0.0.1:{silent.port}")
-    assert silent.accepted.wait(60), "the CLI never connected"
-    run.send_signal(signal.SIGINT)  # while the handshake waits for an answer
+    # a handshake deadline of a minute: on a loaded machine the 2 s default could answer first
+    wait = {"KVSTRATA_MOONCAKE_PROBE_TIMEOUT": "60"}
+    run = cli("replay", "--sample", "--master", f"127.0.0.1:{silent.port}", **wait)
+    assert silent.requested.wait(60), "the CLI never sent its handshake"
+    run.send_signal(signal.SIGINT)  # the CLI waits in the handshake's read
     _, err = run.communicate(timeout=60)
     assert run.returncode == 130, err
     assert err.strip().splitlines()[-1] == "kvstrata: interrupted"
