@@ -94,6 +94,24 @@ BENCHMARKS: tuple[Benchmark, ...] = (
         "replay while the Mooncake master dies, restarts or loses its storage node (issue 17)",
     ),
     Benchmark(
+        "tp",
+        "benchmarks/tp_agreement.py",
+        ("--reps", "7", "--calls", "1000", "--replay-reps", "3", "--json", "{out}/tp.json"),
+        (
+            "--reps",
+            "1",
+            "--calls",
+            "200",
+            "--replay-reps",
+            "1",
+            "--limit",
+            "20",
+            "--json",
+            "{out}/tp.json",
+        ),
+        "the TP agreement's cost per check_events and on the scheduler path (gloo, loopback)",
+    ),
+    Benchmark(
         "replay",
         "-m kvstrata.impl.cli.main",
         (

@@ -72,11 +72,11 @@ def prepare(scratch: Path, patch: Path) -> str | None:
 ORDER = (
     "test_hasher",
     "test_cache_model",
-    "test_tp",
     "test_embedding",
     "test_hybrid",
     "test_radix_cache",
     "test_l3",
+    "test_tp",  # last: only the TP mutants need it, and their headers name it
 )
 
 
