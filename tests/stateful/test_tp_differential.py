@@ -12,7 +12,8 @@ Checked after every step:
   pending work and prefetch ops equal rank 0's (``tree_view``);
 * every rank made the same collective calls in the same order (length and layout digest);
 * bytes: every L1 page a match returns, and every page a prefetch commits, holds exactly that
-  rank's shard of the page's KV;
+  rank's shard of the page's KV (MLA, in half the examples: the replicated KV, written to the store
+  by rank 0 alone, whose backups every rank then counts as stored, and read by every rank);
 * the same ``prefetch`` op ids and ``prefetch_ready`` answers on every rank.
 
 With a background result that differs per rank, a rank applying its own count instead of the
@@ -52,10 +53,11 @@ from kvstrata.model.l3.policy import PrefetchPolicy
 
 
 def shard_kv(shape: KVShape, page: PageHash, rank: int) -> torch.Tensor:
-    """Rank ``rank``'s shard of one page's KV: bytes derived from the page hash and the rank."""
+    """Rank ``rank``'s shard of one page's KV: bytes derived from the page hash and the rank
+    (``rank`` -1: the replicated MLA KV, the same on every rank)."""
     dims = shape.canonical(1)
     count = int(np.prod(dims)) * shape.itemsize
-    stream = hashlib.shake_256(page.digest + bytes([rank])).digest(count)
+    stream = hashlib.shake_256(page.digest + bytes([rank % 256])).digest(count)
     return torch.frombuffer(bytearray(stream), dtype=torch.uint8).view(shape.dtype).reshape(dims)
 
 
@@ -106,31 +108,51 @@ class TpDifferential(RuleBasedStateMachine):
         page_size=st.integers(1, 2),
         device_pages=st.integers(4, 8),
         host_pages=st.integers(4, 10),
+        mla=st.booleans(),
     )
-    def setup(
-        self, data: st.DataObject, size: int, page_size: int, device_pages: int, host_pages: int
+    def setup(  # noqa: PLR0917 (Hypothesis passes rule arguments by keyword)
+        self,
+        data: st.DataObject,
+        size: int,
+        page_size: int,
+        device_pages: int,
+        host_pages: int,
+        mla: bool,
     ) -> None:
         self.size = size
         self.page_size = page_size
+        self.mla = mla
         self.tp = InProcessTp(size)
+        kind = KVKind.MLA if mla else KVKind.MHA
         self.shape = KVShape(
-            KVKind.MHA, layers=2, heads=2, head_dim=4, dtype=torch.float16, page_size=page_size
+            kind,
+            layers=2,
+            heads=1 if mla else 2,
+            head_dim=4,
+            dtype=torch.float16,
+            page_size=page_size,
         )
         policy = data.draw(
             st.sampled_from([PrefetchPolicy.BEST_EFFORT, PrefetchPolicy.WAIT_COMPLETE]),
             label="prefetch_policy",
         )
         self.store = MemoryStore()
-        identity = ModelIdentity("tiny-llm", "float16", KVKind.MHA, page_size=page_size)
+        identity = ModelIdentity("tiny-llm", "float16", kind, page_size=page_size)
         self.device_pools = [DeviceKVPool(self.shape, device_pages, "cpu") for _ in range(size)]
         self.host_pools = [
             HostKVPool(self.shape, host_pages, HostLayout.PAGE_FIRST) for _ in range(size)
         ]
         self.copy_workers = [ManualExecutor() for _ in range(size)]
         self.store_workers = [ManualExecutor() for _ in range(size)]
+        # MLA: the KV is replicated, one key space for every rank, rank 0 its single writer
         self.backends = [
             MemoryBackend(
-                KeySpace(identity, shard=Shard(tp_rank=rank, tp_size=size)), store=self.store
+                KeySpace(
+                    identity,
+                    shard=Shard.replicated() if mla else Shard(tp_rank=rank, tp_size=size),
+                ),
+                store=self.store,
+                writer=not mla or rank == 0,
             )
             for rank in range(size)
         ]
@@ -195,10 +217,13 @@ class TpDifferential(RuleBasedStateMachine):
             return every
         return data.draw(st.lists(st.sampled_from(every), min_size=1, unique=True), label="ranks")
 
+    def kv_rank(self, rank: int) -> int:
+        return -1 if self.mla else rank
+
     def check_l1(self, rank: int, tokens: tuple[int, ...], ns: Namespace, result: Any) -> None:
         pages = chain_page_hashes(tokens, self.page_size, ns)[: result.device_pages]
         if pages:
-            want = torch.cat([shard_kv(self.shape, p, rank) for p in pages], dim=2)
+            want = torch.cat([shard_kv(self.shape, p, self.kv_rank(rank)) for p in pages], dim=2)
             got = self.device_pools[rank].read_pages(result.device_indices)
             assert torch.equal(got.view(torch.int16), want.view(torch.int16)), f"rank {rank}: L1"
 
@@ -221,7 +246,10 @@ class TpDifferential(RuleBasedStateMachine):
                 fresh = None
             if fresh is not None:
                 if len(fresh):
-                    kv = [shard_kv(self.shape, p, rank) for p in pages[result.device_pages :]]
+                    kv = [
+                        shard_kv(self.shape, p, self.kv_rank(rank))
+                        for p in pages[result.device_pages :]
+                    ]
                     self.device_pools[rank].write_pages(fresh, torch.cat(kv, dim=2))
                 cache.insert(tokens, result.device_indices.tolist() + fresh.tolist(), ns)
             if locked:
@@ -295,7 +323,8 @@ class TpDifferential(RuleBasedStateMachine):
             added = cache.prefetch_commit(op_id)
             if arrived and op.state is not None:
                 pages = [PageHash(digests[i * 32 : (i + 1) * 32]) for i in range(arrived)]
-                want = torch.cat([shard_kv(self.shape, p, rank) for p in pages], dim=2)
+                kv = [shard_kv(self.shape, p, self.kv_rank(rank)) for p in pages]
+                want = torch.cat(kv, dim=2)
                 got = self.host_pools[rank].read_pages(host)
                 assert torch.equal(got.view(torch.int16), want.view(torch.int16)), "prefetched"
             return added
