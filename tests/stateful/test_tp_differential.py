@@ -368,6 +368,16 @@ class TpDifferential(RuleBasedStateMachine):
         self.each("check_events")
         self.each("check_events")
 
+    @precondition(lambda self: self.tp is not None and any(c.pending().write for c in self.caches))
+    @rule(data=st.data())
+    def one_rank_ahead(self, data: st.DataObject) -> None:
+        """One rank's copy lands, the others' not yet, and every rank checks events: the step where
+        only some ranks have something to report (every rank must still join the agreement)."""
+        rank = data.draw(st.integers(0, self.size - 1), label="rank ahead")
+        if self.copy_workers[rank].run_next():
+            event("one rank ahead at an agreement")
+        self.each("check_events")
+
     @rule(settle=st.booleans())
     def check_events(self, settle: bool) -> None:
         """Every rank's ``check_events``: one agreement (with ``settle``, every job runs first)."""
