@@ -26,8 +26,9 @@ Rows of the throughput table (per cell; ``time.perf_counter`` around the store c
    back into them;
 2. ``direct``: ``MooncakeBackend.put`` then ``get`` of the same pages on that ``page_first_direct`` pool
    (zero-copy). This includes everything kvstrata does per call: rendering the keys from page hashes,
-   ``batch_is_exist`` before the put and again after it (exists-then-put-missing, then confirm),
-   argument checks and status accounting;
+   the put, ``batch_is_exist`` after it (the confirm), argument checks and status accounting;
+   ``exists_first``: the same with ``exists_before_put=True`` (``batch_is_exist`` before the put
+   too, then only the missing objects: the backend before issue 20);
 3. ``prefix`` (a what-if, not the library): the same backend whose key space renders each key as a
    cached prefix plus the page hash's hex (identical strings, checked), to show what the key-rendering
    cost amounts to;
@@ -42,18 +43,19 @@ Rows of the throughput table (per cell; ``time.perf_counter`` around the store c
    is against a raw put/get of the same bytes run right before or after it in each repetition
    (the ``cache_raw`` row).
 
-Method. Rows 1-4 are interleaved call by call: for each batch the four paths issue their call in an
-order that rotates from batch to batch, so that a burst of load from other processes on this shared
-machine falls on all of them alike; first every put, then every get, then ``remove_all(force=True)``
-and one 4 KiB primer put (both untimed: the first put after ``remove_all`` was measured about 25 ms
-slower, which would otherwise land on whichever path goes first). Puts always use fresh keys (a
-re-put of an existing key is a master-side no-op). One unrecorded warm-up repetition per cell runs
-each path on its own and checks bytes: sampled host slots are zeroed before the get and must come
-back bit for bit. The storage node's segment is written once before the first cell, so first-touch
-page faults land on no path. Reported per row: median GB/s (``bytes / median seconds``, 1 GB = 1e9
-bytes) over ``--repeats`` repetitions, and kvstrata / raw as the median over repetitions of that
-repetition's ``raw seconds / kvstrata seconds`` (both sides ran under the same load; goal: >= 0.9).
-The JSON also has the ratio of the medians and every sample.
+Method. Rows 1-4 (with ``exists_first``) are interleaved call by call: for each batch the five paths
+issue their call in an order that rotates from batch to batch, so that a burst of load from other
+processes on this shared machine falls on all of them alike; first every put, then every get, then
+``remove_all(force=True)`` and one 4 KiB primer put (both untimed: the first put after
+``remove_all`` was measured about 25 ms slower, which would otherwise land on whichever path goes
+first). Puts always use fresh keys (a re-put of an existing key is a master-side no-op). One
+unrecorded warm-up repetition per cell runs each path on its own and checks bytes: sampled host
+slots are zeroed before the get and must come back bit for bit. The storage node's segment is
+written once before the first cell, so first-touch page faults land on no path. Reported per row:
+median GB/s (``bytes / median seconds``, 1 GB = 1e9 bytes) over ``--repeats`` repetitions, and
+kvstrata / raw as the median over repetitions of that repetition's ``raw seconds / kvstrata
+seconds`` (both sides ran under the same load; goal: >= 0.9). The JSON also has the ratio of the
+medians and every sample.
 
 Exists latency: 1024 pages of the first cell's size are stored, then ``MooncakeBackend.exists`` of the
 first 1, 64 and 1024 pages (2, 128 and 2048 keys) against the raw ``batch_is_exist`` of the same key
@@ -109,10 +111,11 @@ CACHE_TIMEOUT_S = 120.0
 NAMESPACE = Namespace()
 EXISTS_SIZES = (1, 64, 1024)
 PRIMER_BYTES = 4 * KIB
-INTERLEAVED = ("raw", "direct", "prefix", "staged")
+INTERLEAVED = ("raw", "direct", "exists_first", "prefix", "staged")
 PATH_NAMES = {
     "raw": "raw `batch_put_from` / `batch_get_into`",
     "direct": "backend, page_first_direct (zero-copy)",
+    "exists_first": "direct with `exists_before_put` (before issue 20)",
     "prefix": "what-if: direct with prefix-cached keys",
     "staged": "backend, page_first (staged)",
     "cache_raw": "raw, run next to each cache run",
@@ -585,6 +588,7 @@ def run_cell(
     fill(staged, 3 << 40)
     backends = {
         "direct": MooncakeBackend(client, keyspace),
+        "exists_first": MooncakeBackend(client, keyspace, exists_before_put=True),
         "prefix": MooncakeBackend(client, prefix_keyspace_of(cell)),
         "staged": MooncakeBackend(client, keyspace),
     }
@@ -592,13 +596,15 @@ def run_cell(
     retries = 0
     try:
         backends["direct"].attach(direct)
-        backends["prefix"].attach(direct)  # the same registration, counted twice
+        backends["exists_first"].attach(direct)  # the same registration, counted again
+        backends["prefix"].attach(direct)
         backends["staged"].attach(staged)
         with registered(raw, direct):
             raw_path = RawPath(raw, direct, cell, keyspace)
             paths: dict[str, MovePath] = {
                 "raw": raw_path,
                 "direct": BackendPath(backends["direct"], direct, cell),
+                "exists_first": BackendPath(backends["exists_first"], direct, cell),
                 "prefix": BackendPath(backends["prefix"], direct, cell),
                 "staged": BackendPath(backends["staged"], staged, cell),
             }
@@ -613,6 +619,7 @@ def run_cell(
                     samples[name].get.append(get_s)
             backends["prefix"].close()
             backends["staged"].close()
+            backends["exists_first"].close()
             if with_cache:
                 retries = run_cache(
                     cell,

@@ -70,6 +70,15 @@ class MooncakeBackend:
     :class:`MooncakeConfig` (the backend connects now, owns the client and closes it). ``pool`` names
     the key's pool (``"kv"``). ``staging_bytes`` bounds the staging buffer of a ``page_first`` host
     pool (at least one page is staged; a larger batch moves in chunks).
+
+    ``exists_before_put`` (issue 20): ask ``batch_is_exist`` before a put and write only the objects
+    the store lacks; a page all of whose objects were there is ``EXISTED``. Off by default: the
+    master deduplicates a put of a key it holds without moving its bytes (about 0.05 ms for one key,
+    0.13 to 0.18 ms for 16, ../shared/MOONCAKE.md §3.4), so one put of every object costs less than the
+    extra round trip before each put. Without it a page is ``STORED`` whether or not the store held it
+    already (``EXISTED`` is then never reported, and ``bytes_written`` counts what the store accepted,
+    a deduplicated object included); the confirm after the put stays either way (a key another
+    writer is still putting also answers 0: it is ``FAILED`` until a reader can see it).
     """
 
     name = "mooncake"
@@ -82,13 +91,15 @@ class MooncakeBackend:
         writer: bool = True,
         pool: str = "kv",
         staging_bytes: int | str = DEFAULT_STAGING,
+        exists_before_put: bool = False,
     ) -> None:
         if not isinstance(keyspace, KeySpace):
             raise MisuseError(f"MooncakeBackend: expected a KeySpace, got {keyspace!r}")
         if keyspace.model.kind is KVKind.EMBEDDING:
             raise ConfigError("MooncakeBackend.keyspace: expected an MHA or MLA model identity")
-        if not isinstance(writer, bool):
-            raise ConfigError(f"MooncakeBackend.writer: expected a bool, got {writer!r}")
+        for name, flag in (("writer", writer), ("exists_before_put", exists_before_put)):
+            if not isinstance(flag, bool):
+                raise ConfigError(f"MooncakeBackend.{name}: expected a bool, got {flag!r}")
         if isinstance(store, MooncakeConfig):
             self.client = MooncakeClient(store).setup()
             self._owns_client = True
@@ -104,6 +115,7 @@ class MooncakeBackend:
         self.staging_bytes = to_bytes(staging_bytes, "MooncakeBackend.staging_bytes")
         self.keyspace = keyspace
         self.writer = writer
+        self.exists_before_put = exists_before_put
         self.pool = pool
         self.counters = BackendCounters()
         self.errors = ErrorCounters()
@@ -262,8 +274,8 @@ class MooncakeBackend:
     def put(
         self, namespace: Namespace, pages: Sequence[PageHash], host_indices: Sequence[int]
     ) -> list[PutStatus]:
-        """Store each page from its host slot: exists, put the missing components, confirm (in
-        native batches of at most ``MAX_BATCH_OBJECTS`` objects)."""
+        """Store each page from its host slot: put, confirm (``exists_before_put``: exists, put the
+        missing components, confirm), in native batches of at most ``MAX_BATCH_OBJECTS`` objects."""
         chunk = self._chunk()
         if not isinstance(pages, Sequence) or len(pages) <= chunk:
             return self._put_chunk(namespace, pages, host_indices)
@@ -312,25 +324,30 @@ class MooncakeBackend:
         width: int,
         write: Callable[[list[int]], list[int]],
     ) -> tuple[list[PutStatus], int]:
-        """Exists-then-put-missing-then-confirm for distinct pages of ``width`` objects each
-        (``keys`` page-major); ``write(flat object indices)`` puts those objects and returns one
-        native code per object. The statuses per page and the number of objects written. Shared by
-        the KV pages and the side pools' objects (:mod:`kvstrata.impl.storage.side`)."""
+        """Put-then-confirm (with ``exists_before_put``: exists-then-put-missing-then-confirm) for
+        distinct pages of ``width`` objects each (``keys`` page-major); ``write(flat object
+        indices)`` puts those objects and returns one native code per object. The statuses per page
+        and the number of objects the store accepted. Shared by the KV pages and the side pools'
+        objects (:mod:`kvstrata.impl.storage.side`)."""
         count = len(keys) // width
         if not count:
             return [], 0
         status: list[PutStatus | None] = [None] * count
-        present = self._is_exist(keys)
-        failed = self._count_errors("put", present)
+        failed = False
         todo: list[int] = []  # flat object indices (page * width + component) to write
-        for page in range(count):
-            codes = present[page * width : (page + 1) * width]
-            if any(code < 0 for code in codes):
-                status[page] = PutStatus.FAILED
-            elif all(code == EXISTS for code in codes):
-                status[page] = PutStatus.EXISTED
-            else:
-                todo.extend(page * width + c for c, code in enumerate(codes) if code != EXISTS)
+        if not self.exists_before_put:  # the master deduplicates what it holds
+            todo = list(range(count * width))
+        else:
+            present = self._is_exist(keys)
+            failed = self._count_errors("put", present)
+            for page in range(count):
+                codes = present[page * width : (page + 1) * width]
+                if any(code < 0 for code in codes):
+                    status[page] = PutStatus.FAILED
+                elif all(code == EXISTS for code in codes):
+                    status[page] = PutStatus.EXISTED
+                else:
+                    todo.extend(page * width + c for c, code in enumerate(codes) if code != EXISTS)
         written = 0
         if todo:
             codes = write(todo)

@@ -38,8 +38,8 @@ MakeBackend = Callable[..., MooncakeBackend]
 
 @pytest.fixture
 def make(mooncake_store: MooncakeClient, backends: list[MooncakeBackend], page_kit) -> MakeBackend:
-    """``make(kind, host=None, writer=True, staging_bytes=..., **keyspace_fields)``: a backend on
-    the session client."""
+    """``make(kind, host=None, writer=True, staging_bytes=..., exists_before_put=False,
+    **keyspace_fields)``: a backend on the session client."""
 
     def make(
         kind: KVKind,
@@ -47,6 +47,7 @@ def make(mooncake_store: MooncakeClient, backends: list[MooncakeBackend], page_k
         *,
         writer: bool = True,
         staging_bytes: int = 64 << 20,
+        exists_before_put: bool = False,
         **keyspace: object,
     ) -> MooncakeBackend:
         backend = MooncakeBackend(
@@ -54,6 +55,7 @@ def make(mooncake_store: MooncakeClient, backends: list[MooncakeBackend], page_k
             page_kit.keyspace(kind, **keyspace),
             writer=writer,
             staging_bytes=staging_bytes,
+            exists_before_put=exists_before_put,
         )
         backends.append(backend)
         if host is not None:
@@ -78,13 +80,14 @@ def test_round_trip_bit_for_bit(
     assert backend.exists(ns, pages) == 0
     assert backend.put(ns, pages, [5, 0, 3]) == [PutStatus.STORED] * 3
     assert backend.exists(ns, pages) == 3
-    assert backend.put(ns, pages, [5, 0, 3]) == [PutStatus.EXISTED] * 3
+    # no exists before a put: the master deduplicates the re-put, the confirm says STORED
+    assert backend.put(ns, pages, [5, 0, 3]) == [PutStatus.STORED] * 3
     assert backend.get(ns, pages, [1, 2, 7]) == [GetStatus.LOADED] * 3
     assert page_kit.holds(host, [1, 2, 7], pages)
 
     nbytes = 3 * host.shape.bytes_per_page
     assert backend.counters.snapshot() == BackendCounters(
-        puts_stored=3, puts_existed=3, gets_loaded=3, bytes_written=nbytes, bytes_read=nbytes
+        puts_stored=6, gets_loaded=3, bytes_written=2 * nbytes, bytes_read=nbytes
     )
     assert backend.errors.total == 0
 
@@ -186,7 +189,7 @@ def test_exists_counts_consecutive_pages_and_a_partial_page_is_a_miss(
     make: MakeBackend, page_kit, mooncake_store: MooncakeClient
 ) -> None:
     host = page_kit.host(KVKind.MHA)
-    backend = make(KVKind.MHA, host)
+    backend = make(KVKind.MHA, host, exists_before_put=True)
     ns = page_kit.NS
     pages = page_kit.pages(KVKind.MHA, 4)
     page_kit.fill(host, [0, 1, 2, 3], pages)
@@ -209,11 +212,12 @@ def test_exists_counts_consecutive_pages_and_a_partial_page_is_a_miss(
     assert backend.counters.bytes_written == objects * host.shape.bytes_per_page // 2
 
 
+@pytest.mark.parametrize("exists_before_put", [False, True])
 def test_put_keeps_the_first_bytes_and_writes_a_repeated_page_once(
-    make: MakeBackend, page_kit
+    make: MakeBackend, page_kit, exists_before_put: bool
 ) -> None:
     host = page_kit.host(KVKind.MLA)
-    backend = make(KVKind.MLA, host)
+    backend = make(KVKind.MLA, host, exists_before_put=exists_before_put)
     ns = page_kit.NS
     pages = page_kit.pages(KVKind.MLA, 2)
     page_kit.fill(host, [0, 1], pages)
@@ -223,7 +227,8 @@ def test_put_keeps_the_first_bytes_and_writes_a_repeated_page_once(
         PutStatus.STORED,
     ]
     page_kit.fill(host, [0], pages[1:])  # slot 0 now holds other bytes
-    assert backend.put(ns, pages[:1], [0]) == [PutStatus.EXISTED]
+    again = PutStatus.EXISTED if exists_before_put else PutStatus.STORED
+    assert backend.put(ns, pages[:1], [0]) == [again]
     assert backend.get(ns, pages, [4, 5]) == [GetStatus.LOADED] * 2
     assert page_kit.holds(host, [4, 5], pages)
 
@@ -366,3 +371,32 @@ def test_pages_put_in_one_process_are_read_bit_for_bit_in_another(
         if peer.poll() is None:
             peer.kill()
             peer.wait()
+
+
+@pytest.mark.parametrize(("exists_before_put", "queries"), [(False, 1), (True, 2)])
+def test_a_put_asks_exists_only_to_confirm_unless_told_to_ask_first(
+    make: MakeBackend,
+    page_kit,
+    monkeypatch: pytest.MonkeyPatch,
+    exists_before_put: bool,
+    queries: int,
+) -> None:
+    """Issue 20: no ``batch_is_exist`` before a put (the master deduplicates a re-put); the confirm
+    after it stays. With ``exists_before_put`` the old exists-then-put-missing."""
+    host = page_kit.host(KVKind.MHA)
+    backend = make(KVKind.MHA, host, exists_before_put=exists_before_put)
+    ns = page_kit.NS
+    pages = page_kit.pages(KVKind.MHA, 3)
+    page_kit.fill(host, [0, 1, 2], pages)
+    calls: list[int] = []
+    real = backend.client.batch_is_exist
+
+    def spy(keys: list[str]) -> list[int]:
+        calls.append(len(keys))
+        return real(keys)
+
+    monkeypatch.setattr(backend.client, "batch_is_exist", spy)
+    assert backend.put(ns, pages, [0, 1, 2]) == [PutStatus.STORED] * 3
+    assert len(calls) == queries and calls[-1] == 3 * 2  # the confirm asks for every object
+    assert backend.get(ns, pages, [4, 5, 6]) == [GetStatus.LOADED] * 3
+    assert page_kit.holds(host, [4, 5, 6], pages)

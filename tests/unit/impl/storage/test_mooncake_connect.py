@@ -95,6 +95,13 @@ def test_a_real_master_passes_the_handshake() -> None:
         probe_master(cluster.config)
 
 
+def _ctrl_c_default() -> None:
+    """In the child before it runs: Ctrl-C back to its default. A test runner started in the
+    background of a non-interactive shell inherits SIGINT ignored, and a Python started with SIGINT
+    ignored never raises KeyboardInterrupt."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def cli(*args: str, **variables: str) -> subprocess.Popen[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVSTRATA_")} | variables
     return subprocess.Popen(
@@ -103,6 +110,7 @@ def cli(*args: str, **variables: str) -> subprocess.Popen[str]:
         stderr=subprocess.PIPE,
         text=True,
         env=env,
+        preexec_fn=_ctrl_c_default,  # noqa: PLW1509 (no threads touch the child between fork and exec)
     )
 
 
