@@ -846,9 +846,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         args.repeats = 2 if args.quick else 7
     if args.repeats < 1:
         parser.error("--repeats must be >= 1")
-    if args.segment_mib is None:  # four paths' objects at once, under the 90% eviction watermark
+    if args.segment_mib is None:  # five paths' objects at once, under the 90% eviction watermark
         largest = max(cell.total for cell in args.cells) // MIB
-        args.segment_mib = max(512, 5 * largest + 128)
+        args.segment_mib = max(512, 6 * largest + 128)
     return args
 
 
