@@ -48,6 +48,7 @@ __all__ = [
     "ModelIdentity",
     "Namespace",
     "PageHash",
+    "RenderedKeys",
     "Shard",
     "StoreKey",
     "chain_page_hashes",
@@ -362,6 +363,7 @@ def parse_store_key(key: StoreKey | str) -> KeyParts:
 
 
 _ZERO_HASH = PageHash(bytes(32))
+_ZERO_HEX = _ZERO_HASH.digest.hex()
 
 
 @attrs.frozen
@@ -412,3 +414,30 @@ class KeySpace:
         return tuple(
             self.key(namespace, pool, component, page_hash) for component in self.model.components
         )
+
+    def rendered(
+        self, namespace: Namespace, pages: Sequence[PageHash], pool: str = "kv"
+    ) -> RenderedKeys:
+        """Every component key of every page of ``pool``, page-major, as one batch of text (issue
+        20: a store call on many pages makes one object, not one per key). The same strings as
+        :meth:`page_keys`; a page that is not a :class:`PageHash` is a :class:`DoubleRenderError`."""
+        prefixes = [
+            self.key(namespace, pool, component, _ZERO_HASH).text[: -len(_ZERO_HEX)]
+            for component in self.model.components
+        ]
+        for page in pages:
+            if not isinstance(page, PageHash):
+                raise DoubleRenderError(f"page_hash is not a PageHash: {page!r}")
+        hexes = [page.digest.hex() for page in pages]
+        return RenderedKeys([prefix + hex_ for hex_ in hexes for prefix in prefixes])
+
+
+@attrs.frozen
+class RenderedKeys:
+    """A batch of store keys as text, made only by :meth:`KeySpace.rendered` (so, like a
+    :class:`StoreKey`, never a string from elsewhere). ``texts`` is page-major."""
+
+    texts: list[str]
+
+    def __len__(self) -> int:
+        return len(self.texts)

@@ -51,7 +51,7 @@ from kvstrata.impl.storage.mooncake.codes import ErrorKind, classify, describe
 from kvstrata.impl.storage.mooncake.config import MooncakeConfig, to_bytes
 from kvstrata.impl.storage.mooncake.counters import ErrorCounters
 from kvstrata.impl.storage.mooncake.slabs import RPC_FAIL, SlabIO, slab_io
-from kvstrata.model.keys import KeySpace, KVKind, Namespace, PageHash, StoreKey
+from kvstrata.model.keys import KeySpace, KVKind, Namespace, PageHash, RenderedKeys, StoreKey
 
 __all__ = ["MooncakeBackend"]
 
@@ -213,7 +213,7 @@ class MooncakeBackend:
         self.errors.error(operation, kind, count, detail)
         self.counters.add(io_errors=count)
 
-    def _is_exist(self, keys: Sequence[StoreKey]) -> list[int]:
+    def _is_exist(self, keys: Sequence[StoreKey] | RenderedKeys) -> list[int]:
         """``batch_is_exist``; a client that is no longer usable answers -900 for every key."""
         try:
             return self.client.batch_is_exist(keys)
@@ -245,16 +245,15 @@ class MooncakeBackend:
         self._checked("exists", namespace, pages, None)
         if not pages:
             return 0
-        codes = self._is_exist(self._keys(namespace, pages))
-        if not self._count_errors("exists", codes):
+        codes = self._is_exist(self.keyspace.rendered(namespace, pages, self.pool))
+        if min(codes) >= 0:  # one pass in C on the common path
             self.errors.success("exists")
-        width = len(self._planes)
-        found = 0
-        for start in range(0, len(codes), width):
-            if any(code != EXISTS for code in codes[start : start + width]):
-                break
-            found += 1
-        return found
+        else:
+            self._count_errors("exists", codes)
+        if codes.count(EXISTS) == len(codes):
+            return len(pages)
+        first_miss = next(i for i, code in enumerate(codes) if code != EXISTS)
+        return first_miss // len(self._planes)
 
     def probe(self, namespace: Namespace, page: PageHash) -> bool:
         """Whether the first object of ``page`` is in the store, in one single-key call (fast

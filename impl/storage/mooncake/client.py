@@ -48,7 +48,7 @@ from kvstrata.impl.storage.mooncake.connect import (
     prepare_environment,
     probe_master,
 )
-from kvstrata.model.keys import StoreKey
+from kvstrata.model.keys import RenderedKeys, StoreKey
 
 __all__ = [
     "ClientEvent",
@@ -265,7 +265,9 @@ class MooncakeClient:
         return self._call(what, guarded, check)
 
     @staticmethod
-    def _texts(keys: Sequence[StoreKey], what: str) -> list[str]:
+    def _texts(keys: Sequence[StoreKey] | RenderedKeys, what: str) -> list[str]:
+        if isinstance(keys, RenderedKeys):  # a batch KeySpace rendered: no per-key objects
+            return keys.texts
         texts = []
         for key in keys:
             if not isinstance(key, StoreKey):
@@ -351,7 +353,7 @@ class MooncakeClient:
             return INTERNAL_ERROR
 
     # ------------------------------------------------------------------------------- batches
-    def batch_is_exist(self, keys: Sequence[StoreKey]) -> list[int]:
+    def batch_is_exist(self, keys: Sequence[StoreKey] | RenderedKeys) -> list[int]:
         """Per key: 1 exists (complete), 0 not, negative error. Each hit grants a read lease."""
         texts = self._texts(keys, "batch_is_exist")
         if not texts:

@@ -766,3 +766,29 @@ def test_key_space_memo_is_not_part_of_identity() -> None:
     assert warm == cold and hash(warm) == hash(cold)
     with pytest.raises(DoubleRenderError):
         warm.key(Namespace(), "kv", "k", warm.page_keys(Namespace(), PageHash(bytes(32)))[0])  # type: ignore[arg-type]
+
+
+@given(
+    digests=st.lists(st.binary(min_size=32, max_size=32), max_size=6),
+    model=st.sampled_from([MHA, MLA]),
+    extra=st.sampled_from([None, "lora-1"]),
+    pool=st.sampled_from(["kv", "indexer"]),
+    tag=st.sampled_from([None, "prod.eu-1"]),
+)
+def test_a_rendered_batch_is_the_page_keys_of_every_page(
+    digests: list[bytes], model: ModelIdentity, extra: str | None, pool: str, tag: str | None
+) -> None:
+    """Issue 20: ``KeySpace.rendered`` (one object per batch) gives exactly the strings
+    ``page_keys`` gives page by page, page-major."""
+    space = KeySpace(model, tag=tag)
+    namespace = Namespace(extra_key=extra)
+    pages = [PageHash(d) for d in digests]
+    want = [key.text for page in pages for key in space.page_keys(namespace, page, pool)]
+    assert space.rendered(namespace, pages, pool).texts == want
+    assert len(space.rendered(namespace, pages, pool)) == len(want)
+
+
+def test_a_rendered_batch_takes_page_hashes_only() -> None:
+    space = KeySpace(MHA)
+    with pytest.raises(DoubleRenderError):
+        space.rendered(DEFAULT_NAMESPACE, [H0, H0.digest.hex()])  # type: ignore[list-item]
