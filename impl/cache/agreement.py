@@ -60,6 +60,7 @@ class Agreement:
         self.l3: L3Tier | None = None
         self.copies: dict[int, bool] = {}
         self.agreements = 0  # collectives made (every rank's count is the same)
+        self.failed = False  # an agreement failed: the cache is closed
         #: the agreement started by the previous call: its layout, copy slots and reduction
         self._inflight: tuple[list[tuple[FactKind, int]], int, PendingReduce] | None = None
 
@@ -77,7 +78,7 @@ class Agreement:
         try:
             return self._run()
         except TpAgreementError:
-            self._guard.closed = True
+            self._guard.closed = self.failed = True
             raise
 
     def _run(self) -> list[CacheEvent]:
@@ -131,7 +132,10 @@ class Agreement:
 
     def finish(self) -> None:
         """Wait (bounded) for the last agreement this rank started, so no collective is left
-        half made when the cache closes; its facts are not applied."""
+        half made when the cache closes; its facts are not applied. Nothing after a failed
+        agreement (the group is broken: waiting would only run into the timeout again)."""
+        if self._guard.closed and self.failed:
+            self._inflight = None
         if self._inflight is not None:
             pending, self._inflight = self._inflight[2], None
             with contextlib.suppress(TpAgreementError):

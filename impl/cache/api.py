@@ -96,6 +96,7 @@ class HierarchicalRadixCache(Buildable):
         self.device_group: PoolGroup | None = None  # set by build() with side pools
         self.host_group: PoolGroup | None = None
         self._guard = Guard("HierarchicalRadixCache")
+        self._released = False  # close() has stopped the workers
         self.agreement: Agreement | None = None  # TP (SPEC §10): set by agree_with
 
     def agree_with(self, group: TpGroup) -> None:
@@ -158,9 +159,9 @@ class HierarchicalRadixCache(Buildable):
     def close(self) -> None:
         """Finish queued copies, store I/O and page hashing, stop the workers and close the
         backend. Idempotent; every mutating call afterwards raises :class:`CacheClosed`."""
-        if self._guard.closed:
+        if self._released:
             return
-        self._guard.closed = True
+        self._released = self._guard.closed = True  # (closed already after a failed TP agreement)
         if self.agreement is not None:
             self.agreement.finish()
         if self._tiers.transfer is not None:

@@ -176,3 +176,21 @@ def test_a_failure_waits_until_no_rank_still_copies_that_direction(ranks: Ranks)
     ranks.agree()
     assert [c.pending().write for c in ranks.caches] == [0, 0]
     assert [c.cached_pages() for c in ranks.caches] == [{"device": 4, "host": 0}] * 2
+
+
+def test_close_after_a_failed_agreement_still_stops_the_workers() -> None:
+    group = Ranks(2, timeout_s=0.5)
+    cache = group.caches[0]
+    group.tp.on_rank(0, cache.check_events)
+    with pytest.raises(TpAgreementError):
+        group.tp.on_rank(0, cache.check_events)
+    transfer = cache.transfer
+    assert transfer is not None
+    closed: list[bool] = []
+    real = transfer.close
+    transfer.close = lambda: (closed.append(True), real())[1]  # type: ignore[method-assign]
+    group.tp.on_rank(0, cache.close)
+    group.tp.on_rank(0, cache.close)  # idempotent
+    assert closed == [True]
+    group.tp.on_rank(1, group.caches[1].close)
+    group.tp.close()
