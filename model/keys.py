@@ -385,6 +385,9 @@ class KeySpace:
     _prefixes: dict[tuple[Namespace, str, str], str] = attrs.field(
         factory=dict, init=False, eq=False, hash=False, repr=False
     )
+    _batch_prefixes: dict[tuple[Namespace, str], tuple[str, ...]] = attrs.field(
+        factory=dict, init=False, eq=False, hash=False, repr=False
+    )
 
     def key(self, namespace: Namespace, pool: str, component: str, page_hash: PageHash) -> StoreKey:
         if not isinstance(page_hash, PageHash):
@@ -421,10 +424,13 @@ class KeySpace:
         """Every component key of every page of ``pool``, page-major, as one batch of text (issue
         20: a store call on many pages makes one object, not one per key). The same strings as
         :meth:`page_keys`; a page that is not a :class:`PageHash` is a :class:`DoubleRenderError`."""
-        prefixes = [
-            self.key(namespace, pool, component, _ZERO_HASH).text[: -len(_ZERO_HEX)]
-            for component in self.model.components
-        ]
+        prefixes = self._batch_prefixes.get((namespace, pool))
+        if prefixes is None:
+            prefixes = tuple(
+                self.key(namespace, pool, component, _ZERO_HASH).text[: -len(_ZERO_HEX)]
+                for component in self.model.components
+            )
+            self._batch_prefixes[(namespace, pool)] = prefixes
         for page in pages:
             if not isinstance(page, PageHash):
                 raise DoubleRenderError(f"page_hash is not a PageHash: {page!r}")
