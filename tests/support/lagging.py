@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvstrata.impl.storage.mooncake import MooncakeClient
-from kvstrata.model.keys import StoreKey
+from kvstrata.model.keys import RenderedKeys, StoreKey
 
 NOT_READY = -703
 
@@ -42,11 +42,10 @@ class LaggingClient:
         return getattr(self._client, name)
 
     # ------------------------------------------------------------------------------ the store's view
-    def batch_is_exist(self, keys: Sequence[StoreKey]) -> list[int]:
+    def batch_is_exist(self, keys: Sequence[StoreKey] | RenderedKeys) -> list[int]:
         codes = self._client.batch_is_exist(keys)
-        return [
-            0 if key.text in self.hidden else code for key, code in zip(keys, codes, strict=True)
-        ]
+        texts = keys.texts if isinstance(keys, RenderedKeys) else [key.text for key in keys]
+        return [0 if text in self.hidden else code for text, code in zip(texts, codes, strict=True)]
 
     def is_exist(self, key: StoreKey) -> int:
         return 0 if key.text in self.hidden else self._client.is_exist(key)
