@@ -111,9 +111,22 @@ CACHE_TIMEOUT_S = 120.0
 NAMESPACE = Namespace()
 EXISTS_SIZES = (1, 64, 1024)
 PRIMER_BYTES = 4 * KIB
-INTERLEAVED = ("raw", "direct", "exists_first", "prefix", "staged")
+INTERLEAVED = (
+    "raw",
+    "direct",
+    "exists_first",
+    "prefix",
+    "staged",
+    "raw_one_object",
+    "direct_one_object",
+    "one_object_parts",
+)
+ONE_OBJECT = ("direct_one_object", "one_object_parts")
 PATH_NAMES = {
     "raw": "raw `batch_put_from` / `batch_get_into`",
+    "raw_one_object": "raw, one object per page (page_major slabs)",
+    "direct_one_object": "backend, key schema 2, page_major (one object per page, zero-copy)",
+    "one_object_parts": "backend, key schema 2, page_first_direct (K and V runs as one object)",
     "direct": "backend, page_first_direct (zero-copy)",
     "exists_first": "direct with `exists_before_put` (before issue 20)",
     "prefix": "what-if: direct with prefix-cached keys",
@@ -275,8 +288,8 @@ def model_of(cell: Cell) -> ModelIdentity:
     return ModelIdentity(name="bench-l3", dtype="bfloat16", kind=KVKind.MHA, page_size=cell.tokens)
 
 
-def keyspace_of(cell: Cell) -> KeySpace:
-    return KeySpace(model=model_of(cell), tag="bench")
+def keyspace_of(cell: Cell, schema: int = 1) -> KeySpace:
+    return KeySpace(model=model_of(cell), tag="bench", schema=schema)
 
 
 def prefix_keyspace_of(cell: Cell) -> PrefixKeySpace:
@@ -358,23 +371,27 @@ class MovePath(Protocol):
 
 
 class RawPath:
-    """Raw batches over the direct pool's page slabs (K and V of each page, in key order)."""
+    """Raw batches over the direct pool's page slabs (K and V of each page, in key order), or, for
+    a key space of schema 2 over a ``page_major`` pool, over its whole pages (one object each)."""
 
     def __init__(self, raw: RawStore, host: HostKVPool, cell: Cell, keyspace: KeySpace) -> None:
         self.raw, self.host, self.cell, self.keyspace = raw, host, cell, keyspace
-        self.size = host.page_slab(0, 0).numel() * host.buffer.element_size()
+        width = len(keyspace.components)
+        self.size = host.shape.bytes_per_page // width
         ptrs = [
             host.page_slab(plane, page).data_ptr()
             for page in range(cell.pages)
-            for plane in range(host.shape.planes)
+            for plane in range(width)
         ]
-        self.ptrs = batches(ptrs, host.shape.planes * cell.batch)
+        if width == 1 and host.shape.planes > 1 and host.layout is not HostLayout.PAGE_MAJOR:
+            raise BenchError("one raw object per page needs a page_major pool")
+        self.ptrs = batches(ptrs, width * cell.batch)
         self.sizes = [[self.size] * len(chunk) for chunk in self.ptrs]
         self.keys: list[Sequence[str]] = []
 
     def begin(self, label: str) -> None:
         texts = key_texts(self.keyspace, fresh_pages(label, self.cell.pages))
-        self.keys = batches(texts, self.host.shape.planes * self.cell.batch)
+        self.keys = batches(texts, len(self.keyspace.components) * self.cell.batch)
 
     def put(self, call: int) -> list[int]:
         codes: list[int] = self.raw.native.batch_put_from(
@@ -582,15 +599,20 @@ def run_cell(
     """Every row of one cell (see the module docstring)."""
     started = time.perf_counter()
     shape, keyspace = shape_of(cell), keyspace_of(cell)
+    one_object = keyspace_of(cell, schema=2)
     direct = HostKVPool(shape, cell.pages, HostLayout.PAGE_FIRST_DIRECT, pin_memory=False)
     staged = HostKVPool(shape, cell.pages, HostLayout.PAGE_FIRST, pin_memory=False)
+    major = HostKVPool(shape, cell.pages, HostLayout.PAGE_MAJOR, pin_memory=False)
     fill(direct, 1 << 40)
     fill(staged, 3 << 40)
+    fill(major, 5 << 40)
     backends = {
         "direct": MooncakeBackend(client, keyspace),
         "exists_first": MooncakeBackend(client, keyspace, exists_before_put=True),
         "prefix": MooncakeBackend(client, prefix_keyspace_of(cell)),
         "staged": MooncakeBackend(client, keyspace),
+        "direct_one_object": MooncakeBackend(client, one_object),
+        "one_object_parts": MooncakeBackend(client, one_object),
     }
     samples = {name: Samples() for name in (*INTERLEAVED, "cache_raw", "cache")}
     retries = 0
@@ -599,7 +621,9 @@ def run_cell(
         backends["exists_first"].attach(direct)  # the same registration, counted again
         backends["prefix"].attach(direct)
         backends["staged"].attach(staged)
-        with registered(raw, direct):
+        backends["direct_one_object"].attach(major)
+        backends["one_object_parts"].attach(direct)
+        with registered(raw, direct), registered(raw, major):
             raw_path = RawPath(raw, direct, cell, keyspace)
             paths: dict[str, MovePath] = {
                 "raw": raw_path,
@@ -607,6 +631,9 @@ def run_cell(
                 "exists_first": BackendPath(backends["exists_first"], direct, cell),
                 "prefix": BackendPath(backends["prefix"], direct, cell),
                 "staged": BackendPath(backends["staged"], staged, cell),
+                "raw_one_object": RawPath(raw, major, cell, one_object),
+                "direct_one_object": BackendPath(backends["direct_one_object"], major, cell),
+                "one_object_parts": BackendPath(backends["one_object_parts"], direct, cell),
             }
             for name, path in paths.items():  # warm-up, bytes checked, not recorded
                 run_alone(path, name, f"{cell.page_bytes}/warm/{name}", cell.calls, verify=True)
@@ -617,9 +644,8 @@ def run_cell(
                 for name, (put_s, get_s) in times.items():
                     samples[name].put.append(put_s)
                     samples[name].get.append(get_s)
-            backends["prefix"].close()
-            backends["staged"].close()
-            backends["exists_first"].close()
+            for name in ("prefix", "staged", "exists_first", *ONE_OBJECT):
+                backends[name].close()
             if with_cache:
                 retries = run_cache(
                     cell,
@@ -650,6 +676,11 @@ def run_cell(
             )
             row[f"{what}_ratio_of_medians"] = statistics.median(theirs) / statistics.median(mine)
             row[f"{what}_s"] = mine
+            if name in ONE_OBJECT:  # against raw Mooncake moving the same one object per page
+                one = getattr(samples["raw_one_object"], what)
+                row[f"{what}_ratio_one_object"] = statistics.median(
+                    r / k for r, k in zip(one, mine, strict=True)
+                )
         rows.append(row)
     return {
         "page_bytes": cell.page_bytes,
@@ -845,9 +876,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         args.repeats = 2 if args.quick else 7
     if args.repeats < 1:
         parser.error("--repeats must be >= 1")
-    if args.segment_mib is None:  # five paths' objects at once, under the 90% eviction watermark
+    if args.segment_mib is None:  # every path's objects at once, under the 90% eviction watermark
         largest = max(cell.total for cell in args.cells) // MIB
-        args.segment_mib = max(512, 6 * largest + 128)
+        args.segment_mib = max(512, (len(INTERLEAVED) + 1) * largest + 128)
     return args
 
 
@@ -942,7 +973,7 @@ def print_tables(result: dict[str, Any]) -> None:
     print()
     for cell in result["cells"]:
         for row in cell["rows"]:
-            if row["path"] in ("raw", "cache_raw"):
+            if row["path"] in ("raw", "cache_raw", "raw_one_object"):
                 continue
             verdict = ", ".join(
                 f"{what} {row[f'{what}_ratio']:.2f} (ratio of medians "
@@ -950,6 +981,10 @@ def print_tables(result: dict[str, Any]) -> None:
                 f"{'meets' if row[f'{what}_ratio'] >= GOAL else 'misses'} {GOAL}"
                 for what in ("put", "get")
             )
+            if row["path"] in ONE_OBJECT:
+                verdict += ", ÷ raw one object: " + ", ".join(
+                    f"{what} {row[f'{what}_ratio_one_object']:.2f}" for what in ("put", "get")
+                )
             print(f"{cell['page_bytes'] // KIB} KiB {row['path']}: {verdict}")
         if cell["cache_backup_retries"]:
             print(f"{cell['page_bytes'] // KIB} KiB cache: {cell['cache_backup_retries']} retries")

@@ -8,11 +8,11 @@ sharing is stated (and property-tested) here.
 
 Sharing rule (the invariant :class:`EngineShard` keeps): two plug-in instances read each other's
 pages **exactly when** they agree on the hash scheme, the model (its name as the engine reports it,
-verbatim), the KV dtype, the KV kind, the page size, the pipeline stage (rank and size), the tag and
-the tenant namespace, and, for sharded (MHA) KV, on the tensor-parallel rank **and** size. MLA KV is
-replicated across TP ranks: every rank of every TP size reads it, and only the writer rank (rank 0,
-or the rank an engine names) writes it. Data-parallel replicas hold the same KV and share; a rank's
-DP index is therefore not part of the key.
+verbatim), the KV dtype, the KV kind, the page size, the pipeline stage (rank and size), the tag,
+the key schema and the tenant namespace, and, for sharded (MHA) KV, on the tensor-parallel rank
+**and** size. MLA KV is replicated across TP ranks: every rank of every TP size reads it, and only
+the writer rank (rank 0, or the rank an engine names) writes it. Data-parallel replicas hold the
+same KV and share; a rank's DP index is therefore not part of the key.
 
 Hash schemes: each engine hashes pages its own way (sglang: a chain of SHA-256 hex strings; vLLM:
 32-byte block hashes), so equal token prefixes never have equal hashes across engines. The scheme is
@@ -128,6 +128,10 @@ class EngineShard:
     """A deployment tag (a key segment; see :class:`~kvstrata.model.keys.KeySpace`)."""
     tenant: str = ""
     """A tenant namespace: tenants never share pages (the namespace's ``salt``)."""
+    key_schema: int = 1
+    """The store key schema (:data:`~kvstrata.model.keys.SCHEMA_VERSIONS`): 1, one object per K
+    and V plane (what deployments already hold); 2, one object per page (issue 20). Part of the
+    key space: instances share pages only under the same schema."""
 
     def __attrs_post_init__(self) -> None:
         if self.tp_rank >= self.tp_size:
@@ -162,7 +166,7 @@ class EngineShard:
 
     def keyspace(self) -> KeySpace:
         """The key space of this instance's KV pages (and of its side pools)."""
-        return KeySpace(self.model(), self.shard(), self.tag)
+        return KeySpace(self.model(), self.shard(), self.tag, schema=self.key_schema)
 
     def namespace(self) -> Namespace:
         """The namespace every key of this instance is rendered in: the hash scheme and the

@@ -13,6 +13,7 @@ from collections.abc import Callable, Collection, Hashable, Iterable, Mapping, S
 from typing import TYPE_CHECKING, NoReturn, Protocol
 
 from kvstrata.model.errors import InvariantViolation, KeyParseError
+from kvstrata.model.hybrid import KV_POOL
 from kvstrata.model.keys import PageHash, parse_store_key, render_store_key
 from kvstrata.model.lifecycles import (
     DEVICE_CLAIMED,
@@ -116,7 +117,11 @@ def check_i1_keys(cache: CacheView) -> None:
         if render_store_key(parts) != key:
             _fail("I1", f"key does not render back to itself: {key.text!r}")
         if keys is not None and (
-            parts.model != keys.model or parts.shard != keys.shard or parts.tag != keys.tag
+            parts.model != keys.model
+            or parts.shard != keys.shard
+            or parts.tag != keys.tag
+            or parts.version != keys.schema
+            or (parts.pool == KV_POOL and parts.component not in keys.components)
         ):
             _fail("I1", f"key outside this cache's key space: {key.text!r}")
 

@@ -1,14 +1,8 @@
-"""Page hashes and the store key schema (SPEC §4). Pure functions, no state, no I/O.
+"""The store key schema (SPEC §4). Pure functions, no state, no I/O.
 
 This module is intentionally a library of its own: an external router that wants to predict which store
-keys kvstrata reads and writes can import it alone.
-
-Page hashes
-    SHA-256, chained: the hash of page ``i`` covers the digest of page ``i - 1`` followed by the page's
-    token ids as 4-byte little-endian unsigned integers. A page hash therefore names the whole prefix that
-    ends with that page. The default namespace starts the chain from the empty string; any other namespace
-    starts it from a domain-separated digest of ``(extra_key, salt)``, so equal tokens in different
-    namespaces never share a hash. Nothing here uses ``hash()`` or a random seed (I8).
+keys kvstrata reads and writes can import it alone (it re-exports the page hashes and namespaces of
+:mod:`kvstrata.model.hashes`).
 
 Store keys
     A :class:`StoreKey` is rendered by exactly one function, :func:`render_store_key`, from typed parts
@@ -18,9 +12,19 @@ Store keys
     types, so rendering a rendered key is a type error for mypy and a :class:`DoubleRenderError` at run time
     (the historic "tagged twice" bug).
 
-Rendered form (schema version 1), one path segment per field, each percent-escaped::
+Schema versions (:data:`SCHEMA_VERSIONS`; the version is the key's first segment, so objects of two
+versions never answer each other's lookups)
+    1. one store object per plane of a KV page: components ``k`` and ``v`` (MHA) or ``latent`` (MLA);
+    2. one store object per KV page (issue 20): component ``page``, every plane of the page in
+       canonical order ``[planes, layers, page_size, heads, head_dim]`` (K then V). Side pools and
+       embeddings keep their components; only the version segment differs.
 
-    kvs1/<tag|_>/<model>/<dtype>/<kind>/<p<page_size>|d<dim>>/<namespace>/
+    A :class:`KeySpace` picks one (``schema``, default :data:`SCHEMA_VERSION`); every instance that
+    shares a key space shares that choice.
+
+Rendered form, one path segment per field, each percent-escaped::
+
+    kvs<version>/<tag|_>/<model>/<dtype>/<kind>/<p<page_size>|d<dim>>/<namespace>/
         <tp<r>of<s>|tp-rep>/pp<r>of<s>/<pool>/<component>/<hex digest>
 
 (one line, no spaces; split here for reading).
@@ -29,19 +33,26 @@ Rendered form (schema version 1), one path segment per field, each percent-escap
 from __future__ import annotations
 
 import enum
-import hashlib
 import re
-import struct
 from collections.abc import Sequence
 from urllib.parse import quote, unquote
 
 import attrs
 
 from kvstrata.model.errors import DoubleRenderError, KeyParseError, MisuseError
+from kvstrata.model.hashes import (
+    DEFAULT_NAMESPACE,
+    Namespace,
+    PageHash,
+    chain_page_hashes,
+    content_hash,
+)
 
 __all__ = [
     "DEFAULT_NAMESPACE",
+    "PAGE_COMPONENT",
     "SCHEMA_VERSION",
+    "SCHEMA_VERSIONS",
     "KVKind",
     "KeyParts",
     "KeySpace",
@@ -58,106 +69,14 @@ __all__ = [
 ]
 
 SCHEMA_VERSION = 1
+"""The default schema version: one object per plane of a KV page."""
+SCHEMA_VERSIONS = (1, 2)
+"""Every schema version this library renders and parses."""
+PAGE_COMPONENT = "page"
+"""The one component of a KV page under schema version 2."""
 _PREFIX = "kvs"
-_NAMESPACE_DOMAIN = b"kvstrata.namespace.v1\x00"
-_CONTENT_DOMAIN = b"kvstrata.content.v1\x00"
-_MAX_TOKEN = 2**32 - 1
 _NAME_RE = re.compile(r"[a-z][a-z0-9_]*\Z")
 _TAG_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9.\-]*\Z")
-
-
-def _check_digest(_instance: object, _attribute: object, value: bytes) -> None:
-    if not isinstance(value, bytes) or len(value) != 32:
-        raise MisuseError(f"a page hash is 32 bytes of SHA-256, got {value!r}")
-
-
-@attrs.frozen(repr=False)
-class PageHash:
-    """The SHA-256 digest naming one page *and* its whole prefix (or, for embeddings, one media item)."""
-
-    digest: bytes = attrs.field(validator=_check_digest)
-
-    def hex(self) -> str:
-        return self.digest.hex()
-
-    @classmethod
-    def from_hex(cls, text: str) -> PageHash:
-        try:
-            return cls(bytes.fromhex(text))
-        except ValueError as exc:
-            raise KeyParseError(f"not a hex page hash: {text!r}") from exc
-
-    def __repr__(self) -> str:
-        return f"PageHash({self.digest.hex()[:12]}…)"
-
-
-@attrs.frozen(cache_hash=True)
-class Namespace:
-    """A cache namespace (LoRA id, tenant salt, ...). Namespaces never share pages or keys."""
-
-    extra_key: str | None = None
-    salt: str = ""
-
-    @property
-    def is_default(self) -> bool:
-        return self.extra_key is None and self.salt == ""
-
-    def seed(self) -> bytes:
-        """The chain seed: empty for the default namespace, a domain-separated digest otherwise."""
-        if self.is_default:
-            return b""
-        extra = b"\x00" if self.extra_key is None else b"\x01" + self.extra_key.encode()
-        salt = self.salt.encode()
-        payload = (
-            _NAMESPACE_DOMAIN
-            + struct.pack("<Q", len(extra))
-            + extra
-            + struct.pack("<Q", len(salt))
-            + salt
-        )
-        return hashlib.sha256(payload).digest()
-
-    def key_id(self) -> str:
-        """The namespace as it appears in a store key."""
-        return "default" if self.is_default else "ns-" + self.seed().hex()[:32]
-
-
-DEFAULT_NAMESPACE = Namespace()
-
-
-def chain_page_hashes(
-    tokens: Sequence[int],
-    page_size: int,
-    namespace: Namespace = DEFAULT_NAMESPACE,
-    parent: PageHash | None = None,
-) -> tuple[PageHash, ...]:
-    """The page hashes of every *full* page of ``tokens`` (a trailing partial page is ignored).
-
-    ``parent`` continues an existing chain (the hash of the page just before ``tokens``); without it the
-    chain starts from ``namespace``'s seed.
-    """
-    if page_size <= 0:
-        raise MisuseError(f"page_size must be > 0, got {page_size}")
-    pages = len(tokens) // page_size
-    page_format = f"<{page_size}I"
-    previous = parent.digest if parent is not None else namespace.seed()
-    out: list[PageHash] = []
-    for index in range(pages):
-        page = tokens[index * page_size : (index + 1) * page_size]
-        try:
-            payload = struct.pack(page_format, *page)
-        except struct.error as exc:
-            raise MisuseError(f"token ids must be ints in [0, {_MAX_TOKEN}]: {exc}") from exc
-        previous = hashlib.sha256(previous + payload).digest()
-        out.append(PageHash(previous))
-    return tuple(out)
-
-
-def content_hash(data: bytes) -> PageHash:
-    """A content hash for a media item (multimodal embedding cache, SPEC §6)."""
-    if not isinstance(data, bytes | bytearray | memoryview):
-        raise MisuseError(f"content_hash takes bytes, got {type(data).__name__}")
-    return PageHash(hashlib.sha256(_CONTENT_DOMAIN + bytes(data)).digest())
 
 
 class KVKind(enum.Enum):
@@ -257,6 +176,11 @@ def _check_component_name(_instance: object, attribute: attrs.Attribute[str], va
         raise MisuseError(f"{attribute.name} must match [a-z][a-z0-9_]*, got {value!r}")
 
 
+def _check_schema(_instance: object, _attribute: object, value: int) -> None:
+    if isinstance(value, bool) or value not in SCHEMA_VERSIONS:
+        raise MisuseError(f"a key schema version is one of {SCHEMA_VERSIONS}, got {value!r}")
+
+
 def _check_tag(_instance: object, _attribute: object, value: str | None) -> None:
     if value is not None and (not isinstance(value, str) or not _TAG_RE.match(value)):
         raise MisuseError(f"a deployment tag must match [A-Za-z0-9][A-Za-z0-9.-]*, got {value!r}")
@@ -288,7 +212,7 @@ def render_store_key(parts: KeyParts) -> StoreKey:
         raise TypeError(f"render_store_key takes KeyParts, got {type(parts).__name__}")
     if not isinstance(parts.page_hash, PageHash):
         raise DoubleRenderError(f"page_hash is not a PageHash: {parts.page_hash!r}")
-    if parts.version != SCHEMA_VERSION:
+    if parts.version not in SCHEMA_VERSIONS:
         raise MisuseError(f"cannot render schema version {parts.version}")
     model = parts.model
     unit = f"d{model.dim}" if model.kind is KVKind.EMBEDDING else f"p{model.page_size}"
@@ -328,8 +252,8 @@ def parse_store_key(key: StoreKey | str) -> KeyParts:
     if not isinstance(text, str):
         raise KeyParseError(f"a store key is a string, got {type(text).__name__}")
     match = _KEY_RE.match(text)
-    if match is None or int(match["version"]) != SCHEMA_VERSION:
-        raise KeyParseError(f"not a kvstrata v{SCHEMA_VERSION} store key: {text!r}")
+    if match is None or int(match["version"]) not in SCHEMA_VERSIONS:
+        raise KeyParseError(f"not a kvstrata v1 or v2 store key: {text!r}")
     try:
         kind = KVKind(match["kind"])
         model = ModelIdentity(
@@ -354,6 +278,7 @@ def parse_store_key(key: StoreKey | str) -> KeyParts:
             component=match["component"],
             page_hash=PageHash.from_hex(match["hash"]),
             tag=None if match["tag"] == "_" else match["tag"],
+            version=int(match["version"]),
         )
     except (ValueError, MisuseError) as exc:
         raise KeyParseError(f"malformed store key {text!r}: {exc}") from exc
@@ -371,7 +296,8 @@ class KeySpace:
     """The fixed part of every key one cache instance reads and writes.
 
     Two instances share L3 objects exactly when their key spaces are equal (same model identity,
-    namespace, shard and tag).
+    shard, tag and schema version) and so are their namespaces. ``schema`` decides what one KV page is
+    in the store (:meth:`components`): one object per plane (1) or one object per page (2).
 
     Speed without a second renderer: everything in a key but the page hash is fixed per
     (namespace, pool, component), and the page hash is the key's last segment. :meth:`key` therefore
@@ -382,6 +308,7 @@ class KeySpace:
     model: ModelIdentity
     shard: Shard = Shard()
     tag: str | None = attrs.field(default=None, validator=_check_tag)
+    schema: int = attrs.field(default=SCHEMA_VERSION, kw_only=True, validator=_check_schema)
     _prefixes: dict[tuple[Namespace, str, str], str] = attrs.field(
         factory=dict, init=False, eq=False, hash=False, repr=False
     )
@@ -404,6 +331,7 @@ class KeySpace:
                     component=component,
                     page_hash=_ZERO_HASH,
                     tag=self.tag,
+                    version=self.schema,
                 )
             ).text
             prefix = template[: -len(_ZERO_HASH.hex())]
@@ -415,8 +343,17 @@ class KeySpace:
     ) -> tuple[StoreKey, ...]:
         """The keys of every component object of one page of ``pool``."""
         return tuple(
-            self.key(namespace, pool, component, page_hash) for component in self.model.components
+            self.key(namespace, pool, component, page_hash) for component in self.components
         )
+
+    @property
+    def components(self) -> tuple[str, ...]:
+        """The objects one page of this model's pool is stored as: the model's components under
+        schema 1 (``k``, ``v`` / ``latent`` / ``emb``), the one ``page`` object of a KV page under
+        schema 2 (an embedding is one object under either)."""
+        if self.schema == 1 or self.model.kind is KVKind.EMBEDDING:
+            return self.model.components
+        return (PAGE_COMPONENT,)
 
     def rendered(
         self, namespace: Namespace, pages: Sequence[PageHash], pool: str = "kv"
@@ -428,7 +365,7 @@ class KeySpace:
         if prefixes is None:
             prefixes = tuple(
                 self.key(namespace, pool, component, _ZERO_HASH).text[: -len(_ZERO_HEX)]
-                for component in self.model.components
+                for component in self.components
             )
             self._batch_prefixes[(namespace, pool)] = prefixes
         for page in pages:

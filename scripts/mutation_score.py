@@ -114,15 +114,15 @@ EQUIVALENT: tuple[tuple[str, str, str, str], ...] = (
     ),
     (
         "ObjectBackend._put_page",
-        "(key, np.ascontiguousarray(_plane_page(host, obj.plane, index)).reshape(-1).data)",
+        "(key, np.ascontiguousarray(_object_view(host, obj, index)).reshape(-1).data)",
         r"\.reshape\(-2\)",
         "numpy reads any negative size as 'infer this dimension': reshape(-2) is reshape(-1)",
     ),
     (
         "page_objects",
-        "out = tuple(zip(keys.model.components, keys.page_keys(namespace, page), strict=True))",
+        "out = tuple(zip(keys.components, keys.page_keys(namespace, page), strict=True))",
         _ZIP_LAX.replace("$", r"\)$"),
-        "page_keys renders one key per component of model.components: the lengths always match",
+        "page_keys renders one key per component of keys.components: the lengths always match",
     ),
     (
         "page_objects",

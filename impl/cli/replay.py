@@ -107,6 +107,14 @@ def _capacities(text: str, flag: str) -> list[Capacity]:
     help="Root directory of the file backend (default: a temporary one).",
 )
 @click.option(
+    "--key-schema",
+    type=click.Choice(["1", "2"]),
+    default="2",
+    show_default=True,
+    help="L3 key schema: 2 stores a page as one object (page_major host pool); 1 as one object "
+    "per K and V plane (page_first_direct).",
+)
+@click.option(
     "--write-policy",
     type=click.Choice(_POLICIES),
     default="write_through",
@@ -209,7 +217,7 @@ def replay(ctx: click.Context, /, **options: Any) -> None:
     if options["l3_backend"] != "mooncake" and from_env:
         master = None  # a cluster exported for Mooncake does not apply to other backends
     l3 = "0" if options["no_l3"] else options["l3"]
-    fields: dict[str, Any] = {}
+    fields: dict[str, Any] = {"key_schema": int(options["key_schema"])}
     if l3 is not None:
         fields["l3"] = l3
     config = ReplayConfig(

@@ -35,6 +35,7 @@ _TO_NATIVE: dict[HostLayout, tuple[int, ...]] = {
     HostLayout.LAYER_FIRST: (0, 1, 2, 3, 4, 5),  # [planes, L, P, page, H, D] = [planes, L, N, H, D]
     HostLayout.PAGE_FIRST: (0, 2, 3, 1, 4, 5),  # [planes, P, page, L, H, D] = [planes, N, L, H, D]
     HostLayout.PAGE_FIRST_DIRECT: (0, 2, 1, 3, 4, 5),  # [planes, P, L, page, H, D]
+    HostLayout.PAGE_MAJOR: (2, 0, 1, 3, 4, 5),  # [P, planes, L, page, H, D]
 }
 
 
@@ -96,14 +97,19 @@ class HostKVPool(KVPool):
     def wrap(cls, buffer: torch.Tensor, shape: KVShape, layout: HostLayout | str) -> HostKVPool:
         """A pool over ``buffer`` (no copy, no allocation): a contiguous CPU tensor of
         ``shape.dtype`` in ``layout``'s physical shape for some number of pages, ``[planes, L, N, H,
-        D]`` (``layer_first``), ``[planes, N, L, H, D]`` (``page_first``) or ``[planes, P, L, page,
-        H, D]`` (``page_first_direct``), ``N`` a multiple of the page size; MLA may drop the leading
-        ``planes`` (= 1). :class:`ConfigError`, nothing adopted, on any mismatch. The pool's
-        allocator starts with every page free: the caller decides which pages the pool hands out."""
+        D]`` (``layer_first``), ``[planes, N, L, H, D]`` (``page_first``), ``[planes, P, L, page,
+        H, D]`` (``page_first_direct``) or ``[P, planes, L, page, H, D]`` (``page_major``), ``N`` a
+        multiple of the page size; MLA may drop its ``planes`` dimension (= 1). :class:`ConfigError`,
+        nothing adopted, on any mismatch. The pool's allocator starts with every page free: the
+        caller decides which pages the pool hands out."""
         layout = HostLayout.parse(layout)
         view = _checked_view(buffer, shape, layout)
-        pages = view.shape[1] if layout is HostLayout.PAGE_FIRST_DIRECT else 0
-        if layout is not HostLayout.PAGE_FIRST_DIRECT:
+        per_page = {
+            HostLayout.PAGE_FIRST_DIRECT: view.shape[1],
+            HostLayout.PAGE_MAJOR: view.shape[0],
+        }
+        pages = per_page.get(layout, 0)
+        if layout not in per_page:
             tokens = view.shape[2] if layout is HostLayout.LAYER_FIRST else view.shape[1]
             pages = tokens // shape.page_size
         check_pool_args(shape, pages, "host")
@@ -121,12 +127,14 @@ class HostKVPool(KVPool):
             return (s.planes, s.layers, tokens, s.heads, s.head_dim)
         if self.layout is HostLayout.PAGE_FIRST:
             return (s.planes, tokens, s.layers, s.heads, s.head_dim)
+        if self.layout is HostLayout.PAGE_MAJOR:
+            return (self.num_pages, s.planes, s.layers, s.page_size, s.heads, s.head_dim)
         return (s.planes, self.num_pages, s.layers, s.page_size, s.heads, s.head_dim)
 
     @property
     def page_contiguous(self) -> bool:
-        """Whether one page of one plane is a contiguous run of bytes (``page_first`` and
-        ``page_first_direct``)."""
+        """Whether one page of one plane is a contiguous run of bytes (``page_first``,
+        ``page_first_direct`` and ``page_major``)."""
         return self.layout is not HostLayout.LAYER_FIRST
 
     def page_slab(self, plane: int, page: int) -> torch.Tensor:
@@ -136,12 +144,14 @@ class HostKVPool(KVPool):
             raise MisuseError("host: a layer_first page is not contiguous; use read_pages")
         if not 0 <= plane < self.shape.planes or not 0 <= page < self.num_pages:
             raise MisuseError(f"host: no plane {plane} / page {page} in this pool")
+        if self.layout is HostLayout.PAGE_MAJOR:
+            return self.native()[0, page].view(self.shape.planes, -1)[plane]
         return self.native()[plane, page]
 
 
 def _checked_view(buffer: object, shape: KVShape, layout: HostLayout) -> torch.Tensor:
-    """``buffer`` as a 5-D (6-D for ``page_first_direct``) view with the plane dimension, after every
-    check :meth:`HostKVPool.wrap` promises."""
+    """``buffer`` as a 5-D (6-D for ``page_first_direct`` and ``page_major``) view with the plane
+    dimension, after every check :meth:`HostKVPool.wrap` promises."""
     where = f"HostKVPool.wrap({layout.value})"
     if not isinstance(buffer, torch.Tensor):
         raise ConfigError(f"{where}: buffer must be a torch.Tensor, got {type(buffer).__name__}")
@@ -156,11 +166,13 @@ def _checked_view(buffer: object, shape: KVShape, layout: HostLayout) -> torch.T
         want: tuple[object, ...] = (s.planes, s.layers, "N", s.heads, s.head_dim)
     elif layout is HostLayout.PAGE_FIRST:
         want = (s.planes, "N", s.layers, s.heads, s.head_dim)
-    else:
+    elif layout is HostLayout.PAGE_FIRST_DIRECT:
         want = (s.planes, "P", s.layers, s.page_size, s.heads, s.head_dim)
+    else:
+        want = ("P", s.planes, s.layers, s.page_size, s.heads, s.head_dim)
     view = buffer
-    if s.planes == 1 and buffer.dim() == len(want) - 1:
-        view = buffer.unsqueeze(0)  # MLA without the plane dimension
+    if s.planes == 1 and buffer.dim() == len(want) - 1:  # MLA without the plane dimension
+        view = buffer.unsqueeze(1 if layout is HostLayout.PAGE_MAJOR else 0)
     got = tuple(view.shape)
     fits = len(got) == len(want) and all(
         isinstance(w, str) or g == w for g, w in zip(got, want, strict=True)
@@ -169,7 +181,7 @@ def _checked_view(buffer: object, shape: KVShape, layout: HostLayout) -> torch.T
         raise ConfigError(
             f"{where}: buffer shape must be {want} for {s!r}, got {tuple(buffer.shape)}"
         )
-    free = got[want.index("N")] if "N" in want else got[1] * s.page_size
+    free = got[want.index("N")] if "N" in want else got[want.index("P")] * s.page_size
     if free == 0 or free % s.page_size:
         raise ConfigError(
             f"{where}: the token dimension ({free}) must be a positive multiple of page_size "

@@ -18,6 +18,8 @@ layout                  buffer                              what is contiguous
                                                             object per K page and per V page)
 ``page_first_direct``   ``[planes, P, L, page, H, D]``      one page of one plane, all layers, each layer's
                                                             tokens together
+``page_major``          ``[P, planes, L, page, H, D]``      one whole page, every plane: the one store
+                                                            object of key schema 2 (issue 20)
 ======================  ==================================  =============================================
 """
 
@@ -121,6 +123,7 @@ class HostLayout(enum.Enum):
     LAYER_FIRST = "layer_first"
     PAGE_FIRST = "page_first"
     PAGE_FIRST_DIRECT = "page_first_direct"
+    PAGE_MAJOR = "page_major"
 
     @classmethod
     def parse(cls, value: str | HostLayout) -> HostLayout:

@@ -221,6 +221,10 @@ class ReplayConfig:
     seed: int = attrs.field(default=0, validator=_non_negative_int)
     wait_limit_s: float = attrs.field(default=300.0, validator=_positive_float)
     tp: int = attrs.field(default=1, validator=_positive_int)  # TP ranks (processes, gloo)
+    key_schema: int = attrs.field(default=2, validator=attrs.validators.in_((1, 2)))
+    """The L3 key schema (:class:`~kvstrata.model.keys.KeySpace`): 2, one store object per page from
+    a ``page_major`` host pool (the default: it moves small pages faster, docs/benchmarks.md); 1,
+    one object per K and V plane from a ``page_first_direct`` pool."""
 
     def __attrs_post_init__(self) -> None:
         if self.tp > 1 and self.timestamps is TimestampMode.HONOUR:
@@ -288,4 +292,5 @@ class ReplayConfig:
             "settle": self.settle,
             "seed": self.seed,
             "tp": self.tp,
+            "key_schema": self.key_schema,
         }

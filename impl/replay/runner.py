@@ -75,7 +75,8 @@ def _cache(
 
     shape = _kv_shape(config)
     device = DeviceKVPool(shape, pages.l1)
-    host = HostKVPool(shape, pages.l2, HostLayout.PAGE_FIRST_DIRECT) if pages.l2 else None
+    layout = HostLayout.PAGE_MAJOR if config.key_schema == 2 else HostLayout.PAGE_FIRST_DIRECT
+    host = HostKVPool(shape, pages.l2, layout) if pages.l2 else None
     copies = signalling_executor(progress, "kvstrata-copy") if host is not None else None
     io = (
         None

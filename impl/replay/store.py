@@ -124,7 +124,7 @@ def open_l3(
         yield None
         return
     identity = config.shape.identity(config.page_size, config.seed)
-    keyspace = KeySpace(identity, shard=shard or Shard(), tag="replay")
+    keyspace = KeySpace(identity, shard=shard or Shard(), tag="replay", schema=config.key_schema)
     with contextlib.ExitStack() as stack:
         if config.l3_backend is L3Backend.MOONCAKE:
             yield _mooncake(stack, config, keyspace, pages, page_nbytes)

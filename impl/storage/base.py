@@ -147,7 +147,8 @@ def check_attachable(host: object, who: str) -> HostKVPool:
         raise MisuseError(f"{who}: attach() takes a HostKVPool, got {host!r}")
     if not host.page_contiguous:
         raise ConfigError(
-            f"{who}: L3 needs a page-first host layout (page_first or page_first_direct), "
+            f"{who}: L3 needs a page-first host layout (page_first, page_first_direct or "
+            "page_major), "
             f"got {host.layout.value!r}: a layer_first page is not one contiguous object"
         )
     return host
@@ -155,16 +156,27 @@ def check_attachable(host: object, who: str) -> HostKVPool:
 
 @attrs.frozen
 class PageObject:
-    """One component object of one page: its key's component name and the plane it lives in."""
+    """One store object of one page: its key's component name and the host planes it holds, in
+    canonical order ``[planes, layers, page_size, heads, head_dim]`` (one plane under key schema 1,
+    every plane of the page under schema 2)."""
 
     component: str
-    plane: int
+    planes: range
+
+    @property
+    def plane(self) -> int:
+        """The first plane the object holds."""
+        return self.planes.start
 
 
 def page_objects(keyspace: KeySpace) -> tuple[PageObject, ...]:
-    """The component objects of one KV page, in key order: plane ``i`` of the host pool holds
-    ``keyspace.model.components[i]`` (``k``/``v`` for MHA, ``latent`` for MLA)."""
+    """The store objects of one KV page, in key order (:attr:`KeySpace.components`): plane ``i`` of
+    the host pool is ``components[i]`` under schema 1 (``k``/``v`` for MHA, ``latent`` for MLA);
+    under schema 2 the one ``page`` object holds every plane."""
+    components = keyspace.components
+    if len(components) == 1:
+        return (PageObject(component=components[0], planes=range(len(keyspace.model.components))),)
     return tuple(
-        PageObject(component=name, plane=plane)
-        for plane, name in enumerate(keyspace.model.components)
+        PageObject(component=name, planes=range(plane, plane + 1))
+        for plane, name in enumerate(components)
     )

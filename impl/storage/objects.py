@@ -1,9 +1,10 @@
 """A :class:`~kvstrata.impl.storage.base.StorageBackend` over a store of whole objects: the page ↔
 object plumbing shared by the in-memory and the file backends.
 
-A page of the host pool is stored as one object per component (``k`` and ``v`` for MHA, ``latent`` for
-MLA; :func:`~kvstrata.impl.storage.base.page_objects`), keyed by ``KeySpace.page_keys`` and holding that
-plane's page in **canonical order** ``[layers, page_size, heads, head_dim]`` (the plane's slice of
+A page of the host pool is stored as one object per component of its key space
+(:func:`~kvstrata.impl.storage.base.page_objects`: ``k`` and ``v`` for MHA, ``latent`` for MLA under key
+schema 1; one ``page`` object under schema 2), keyed by ``KeySpace.page_keys`` and holding its planes of
+the page in **canonical order** ``[planes, layers, page_size, heads, head_dim]`` (that slice of
 :meth:`KVPool.canonical`), whatever the host layout. The byte order of an object is thus fixed by its key
 alone, so instances with different host layouts share objects bit for bit (SPEC §10: sharing depends
 on model identity and shard only). For ``page_first_direct`` this is exactly
@@ -143,7 +144,7 @@ class ObjectBackend(abc.ABC):
         if self._host is not None and self._host is not host:
             raise MisuseError(f"{self.name}: already attached to another host pool")
         self._host = host
-        self._object_nbytes = shape.bytes_per_page // shape.planes
+        self._object_nbytes = shape.bytes_per_page // len(self._objects)
 
     def exists(self, namespace: Namespace, pages: Sequence[PageHash]) -> int:
         """How many pages, from the first, have every component object in the store."""
@@ -189,7 +190,7 @@ class ObjectBackend(abc.ABC):
                 statuses.append(loaded)
                 continue
             for obj, payload in zip(self._objects, loaded, strict=True):
-                target = _plane_page(host, obj.plane, index)
+                target = _object_view(host, obj, index)
                 target[...] = np.frombuffer(payload, dtype=np.uint8).reshape(target.shape)
                 read += self._object_nbytes
             statuses.append(GetStatus.LOADED)
@@ -223,7 +224,7 @@ class ObjectBackend(abc.ABC):
         if present is None:
             return PutStatus.FAILED, 0
         missing = [
-            (key, np.ascontiguousarray(_plane_page(host, obj.plane, index)).reshape(-1).data)
+            (key, np.ascontiguousarray(_object_view(host, obj, index)).reshape(-1).data)
             for key, obj, here in zip(keys, self._objects, present, strict=True)
             if not here
         ]
@@ -280,7 +281,9 @@ class ObjectBackend(abc.ABC):
         return (keys[self.object_names.index(component)],)
 
 
-def _plane_page(host: HostKVPool, plane: int, index: int) -> npt.NDArray[np.uint8]:
-    """One page of one plane of ``host`` in canonical order ``[L, page_size, H, D * itemsize]``, as a
-    (possibly strided) uint8 array over the pool's memory: no copy, writable."""
-    return host.canonical()[plane, :, index].view(torch.uint8).numpy()
+def _object_view(host: HostKVPool, obj: PageObject, index: int) -> npt.NDArray[np.uint8]:
+    """The bytes of one store object of one page of ``host`` in canonical order ``[planes, L,
+    page_size, H, D * itemsize]`` (its planes only), as a (possibly strided) uint8 array over the
+    pool's memory: no copy, writable."""
+    planes = obj.planes
+    return host.canonical()[planes.start : planes.stop, :, index].view(torch.uint8).numpy()

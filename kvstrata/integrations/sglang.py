@@ -105,6 +105,7 @@ class KvstrataHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
             writer_rank=self.config.dcp_rank if mla else 0,
             tag=self.options.tag,
             tenant=self.options.tenant,
+            key_schema=self.options.key_schema,
         )
         if self.pages is not None:
             self.pages.close()

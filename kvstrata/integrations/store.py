@@ -20,6 +20,10 @@ into :class:`StoreOptions`:
 ``tag``, ``tenant``
     the deployment tag and tenant namespace of every key (instances share pages only when both are
     equal; see :mod:`kvstrata.model.engines`).
+``key_schema``
+    ``1`` (the default: one object per K and V plane, what running deployments hold) or ``2`` (one
+    object per page, issue 20); part of the key space, so instances share pages only under the same
+    one.
 ``memory_store``
     a :class:`~kvstrata.impl.storage.memory.MemoryStore` object to share between instances of one
     process (tests build two instances on one store this way).
@@ -70,7 +74,17 @@ ENGINE_KEYS = frozenset(
 )
 """Keys of the engine's own that may share the mapping; kvstrata ignores them."""
 
-_OWN_KEYS = ("store", "master", "mooncake", "path", "capacity", "tag", "tenant", "memory_store")
+_OWN_KEYS = (
+    "store",
+    "master",
+    "mooncake",
+    "path",
+    "capacity",
+    "tag",
+    "tenant",
+    "key_schema",
+    "memory_store",
+)
 
 
 def _optional_text(values: Mapping[str, Any], key: str, where: str) -> str | None:
@@ -94,6 +108,7 @@ class StoreOptions:
     tag: str | None = None
     tenant: str = ""
     memory_store: MemoryStore | None = None
+    key_schema: int = 1
 
     @classmethod
     def parse(
@@ -134,12 +149,15 @@ class StoreOptions:
         if shared is not None and not isinstance(shared, MemoryStore):
             raise ConfigError(f"{where}: key 'memory_store' expects a MemoryStore, got {shared!r}")
         path = _optional_text(values, "path", where)
+        key_schema = values.get("key_schema", 1)
+        if key_schema not in (1, 2, "1", "2") or isinstance(key_schema, bool):
+            raise ConfigError(f"{where}: key 'key_schema' expects 1 or 2, got {key_schema!r}")
         mooncake = None
         if store == "mooncake":
             mooncake = _mooncake_config(values, where, os.environ if env is None else env)
         elif store == "file" and path is None:
             raise ConfigError(f"{where}: key 'path' is required for store 'file'")
-        return cls(store, mooncake, path, capacity, tag, tenant, shared)
+        return cls(store, mooncake, path, capacity, tag, tenant, shared, int(key_schema))
 
 
 def _mooncake_config(

@@ -167,6 +167,7 @@ class KvstrataConnector(KVConnectorBase_V1):  # type: ignore[misc]
             pp_size=int(parallel.pipeline_parallel_size),
             tag=self.options.tag,
             tenant=self.options.tenant,
+            key_schema=self.options.key_schema,
         )
         self.index: ConnectorIndex | None = None
         self.worker: ConnectorWorker | None = None

@@ -28,7 +28,7 @@ def page_objects(config: CacheConfig, namespace: Namespace, page: PageHash) -> O
     ``ALL_PAGES`` side pool's, each key rendered once by the key space."""
     keys = config.keys
     assert keys is not None
-    out = tuple(zip(keys.model.components, keys.page_keys(namespace, page), strict=True))
+    out = tuple(zip(keys.components, keys.page_keys(namespace, page), strict=True))
     for pool in config.all_pages_pools:
         out += tuple(zip(pool.components, side_page_keys(keys, namespace, pool, page), strict=True))
     return out

@@ -28,6 +28,7 @@ from kvstrata.model.hybrid import HitPolicy, SidePool
 from kvstrata.model.invariants import check_cache
 from kvstrata.model.keys import (
     DEFAULT_NAMESPACE,
+    SCHEMA_VERSIONS,
     KeySpace,
     KVKind,
     ModelIdentity,
@@ -122,7 +123,10 @@ class HybridCacheMachine(RuleBasedStateMachine):
     ) -> None:
         policy = data.draw(self.policies, label="write policy")
         kind = KVKind.MLA if mla else KVKind.MHA
-        self.keys = KeySpace(ModelIdentity("tiny", "bf16", kind, page_size=page_size))
+        self.keys = KeySpace(
+            ModelIdentity("tiny", "bf16", kind, page_size=page_size),
+            schema=data.draw(st.sampled_from(SCHEMA_VERSIONS), label="key_schema"),
+        )
         config = CacheConfig(
             page_size=page_size,
             device_pages=device_pages,

@@ -20,6 +20,7 @@ from kvstrata.model.errors import CapacityError, IllegalTransition, MisuseError
 from kvstrata.model.invariants import check_cache
 from kvstrata.model.keys import (
     DEFAULT_NAMESPACE,
+    SCHEMA_VERSIONS,
     KeySpace,
     KVKind,
     ModelIdentity,
@@ -104,7 +105,10 @@ class CacheModelMachine(RuleBasedStateMachine):
             load_back_quota=quota,
             prefetch_threshold=page_size,
             prefetch_policy=prefetch_policy,
-            keys=KeySpace(ModelIdentity("tiny", "bf16", kind, page_size=page_size)),
+            keys=KeySpace(
+                ModelIdentity("tiny", "bf16", kind, page_size=page_size),
+                schema=data.draw(st.sampled_from(SCHEMA_VERSIONS), label="key_schema"),
+            ),
         )
         store = StoreModel()
         self.caches = [CacheModel(config, store), CacheModel(config, store)]

@@ -65,7 +65,7 @@ from kvstrata.impl.errors import MisuseError
 from kvstrata.impl.l3 import PrefetchOp
 from kvstrata.impl.pools import HostKVPool, HostLayout
 from kvstrata.impl.pools.side import SideBuffer
-from kvstrata.impl.storage.base import PutStatus, StorageBackend
+from kvstrata.impl.storage.base import GetStatus, PutStatus, StorageBackend
 from kvstrata.impl.storage.hybrid import HybridPut, HybridStorage
 from kvstrata.impl.storage.memory import MemoryBackend, MemoryStore
 from kvstrata.impl.storage.mooncake import LocalCluster, MooncakeBackend, MooncakeClient
@@ -75,6 +75,7 @@ from kvstrata.model.cache import WritePolicy
 from kvstrata.model.errors import KeyParseError
 from kvstrata.model.hybrid import side_page_keys
 from kvstrata.model.keys import (
+    SCHEMA_VERSIONS,
     KeySpace,
     KVKind,
     ModelIdentity,
@@ -125,6 +126,7 @@ class L3Differential(DifferentialMachine):
             ModelIdentity(name="tiny-llm", dtype="float16", kind=kind, page_size=page_size),
             shard=data.draw(st.sampled_from(SHARDS[kind]), label="shard"),
             tag=data.draw(st.sampled_from(TAGS), label="tag"),
+            schema=data.draw(st.sampled_from(SCHEMA_VERSIONS), label="key_schema"),
         )
         self.strangers: dict[str, KeySpace] = {}  # rendered key -> the key space that wrote it
         #: each stranger's backend, namespace and pages: checked after every step
@@ -346,7 +348,7 @@ class L3Differential(DifferentialMachine):
             return
         for page in pages:
             for component, key in zip(
-                self.keyspace.model.components, self.keyspace.page_keys(ns, page), strict=True
+                self.keyspace.components, self.keyspace.page_keys(ns, page), strict=True
             ):
                 if self.store_model.begin_put(key):  # the peer's own puts do not lag
                     lagging, self.store_model.hold_writes = self.store_model.hold_writes, False
@@ -375,11 +377,15 @@ class L3Differential(DifferentialMachine):
     @rule(data=st.data())
     def stranger_backs_up(self, data: st.DataObject) -> None:
         """Another deployment shares the store (issue 19): the same pages under another tag,
-        shard, model or tenant namespace, with other bytes. This instance must never see them."""
+        shard, model, tenant namespace or key schema, with other bytes. This instance must never see them."""
         tokens = data.draw(st.sampled_from(self.known), label="stranger's tokens")
         space, ns = self.keyspace, data.draw(st.sampled_from(NAMESPACES), label="namespace")
-        how = data.draw(st.sampled_from(["tag", "shard", "model", "tenant"]), label="differs by")
-        if how == "tag":
+        how = data.draw(
+            st.sampled_from(["tag", "shard", "model", "tenant", "schema"]), label="differs by"
+        )
+        if how == "schema":  # issue 20: the other key schema's objects of the same pages
+            space = attrs.evolve(space, schema=3 - space.schema)
+        elif how == "tag":
             space = attrs.evolve(space, tag="other" if space.tag != "other" else None)
         elif how == "shard":
             others = [
@@ -417,6 +423,41 @@ class L3Differential(DifferentialMachine):
         for stranger, ns, pages in getattr(self, "stranger_views", ()):
             assert stranger.exists(ns, pages) == len(pages), "a stranger lost its pages"
 
+    @precondition(lambda self: self.ready and self.seen)
+    @rule(data=st.data())
+    def peer_reads_back(self, data: st.DataObject) -> None:
+        """Another instance, with a host layout of its own, reads pages the store holds whole: a
+        page it gets is bit for bit the page's KV (an object's bytes are fixed by its key, whatever
+        layout wrote it; issue 20's one object per page moves K and V in one object)."""
+        ns, tokens = data.draw(st.sampled_from(sorted(self.seen, key=repr)), label="sequence")
+        whole = [
+            page
+            for page in chain_page_hashes(tokens, self.page_size, ns)
+            if all(self.store_model.contains(k) for k in self.keyspace.page_keys(ns, page))
+        ]
+        if not whole:
+            return
+        layout = data.draw(
+            st.sampled_from(
+                [HostLayout.PAGE_FIRST, HostLayout.PAGE_FIRST_DIRECT, HostLayout.PAGE_MAJOR]
+            ),
+            label="peer layout",
+        )
+        scratch = HostKVPool(self.shape, len(whole), layout)
+        peer = self.peer()
+        peer.attach(scratch)
+        try:
+            statuses = peer.get(ns, whole, list(range(len(whole))))
+        finally:
+            peer.close()
+        for slot, (page, status) in enumerate(zip(whole, statuses, strict=True)):
+            if status is GetStatus.LOADED:
+                got = scratch.read_pages([slot]).view(torch.uint8)
+                assert torch.equal(got, kv_for(self.shape, page).view(torch.uint8)), (
+                    f"a peer ({layout.value}) read other bytes for {page!r}"
+                )
+        event(f"a peer read back whole pages ({layout.value}, schema {self.keyspace.schema})")
+
     @precondition(lambda self: self.ready and self.lists_keys and self.seen)
     @rule(data=st.data())
     def garbage_in_store(self, data: st.DataObject) -> None:
@@ -430,17 +471,19 @@ class L3Differential(DifferentialMachine):
         good = self.keyspace.page_keys(ns, pages[0])[0].text
         head, _, digest = good.rpartition("/")
         tag = self.keyspace.tag or "_"
+        version = f"kvs{self.keyspace.schema}/"
         variants = {
-            "doubled version": good.replace("kvs1/", "kvs1/kvs1/", 1),
+            "doubled version": good.replace(version, version * 2, 1),
             "uppercase hash": f"{head}/{digest.upper()}",
             "trailing segment": good + "/x",
-            "doubled tag": good.replace(f"kvs1/{tag}/", f"kvs1/{tag}/{tag}/", 1),
+            "doubled tag": good.replace(f"{version}{tag}/", f"{version}{tag}/{tag}/", 1),
             "quoted name": good.replace("/tiny-llm/", "/tiny%2Dllm/", 1),
             "zero-padded page": good.replace(f"/p{self.page_size}/", f"/p0{self.page_size}/", 1),
         }
         how = data.draw(st.sampled_from(sorted(variants)), label="malformed")
         text = variants[how]
-        size = self.shape.nbytes(1) // len(self.keyspace.model.components)
+        assert text != good, how  # a variant that did not apply would be a valid key
+        size = self.shape.nbytes(1) // len(self.keyspace.components)
         self.shared.write([(StoreKey(text), bytes(size))], [], owner=0, hold=False)
         self.garbage.add(text)
         event(f"a malformed key in the store ({how})")

@@ -5,11 +5,12 @@ good (removed from the real store). Used by the real-Mooncake L3 machines; the i
 
 What it changes, call by call (everything else goes to the real client):
 
-- ``batch_put_from`` while :attr:`LaggingClient.hold` is set: keys the real store did not hold before
-  and stored now become hidden;
+- ``batch_put_from`` / ``batch_put_parts`` while :attr:`LaggingClient.hold` is set: keys the real
+  store did not hold before and stored now become hidden;
 - ``batch_is_exist`` / ``is_exist``: a hidden key answers 0 (not there);
-- ``batch_get_into``: a hidden key answers -703 (not ready, as for another writer's unfinished put)
-  and its slot is not written (the real read is made for the visible keys only).
+- ``batch_get_into`` / ``batch_get_parts``: a hidden key answers -703 (not ready, as for another
+  writer's unfinished put) and its slots are not written (the real read is made for the visible keys
+  only).
 
 Several views can share one hidden set (:meth:`LaggingClient.view`): the store lags for every reader,
 but only the view with ``hold`` set writes lagging objects (the peer's and strangers' puts show at once).
@@ -50,26 +51,32 @@ class LaggingClient:
     def is_exist(self, key: StoreKey) -> int:
         return 0 if key.text in self.hidden else self._client.is_exist(key)
 
-    def batch_put_from(
-        self, keys: Sequence[StoreKey], ptrs: Sequence[int], sizes: Sequence[int]
-    ) -> list[int]:
+    def batch_put_from(self, keys: Sequence[StoreKey], ptrs: Any, sizes: Any) -> list[int]:
+        return self._put(self._client.batch_put_from, keys, ptrs, sizes)
+
+    def batch_put_parts(self, keys: Sequence[StoreKey], ptrs: Any, sizes: Any) -> list[int]:
+        return self._put(self._client.batch_put_parts, keys, ptrs, sizes)
+
+    def batch_get_into(self, keys: Sequence[StoreKey], ptrs: Any, sizes: Any) -> list[int]:
+        return self._get(self._client.batch_get_into, keys, ptrs, sizes)
+
+    def batch_get_parts(self, keys: Sequence[StoreKey], ptrs: Any, sizes: Any) -> list[int]:
+        return self._get(self._client.batch_get_parts, keys, ptrs, sizes)
+
+    def _put(self, put: Any, keys: Sequence[StoreKey], ptrs: Any, sizes: Any) -> list[int]:
         before = self._client.batch_is_exist(keys) if self.hold else []
-        codes = self._client.batch_put_from(keys, ptrs, sizes)
+        codes: list[int] = put(keys, ptrs, sizes)
         if self.hold:
             for key, was, code in zip(keys, before, codes, strict=True):
                 if code == 0 and was != 1:
                     self.hidden[key.text] = key
         return codes
 
-    def batch_get_into(
-        self, keys: Sequence[StoreKey], ptrs: Sequence[int], sizes: Sequence[int]
-    ) -> list[int]:
+    def _get(self, get: Any, keys: Sequence[StoreKey], ptrs: Any, sizes: Any) -> list[int]:
         shown = [i for i, key in enumerate(keys) if key.text not in self.hidden]
         codes = [NOT_READY] * len(keys)
         if shown:
-            got = self._client.batch_get_into(
-                [keys[i] for i in shown], [ptrs[i] for i in shown], [sizes[i] for i in shown]
-            )
+            got = get([keys[i] for i in shown], [ptrs[i] for i in shown], [sizes[i] for i in shown])
             for i, code in zip(shown, got, strict=True):
                 codes[i] = code
         return codes

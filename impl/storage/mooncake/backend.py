@@ -1,9 +1,10 @@
 """The L3 backend on a real Mooncake store: :class:`MooncakeBackend` (SPEC §4, §10; issue 4).
 
-One plane of one page is one store object, in canonical order whatever the host layout
-(:mod:`.slabs`): with a ``page_first_direct`` host pool that is the page slab itself, moved zero-copy
-(the host buffer is registered once at :meth:`~MooncakeBackend.attach`); with ``page_first`` it passes
-through a registered staging buffer of ``staging_bytes``.
+A page is the store objects of its key space (one per plane under key schema 1, one per page under
+schema 2), in canonical order whatever the host layout (:mod:`.slabs`): with a ``page_first_direct``
+or ``page_major`` host pool they are runs of the host buffer, moved zero-copy (the buffer is
+registered once at :meth:`~MooncakeBackend.attach`); with ``page_first`` they pass through a
+registered staging buffer of ``staging_bytes``.
 
 Per batch, in Mooncake calls:
 
@@ -20,8 +21,8 @@ Replicated KV (MLA, ``Shard.replicated()``) is written by one rank: a backend bu
 written by every rank under its own shard in the key, so every rank's backend is a writer there (the
 caller's choice, as for every backend: a non-writer's shard would simply never be written).
 
-A page repeated within one put batch is written once, from its first occurrence; the later ones are
-``EXISTED`` (or share the first one's failure).
+A page repeated in one put batch is written once, from its first occurrence; the later ones are
+``EXISTED`` (or share its failure).
 
 Store failures never raise: they are statuses, counted per page in :attr:`MooncakeBackend.counters`
 (the :class:`~kvstrata.impl.storage.counters.BackendCounters` every backend keeps; ``io_errors`` is one
@@ -119,7 +120,7 @@ class MooncakeBackend:
         self.pool = pool
         self.counters = BackendCounters()
         self.errors = ErrorCounters()
-        self._planes = tuple(obj.plane for obj in page_objects(keyspace))
+        self._objects = page_objects(keyspace)
         self._host: HostKVPool | None = None
         self._slabs: SlabIO | None = None
         self._release: weakref.finalize[[], MooncakeBackend] | None = None
@@ -142,7 +143,7 @@ class MooncakeBackend:
             return
         if self._host is not None:
             raise MisuseError("MooncakeBackend.attach: already attached to another host pool")
-        slabs = slab_io(host, self.client, self.staging_bytes)
+        slabs = slab_io(host, self.client, self.staging_bytes, self._objects)
         self._host, self._slabs = host, slabs
         # a backend dropped without close() must not leave its (soon freed) memory registered
         self._release = weakref.finalize(self, slabs.release)
@@ -192,10 +193,8 @@ class MooncakeBackend:
         return self._slabs
 
     def _keys(self, namespace: Namespace, pages: Sequence[PageHash]) -> list[StoreKey]:
-        """Every component key of every page, page-major (``len(pages) * planes`` keys)."""
-        return [
-            key for page in pages for key in self.keyspace.page_keys(namespace, page, self.pool)
-        ]
+        """Every object key of every page, page-major."""
+        return [k for page in pages for k in self.keyspace.page_keys(namespace, page, self.pool)]
 
     def _count_errors(self, operation: str, codes: Sequence[int]) -> bool:
         """Count the negative ``codes`` by kind (and as ``io_errors``); whether there was any."""
@@ -224,7 +223,7 @@ class MooncakeBackend:
     def _chunk(self) -> int:
         """Pages per native batch call: Mooncake's batch calls fail partly (TRANSFER_FAIL, some
         after a 60 s stall) beyond about 2,048 objects, measured with 0.3.13.post1."""
-        return max(1, MAX_BATCH_OBJECTS // len(self._planes))
+        return max(1, MAX_BATCH_OBJECTS // len(self._objects))
 
     def exists(self, namespace: Namespace, pages: Sequence[PageHash]) -> int:
         """How many pages, from the first, have every component in the store; counting stops at
@@ -253,7 +252,7 @@ class MooncakeBackend:
         if codes.count(EXISTS) == len(codes):
             return len(pages)
         first_miss = next(i for i, code in enumerate(codes) if code != EXISTS)
-        return first_miss // len(self._planes)
+        return first_miss // len(self._objects)
 
     def probe(self, namespace: Namespace, page: PageHash) -> bool:
         """Whether the first object of ``page`` is in the store, in one single-key call (fast
@@ -299,12 +298,12 @@ class MooncakeBackend:
         unique = list(first.values())
         keys = self._keys(namespace, [pages[i] for i in unique])
         indices = [host_indices[i] for i in unique]
-        width, planes = len(self._planes), self._planes
+        width = len(self._objects)
         settled, written = self.put_objects(
             keys,
             width,
             lambda todo: slabs.put(
-                [keys[i] for i in todo], [(indices[i // width], planes[i % width]) for i in todo]
+                [keys[i] for i in todo], [(indices[i // width], i % width) for i in todo]
             ),
         )
         by_page = dict(zip(unique, settled, strict=True))
@@ -410,8 +409,8 @@ class MooncakeBackend:
         if not pages:
             return []
         keys = self._keys(namespace, pages)
-        objects = [(index, plane) for index in host_indices for plane in self._planes]
-        width = len(self._planes)
+        width = len(self._objects)
+        objects = [(index, number) for index in host_indices for number in range(width)]
         codes = slabs.get(keys, objects, width)
         statuses = self.settle_gets(codes, [slabs.size] * width)
         loaded = statuses.count(GetStatus.LOADED)

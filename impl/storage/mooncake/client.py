@@ -4,9 +4,9 @@ The native ``MooncakeDistributedStore`` segfaults when most methods are called b
 ``setup()`` or after ``close()``, blocks about 90 s in ``setup()`` against a dead master, and writes
 wherever a pointer points. This wrapper makes those impossible:
 
-- **State** (:class:`ClientState`, advanced only through :data:`TRANSITIONS`): ``NEW`` → ``READY``
-  on a successful setup, ``NEW``/``FAILED`` → ``FAILED`` on a failed one (a later :meth:`setup` may
-  try again with a fresh native object), anything → ``CLOSED`` on :meth:`close` (idempotent, final).
+- **State** (:class:`ClientState`, advanced only through :data:`TRANSITIONS`, :mod:`.states`): ``NEW``
+  → ``READY`` on a successful setup, → ``FAILED`` on a failed one (a later :meth:`setup` may retry
+  with a fresh native object), → ``CLOSED`` on :meth:`close` (idempotent, final).
   The native object exists only while ``READY``; every other method raises
   :class:`~kvstrata.impl.errors.StoreUnavailable` in any other state, so no native call is ever
   made before setup or after close.
@@ -25,17 +25,17 @@ wherever a pointer points. This wrapper makes those impossible:
   (un)registration run alone, after every running data call returned: a slow call against a dead
   master never turns into a call on a closed native object.
 
-Batch calls return the native per-key ints unchanged (``>= 0`` success, negative ``ErrorCode``; see
-:mod:`.codes`), one per key, always of the right length: a native exception or a malformed answer
-becomes ``-1`` for every key and is logged. Only setup and buffer registration raise typed errors.
+Batch calls return the native per-key ints unchanged (``>= 0`` success, negative ``ErrorCode``,
+:mod:`.codes`), one per key: a native exception or a malformed answer becomes ``-1`` for every key
+and is logged. Only setup and buffer registration raise typed errors.
 """
 
 from __future__ import annotations
 
 import bisect
-import enum
 import logging
 from collections.abc import Callable, Sequence
+from itertools import chain
 from types import TracebackType
 from typing import Any, Final, TypeVar
 
@@ -47,6 +47,12 @@ from kvstrata.impl.storage.mooncake.connect import (
     native_store_class,
     prepare_environment,
     probe_master,
+)
+from kvstrata.impl.storage.mooncake.states import (
+    TRANSITIONS,
+    ClientEvent,
+    ClientHealth,
+    ClientState,
 )
 from kvstrata.model.keys import RenderedKeys, StoreKey
 
@@ -62,43 +68,9 @@ __all__ = [
 log = logging.getLogger("kvstrata.storage.mooncake")
 
 INTERNAL_ERROR: Final = -1
+Parts = Sequence[Sequence[int]]
+"""Per object, its registered ranges' pointers (or sizes), in order."""
 T = TypeVar("T")
-
-
-class ClientState(enum.Enum):
-    NEW = "new"
-    READY = "ready"
-    FAILED = "failed"
-    CLOSED = "closed"
-
-
-class ClientEvent(enum.Enum):
-    SETUP_OK = "setup_ok"
-    SETUP_FAILED = "setup_failed"
-    CLOSE = "close"
-
-
-TRANSITIONS: Final[dict[tuple[ClientState, ClientEvent], ClientState]] = {
-    (ClientState.NEW, ClientEvent.SETUP_OK): ClientState.READY,
-    (ClientState.NEW, ClientEvent.SETUP_FAILED): ClientState.FAILED,
-    (ClientState.FAILED, ClientEvent.SETUP_OK): ClientState.READY,
-    (ClientState.FAILED, ClientEvent.SETUP_FAILED): ClientState.FAILED,
-    (ClientState.NEW, ClientEvent.CLOSE): ClientState.CLOSED,
-    (ClientState.READY, ClientEvent.CLOSE): ClientState.CLOSED,
-    (ClientState.FAILED, ClientEvent.CLOSE): ClientState.CLOSED,
-    (ClientState.CLOSED, ClientEvent.CLOSE): ClientState.CLOSED,
-}
-"""The client's lifecycle, state x event -> state. Nothing else changes ``state``."""
-
-
-class ClientHealth(enum.Enum):
-    """What :meth:`MooncakeClient.health` can tell. A client that contributes no segment keeps
-    reporting ``HEALTHY`` for a while after its master died (MOONCAKE.md §3.2): a hint, not a
-    guarantee."""
-
-    HEALTHY = "healthy"
-    UNREACHABLE = "unreachable"
-    NOT_READY = "not_ready"
 
 
 def _check_int(value: object, what: str, low: int) -> int:
@@ -139,7 +111,7 @@ class MooncakeClient:
     def _advance(self, event: ClientEvent) -> None:
         target = TRANSITIONS.get((self._state, event))
         if target is None:  # pragma: no cover - every caller checks first
-            raise MisuseError(f"mooncake client: {event.value} is not allowed when {self._state}")
+            raise MisuseError(f"mooncake client: {event.value} is not allowed in {self._state}")
         self._state = target
 
     def setup(self) -> MooncakeClient:
@@ -407,6 +379,31 @@ class MooncakeClient:
             len(texts),
             lambda n: n.batch_get_into(texts, ptr_list, size_list),
             lambda: self._check_ranges(ptr_list, size_list, "batch_get_into"),
+        )
+
+    def batch_put_parts(self, keys: Sequence[StoreKey], ptrs: Parts, sizes: Parts) -> list[int]:
+        """:meth:`batch_put_from` of objects each made of several registered ranges, in order
+        (object ``i`` is ``sizes[i][j]`` bytes at ``ptrs[i][j]`` for every ``j``): the native
+        ``batch_put_from_multi_buffers``. Per key as :meth:`batch_put_from`."""
+        return self._parts("batch_put_from_multi_buffers", keys, ptrs, sizes)
+
+    def batch_get_parts(self, keys: Sequence[StoreKey], ptrs: Parts, sizes: Parts) -> list[int]:
+        """:meth:`batch_get_into` scattering each object over several registered ranges, in order
+        (the native ``batch_get_into_multi_buffers``). Per key: the bytes read in all, or negative."""
+        return self._parts("batch_get_into_multi_buffers", keys, ptrs, sizes)
+
+    def _parts(self, what: str, keys: Sequence[StoreKey], ptrs: Parts, sizes: Parts) -> list[int]:
+        texts = self._texts(keys, what)
+        ptr_lists, size_lists = [list(p) for p in ptrs], [list(s) for s in sizes]
+        shapes = [len(p) for p in ptr_lists]
+        if len(ptr_lists) != len(texts) or [len(s) for s in size_lists] != shapes or 0 in shapes:
+            raise MisuseError(f"{what}: keys, pointer lists and size lists differ in shape")
+        if not texts:
+            return []
+        flat_ptrs, flat_sizes = list(chain(*ptr_lists)), list(chain(*size_lists))
+        call = lambda n: getattr(n, what)(texts, ptr_lists, size_lists)  # noqa: E731
+        return self._batch(
+            what, len(texts), call, lambda: self._check_ranges(flat_ptrs, flat_sizes, what)
         )
 
     def batch_remove(self, keys: Sequence[StoreKey], *, force: bool = False) -> list[int]:

@@ -1,16 +1,23 @@
 """Moving page objects between a host pool and Mooncake: zero-copy where the layout allows it, through
 a registered staging buffer where it does not.
 
-A store object holds one plane of one page in **canonical order** ``[layers, page_size, heads,
-head_dim]``, whatever the host layout (the rule every kvstrata backend keeps: the object's bytes are
-fixed by its key alone, so instances with different host layouts share objects bit for bit, SPEC §10).
+A store object holds its planes of one page in **canonical order** ``[planes, layers, page_size, heads,
+head_dim]`` (:class:`~kvstrata.impl.storage.base.PageObject`: one plane under key schema 1, the whole
+page under schema 2), whatever the host layout (the rule every kvstrata backend keeps: the object's
+bytes are fixed by its key alone, so instances with different host layouts share objects bit for bit,
+SPEC §10).
 
-- ``page_first_direct`` (``[planes, P, L, page, H, D]``): a page slab *is* the canonical object, so
-  :class:`DirectSlabs` hands Mooncake pointers into the host buffer (registered once);
+- ``page_first_direct`` (``[planes, P, L, page, H, D]``) and ``page_major`` (``[P, planes, L, page, H,
+  D]``): each plane of a page is a contiguous run of the host buffer, so :class:`DirectSlabs` hands
+  Mooncake pointers into it (registered once). An object whose runs are adjacent (a schema-1 object;
+  a schema-2 page of ``page_major``) is one range (``batch_put_from`` / ``batch_get_into``); a
+  schema-2 page of ``page_first_direct`` is its K and V runs, moved as one object by the native
+  multi-buffer calls (``batch_put_parts`` / ``batch_get_parts``);
 - ``page_first`` (``[planes, N, L, H, D]``): a slab is ``[page, L, H, D]``, the transpose of the object,
   so :class:`StagedSlabs` gathers objects into a registered staging buffer before a put and scatters
-  them out of it after a get, in chunks of at most the staging capacity (one vectorised copy per plane
-  per chunk).
+  them out of it after a get, in chunks of at most the staging capacity: one gather-and-transpose
+  copy per object kind per chunk (``index_select`` from a permuted view of the pool straight into
+  the staging slots; ``index_copy_`` back), issue 20 item 4.
 
 Both answer with the native per-object codes of the batch (``>= 0`` bytes / success, negative
 ``ErrorCode``); a client that became unusable answers ``RPC_FAIL`` for the objects it did not move.
@@ -29,6 +36,7 @@ import torch
 from kvstrata.impl.errors import ConfigError, StoreUnavailable
 from kvstrata.impl.pools.host import HostKVPool
 from kvstrata.impl.pools.shape import HostLayout
+from kvstrata.impl.storage.base import PageObject
 from kvstrata.impl.storage.mooncake.client import MooncakeClient
 from kvstrata.model.keys import StoreKey
 
@@ -38,7 +46,7 @@ RPC_FAIL: Final = -900
 """The code for objects a call could not move because the client is closed or failed."""
 
 Obj = tuple[int, int]
-"""One object: (host page index, plane)."""
+"""One object: (host page index, the object's position among the page's objects)."""
 
 
 class SlabIO(Protocol):
@@ -59,51 +67,72 @@ class SlabIO(Protocol):
 
 
 class DirectSlabs:
-    """Zero-copy: the host buffer is registered once; an object is its page slab."""
+    """Zero-copy: the host buffer is registered once; an object is its planes' runs of its page."""
 
-    def __init__(self, host: HostKVPool, client: MooncakeClient) -> None:
-        native = host.native()  # [planes, P, inner], contiguous
-        itemsize = native.element_size()
+    def __init__(
+        self, host: HostKVPool, client: MooncakeClient, objects: Sequence[PageObject]
+    ) -> None:
+        canonical = host.canonical()  # [planes, L, P, page, H, D], a view of the buffer
+        itemsize = host.buffer.element_size()
         self.client = client
         self.base = host.buffer.data_ptr()
-        self.nbytes = host.buffer.numel() * host.buffer.element_size()
-        self.plane_stride = native.stride(0) * itemsize
-        self.page_stride = native.stride(1) * itemsize
-        self.size = host.page_slab(0, 0).numel() * itemsize
-        for plane in range(host.shape.planes):
-            for page in {0, host.num_pages - 1}:
-                slab = host.page_slab(plane, page)
-                canonical = host.canonical()[plane, :, page]
-                if (
-                    not slab.is_contiguous()
-                    or slab.data_ptr() != self.pointer(plane, page)
-                    or slab.numel() * itemsize != self.size
-                    or canonical.data_ptr() != slab.data_ptr()
-                    or not canonical.is_contiguous()
-                ):
-                    raise ConfigError(
-                        "MooncakeBackend.attach: the host pool's page slabs are not its canonical "
-                        "page objects laid out as [planes, pages, bytes]"
-                    )
+        self.nbytes = host.buffer.numel() * itemsize
+        run = canonical[0, :, 0].numel() * itemsize  # one plane of one page
+        last = host.num_pages - 1
+        first_run = canonical[0, :, 0].data_ptr()
+        self.page_stride = (canonical[0, :, last].data_ptr() - first_run) // max(last, 1)
+        self.parts: list[list[tuple[int, int]]] = []  # per object: (offset at page 0, bytes)
+        for obj in objects:
+            runs: list[tuple[int, int]] = []
+            for plane in obj.planes:
+                for page in {0, last}:
+                    slab = canonical[plane, :, page]
+                    if not slab.is_contiguous() or slab.data_ptr() != (
+                        canonical[plane, :, 0].data_ptr() + page * self.page_stride
+                    ):
+                        raise ConfigError(
+                            "MooncakeBackend.attach: a page of one plane is not one contiguous run "
+                            "of the host pool at a fixed page stride"
+                        )
+                offset = canonical[plane, :, 0].data_ptr() - self.base
+                if runs and runs[-1][0] + runs[-1][1] == offset:  # adjacent: one range
+                    runs[-1] = (runs[-1][0], runs[-1][1] + run)
+                else:
+                    runs.append((offset, run))
+            self.parts.append(runs)
+        self.size = run * len(objects[0].planes)
+        self.single = all(len(runs) == 1 for runs in self.parts)
         client.register_buffer(self.base, self.nbytes)
         self._registered = True
 
-    def pointer(self, plane: int, page: int) -> int:
-        return self.base + plane * self.plane_stride + page * self.page_stride
+    def _ranges(self, objects: Sequence[Obj]) -> tuple[list[list[int]], list[list[int]]]:
+        """Per object, the pointers and sizes of its runs."""
+        ptrs, sizes = [], []
+        for index, number in objects:
+            runs = self.parts[number]
+            at = self.base + index * self.page_stride
+            ptrs.append([at + offset for offset, _ in runs])
+            sizes.append([size for _, size in runs])
+        return ptrs, sizes
+
+    def _move(self, keys: Sequence[StoreKey], objects: Sequence[Obj], put: bool) -> list[int]:
+        try:
+            if self.single:
+                at = [self.base + index * self.page_stride for index, _ in objects]
+                ptrs = [a + self.parts[n][0][0] for a, (_, n) in zip(at, objects, strict=True)]
+                move = self.client.batch_put_from if put else self.client.batch_get_into
+                return move(keys, ptrs, [self.size] * len(ptrs))
+            ptr_lists, size_lists = self._ranges(objects)
+            parts = self.client.batch_put_parts if put else self.client.batch_get_parts
+            return parts(keys, ptr_lists, size_lists)
+        except StoreUnavailable:
+            return [RPC_FAIL] * len(objects)
 
     def put(self, keys: Sequence[StoreKey], objects: Sequence[Obj]) -> list[int]:
-        ptrs = [self.pointer(plane, index) for index, plane in objects]
-        try:
-            return self.client.batch_put_from(keys, ptrs, [self.size] * len(ptrs))
-        except StoreUnavailable:
-            return [RPC_FAIL] * len(ptrs)
+        return self._move(keys, objects, put=True)
 
     def get(self, keys: Sequence[StoreKey], objects: Sequence[Obj], width: int) -> list[int]:
-        ptrs = [self.pointer(plane, index) for index, plane in objects]
-        try:
-            return self.client.batch_get_into(keys, ptrs, [self.size] * len(ptrs))
-        except StoreUnavailable:
-            return [RPC_FAIL] * len(ptrs)
+        return self._move(keys, objects, put=False)
 
     def release(self) -> None:
         if self._registered:
@@ -115,33 +144,61 @@ class StagedSlabs:
     """Objects pass through a registered staging buffer of ``capacity`` objects (at least one
     page's worth), copied to and from the host pool's canonical view."""
 
-    def __init__(self, host: HostKVPool, client: MooncakeClient, staging_bytes: int) -> None:
+    def __init__(
+        self,
+        host: HostKVPool,
+        client: MooncakeClient,
+        staging_bytes: int,
+        objects: Sequence[PageObject],
+    ) -> None:
         shape = host.shape
         self.client = client
         self.canonical = host.canonical()  # [planes, L, P, page, H, D], a view of the pool
-        object_shape = (shape.layers, shape.page_size, shape.heads, shape.head_dim)
-        self.size = shape.bytes_per_page // shape.planes
-        self.capacity = max(shape.planes, staging_bytes // self.size)
+        self.planes = [obj.planes for obj in objects]
+        object_shape = (len(self.planes[0]), shape.layers, shape.page_size, shape.heads)
+        self.size = shape.bytes_per_page // len(objects)
+        self.capacity = max(len(objects), staging_bytes // self.size)
         self.staging = torch.empty(self.capacity * self.size, dtype=torch.uint8)
-        self.objects = self.staging.view(shape.dtype).view(self.capacity, *object_shape)
+        self.objects = self.staging.view(shape.dtype).view(
+            self.capacity, *object_shape, shape.head_dim
+        )  # [slot, planes, L, page, H, D]
         self.base = self.staging.data_ptr()
         client.register_buffer(self.base, self.capacity * self.size)
         self._registered = True
 
-    def _ptrs(self, count: int) -> list[int]:
-        return [self.base + slot * self.size for slot in range(count)]
+    def _pool(self, number: int) -> torch.Tensor:
+        """Object ``number``'s planes of every page of the pool, as a view ``[P, planes, L, page,
+        H, D]``: one index along dimension 0 is that object of one page."""
+        planes = self.planes[number]
+        return self.canonical[planes.start : planes.stop].permute(2, 0, 1, 3, 4, 5)
+
+    def _slots(self, chunk: Sequence[Obj]) -> tuple[list[int], list[tuple[int, int, list[int]]]]:
+        """Staging slots for ``chunk``: the objects of one kind take consecutive slots, so that one
+        ``index_select`` (put) or ``index_copy_`` (get) moves all of them. Per entry its slot's
+        pointer, and per kind ``(number, first slot, positions in chunk)``."""
+        kinds: dict[int, list[int]] = {}
+        for position, (_, number) in enumerate(chunk):
+            kinds.setdefault(number, []).append(position)
+        ptrs, runs, first = [0] * len(chunk), [], 0
+        for number, positions in sorted(kinds.items()):
+            for offset, position in enumerate(positions):
+                ptrs[position] = self.base + (first + offset) * self.size
+            runs.append((number, first, positions))
+            first += len(positions)
+        return ptrs, runs
 
     def put(self, keys: Sequence[StoreKey], objects: Sequence[Obj]) -> list[int]:
         codes: list[int] = []
         for start in range(0, len(objects), self.capacity):
             chunk = objects[start : start + self.capacity]
-            for plane, slots, pages in _by_plane(chunk):
-                self.objects[slots] = self.canonical[plane][:, pages].transpose(0, 1)
+            ptrs, runs = self._slots(chunk)
+            for number, first, positions in runs:  # one gather-transpose copy per kind
+                pages = torch.tensor([chunk[p][0] for p in positions])
+                out = self.objects[first : first + len(positions)]
+                torch.index_select(self._pool(number), 0, pages, out=out)
             try:
                 codes += self.client.batch_put_from(
-                    keys[start : start + len(chunk)],
-                    self._ptrs(len(chunk)),
-                    [self.size] * len(chunk),
+                    keys[start : start + len(chunk)], ptrs, [self.size] * len(chunk)
                 )
             except StoreUnavailable:
                 codes += [RPC_FAIL] * (len(objects) - start)
@@ -153,23 +210,30 @@ class StagedSlabs:
         step = self.capacity // width * width  # whole pages per chunk
         for start in range(0, len(objects), step):
             chunk = objects[start : start + step]
+            ptrs, runs = self._slots(chunk)
             try:
                 got = self.client.batch_get_into(
-                    keys[start : start + len(chunk)],
-                    self._ptrs(len(chunk)),
-                    [self.size] * len(chunk),
+                    keys[start : start + len(chunk)], ptrs, [self.size] * len(chunk)
                 )
             except StoreUnavailable:
                 codes += [RPC_FAIL] * (len(objects) - start)
                 break
-            whole = [
-                slot
+            whole = {
+                position
                 for first in range(0, len(chunk), width)
                 if all(code == self.size for code in got[first : first + width])
-                for slot in range(first, first + width)
-            ]
-            for plane, slots, pages in _by_plane([chunk[slot] for slot in whole], whole):
-                self.canonical[plane][:, pages] = self.objects[slots].transpose(0, 1)
+                for position in range(first, first + width)
+            }
+            for number, first, positions in runs:  # only pages whose every object arrived
+                keep = [k for k, position in enumerate(positions) if position in whole]
+                if not keep:
+                    continue
+                if len(keep) == len(positions):
+                    staged = self.objects[first : first + len(positions)]
+                else:
+                    staged = self.objects[torch.tensor([first + k for k in keep])]
+                pages = torch.tensor([chunk[positions[k]][0] for k in keep])
+                self._pool(number).index_copy_(0, pages, staged)
             codes += got
         return codes
 
@@ -179,21 +243,10 @@ class StagedSlabs:
             self.client.release_buffer_later(self.base)
 
 
-def _by_plane(
-    objects: Sequence[Obj], slots: Sequence[int] | None = None
-) -> list[tuple[int, list[int], list[int]]]:
-    """``(plane, staging slots, host pages)`` for each plane among ``objects`` (slot ``i`` holds
-    ``objects[i]`` unless ``slots`` says otherwise)."""
-    groups: dict[int, tuple[list[int], list[int]]] = {}
-    for position, (index, plane) in enumerate(objects):
-        slot_list, pages = groups.setdefault(plane, ([], []))
-        slot_list.append(position if slots is None else slots[position])
-        pages.append(index)
-    return [(plane, s, p) for plane, (s, p) in sorted(groups.items())]
-
-
-def slab_io(host: HostKVPool, client: MooncakeClient, staging_bytes: int) -> SlabIO:
+def slab_io(
+    host: HostKVPool, client: MooncakeClient, staging_bytes: int, objects: Sequence[PageObject]
+) -> SlabIO:
     """The object mover for ``host``'s layout (registering what it needs with ``client``)."""
-    if host.layout is HostLayout.PAGE_FIRST_DIRECT:
-        return DirectSlabs(host, client)
-    return StagedSlabs(host, client, staging_bytes)
+    if host.layout in (HostLayout.PAGE_FIRST_DIRECT, HostLayout.PAGE_MAJOR):
+        return DirectSlabs(host, client, objects)
+    return StagedSlabs(host, client, staging_bytes, objects)

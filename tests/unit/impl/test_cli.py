@@ -220,6 +220,25 @@ def test_replay_as_two_tp_ranks_equals_one_rank(tmp_path: Path) -> None:
     assert results[2]["verify"]["pages_checked"] == results[1]["verify"]["pages_checked"]
 
 
+def test_replay_under_either_key_schema_serves_the_same_hits(tmp_path: Path) -> None:
+    """Issue 20: ``--key-schema 2`` (the default: one store object per page, a ``page_major`` host
+    pool) and ``--key-schema 1`` (K and V objects, ``page_first_direct``) change how pages are laid
+    out in the store, never which pages hit: with ``--settle`` the hits are equal, L3 included, and
+    every served page verifies byte for byte."""
+    results = {}
+    for schema in ("1", "2"):
+        out = tmp_path / f"schema{schema}.json"
+        args = ("replay", "--sample", "--limit", "120", "--settle", "--l1", "64K", "--l2", "256K")
+        run = kvstrata(*args, "--key-schema", schema, "--json", str(out))
+        assert run.returncode == 0, run.stderr
+        results[schema] = json.loads(out.read_text())
+    assert results["2"]["config"]["key_schema"] == 2 and results["1"]["config"]["key_schema"] == 1
+    assert results["2"]["hit_tokens"] == results["1"]["hit_tokens"]
+    assert results["2"]["hit_tokens"]["l3"] > 0
+    assert results["2"]["verify"]["pages_checked"] == results["1"]["verify"]["pages_checked"] > 0
+    assert kvstrata("replay", "--sample", "--key-schema", "3").returncode == 2
+
+
 def test_tp_refuses_what_it_cannot_keep_in_lockstep() -> None:
     run = kvstrata("replay", "--sample", "--tp", "2", "--timestamps", "honour")
     assert run.returncode != 0 and "--timestamps ignore" in run.stderr

@@ -158,6 +158,7 @@ def test_shape_is_frozen_and_hashable() -> None:
         ("page_first_direct", HostLayout.PAGE_FIRST_DIRECT),
         (" Page-First ", HostLayout.PAGE_FIRST),
         (HostLayout.PAGE_FIRST_DIRECT, HostLayout.PAGE_FIRST_DIRECT),
+        ("page-major", HostLayout.PAGE_MAJOR),
     ],
 )
 def test_host_layout_parse(text: str | HostLayout, layout: HostLayout) -> None:
@@ -454,6 +455,7 @@ def test_host_pool_refuses_a_size_the_machine_cannot_hold() -> None:
         (HostLayout.LAYER_FIRST, (2, 3, 6 * 4, 2, 8)),
         (HostLayout.PAGE_FIRST, (2, 6 * 4, 3, 2, 8)),
         (HostLayout.PAGE_FIRST_DIRECT, (2, 6, 3, 4, 2, 8)),
+        (HostLayout.PAGE_MAJOR, (6, 2, 3, 4, 2, 8)),
     ],
 )
 def test_host_layouts_place_bytes_as_specified(
@@ -474,6 +476,8 @@ def test_host_layouts_place_bytes_as_specified(
                         stored = buf[plane, layer, token]
                     elif layout is HostLayout.PAGE_FIRST:
                         stored = buf[plane, token, layer]
+                    elif layout is HostLayout.PAGE_MAJOR:
+                        stored = buf[page, plane, layer, t]
                     else:
                         stored = buf[plane, page, layer, t]
                     assert bit_equal(stored, kv[plane, layer, i, t])
@@ -489,6 +493,10 @@ def test_host_layouts_place_bytes_as_specified(
         assert bit_equal(slab, expected.reshape(-1))
         with pytest.raises(MisuseError):
             pool.page_slab(2, 0)
+    if layout is HostLayout.PAGE_MAJOR:  # a whole page, K then V, is one run of bytes
+        whole = buf[4].reshape(-1)
+        assert bit_equal(whole, kv[:, :, 0].reshape(-1))
+        assert pool.page_slab(0, 4).data_ptr() == whole.data_ptr()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -850,10 +858,13 @@ def engine_buffer(
         dims = (shape.planes, shape.layers, tokens, shape.heads, shape.head_dim)
     elif layout is HostLayout.PAGE_FIRST:
         dims = (shape.planes, tokens, shape.layers, shape.heads, shape.head_dim)
+    elif layout is HostLayout.PAGE_MAJOR:
+        dims = (pages, shape.planes, shape.layers, shape.page_size, shape.heads, shape.head_dim)
     else:
         dims = (shape.planes, pages, shape.layers, shape.page_size, shape.heads, shape.head_dim)
     if not planes:
-        dims = dims[1:]
+        plane_dim = 1 if layout is HostLayout.PAGE_MAJOR else 0
+        dims = dims[:plane_dim] + dims[plane_dim + 1 :]
     count = int(np.prod(dims))
     return torch.arange(count, dtype=torch.float32).remainder(251).to(shape.dtype).reshape(dims)
 
@@ -884,7 +895,9 @@ def test_wrap_takes_an_mla_buffer_without_its_plane_dimension(layout: HostLayout
     buffer = engine_buffer(WRAP_MLA, layout, pages=3, planes=False)
     pool = HostKVPool.wrap(buffer, WRAP_MLA, layout)
     assert pool.num_pages == 3 and pool.buffer.data_ptr() == buffer.data_ptr()
-    full = HostKVPool.wrap(buffer.unsqueeze(0), WRAP_MLA, layout)
+    full = HostKVPool.wrap(
+        buffer.unsqueeze(1 if layout is HostLayout.PAGE_MAJOR else 0), WRAP_MLA, layout
+    )
     assert torch.equal(pool.read_pages([0, 1, 2]), full.read_pages([0, 1, 2]))
 
 

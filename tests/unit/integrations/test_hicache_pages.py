@@ -61,6 +61,11 @@ def test_options_name_the_bad_key(monkeypatch: pytest.MonkeyPatch) -> None:
     assert over.mooncake is not None and over.mooncake.master == "10.0.0.1:7"
     with pytest.raises(ConfigError, match="mooncake"):
         StoreOptions.parse({"master": "10.0.0.1:7", "mooncake": {"colour": 1}}, where="t", env={})
+    assert StoreOptions.parse({"store": "memory"}, where="t").key_schema == 1
+    assert StoreOptions.parse({"store": "memory", "key_schema": "2"}, where="t").key_schema == 2
+    for bad in (3, True, "one"):
+        with pytest.raises(ConfigError, match="'key_schema' expects 1 or 2"):
+            StoreOptions.parse({"store": "memory", "key_schema": bad}, where="t")
 
 
 def test_pages_round_trip_and_stop_at_the_first_miss() -> None:

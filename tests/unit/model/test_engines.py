@@ -29,6 +29,7 @@ def shards(draw: st.DrawFn) -> EngineShard:
         pp_size=pp_size,
         tag=draw(st.sampled_from([None, "prod"])),
         tenant=draw(st.sampled_from(["", "t1"])),
+        key_schema=draw(st.sampled_from([1, 2])),
     )
 
 
@@ -43,6 +44,7 @@ def should_share(a: EngineShard, b: EngineShard) -> bool:
         and (a.pp_rank, a.pp_size) == (b.pp_rank, b.pp_size)
         and a.tag == b.tag
         and a.tenant == b.tenant
+        and a.key_schema == b.key_schema
     )
     return same and (a.mla or (a.tp_rank, a.tp_size) == (b.tp_rank, b.tp_size))
 
@@ -54,8 +56,8 @@ PAGE = PageHash(hashlib.sha256(b"page").digest())
 def test_two_instances_share_a_page_key_exactly_when_the_rule_says(
     a: EngineShard, b: EngineShard
 ) -> None:
-    key_a = a.keyspace().key(a.namespace(), "kv", "k" if not a.mla else "latent", PAGE)
-    key_b = b.keyspace().key(b.namespace(), "kv", "k" if not b.mla else "latent", PAGE)
+    key_a = a.keyspace().page_keys(a.namespace(), PAGE)[0]
+    key_b = b.keyspace().page_keys(b.namespace(), PAGE)[0]
     assert (key_a == key_b) is should_share(a, b)
     assert render_store_key(parse_store_key(key_a)) == key_a  # rendered once, parses back
 

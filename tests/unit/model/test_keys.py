@@ -23,6 +23,7 @@ from kvstrata.model.errors import DoubleRenderError, KeyParseError, MisuseError
 from kvstrata.model.keys import (
     DEFAULT_NAMESPACE,
     SCHEMA_VERSION,
+    SCHEMA_VERSIONS,
     KeyParts,
     KeySpace,
     KVKind,
@@ -380,9 +381,19 @@ key_parts = st.builds(
     component=identifiers,
     page_hash=page_hashes,
     tag=tags,
+    version=st.sampled_from(SCHEMA_VERSIONS),
 )
 
-_PARTS_FIELDS = ("model", "namespace_id", "shard", "pool", "component", "page_hash", "tag")
+_PARTS_FIELDS = (
+    "model",
+    "namespace_id",
+    "shard",
+    "pool",
+    "component",
+    "page_hash",
+    "tag",
+    "version",
+)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -509,7 +520,8 @@ def test_double_render_error_is_a_type_error() -> None:
     assert issubclass(DoubleRenderError, TypeError)
 
 
-def test_other_schema_versions_are_not_rendered() -> None:
+@pytest.mark.parametrize("version", [0, 3, -1])
+def test_other_schema_versions_are_not_rendered(version: int) -> None:
     parts = KeyParts(
         model=MHA,
         namespace_id="default",
@@ -517,14 +529,44 @@ def test_other_schema_versions_are_not_rendered() -> None:
         pool="kv",
         component="k",
         page_hash=H0,
-        version=2,
+        version=version,
     )
     with pytest.raises(MisuseError):
         render_store_key(parts)
 
 
+@pytest.mark.parametrize("schema", [0, 3, True, "2", None])
+def test_a_key_space_takes_a_known_schema_only(schema: object) -> None:
+    with pytest.raises(MisuseError, match="a key schema version is one of"):
+        KeySpace(MHA, schema=schema)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("model", "v1", "v2"),
+    [(MHA, ("k", "v"), ("page",)), (MLA, ("latent",), ("page",)), (EMB, ("emb",), ("emb",))],
+)
+def test_schema_two_stores_one_object_per_kv_page(
+    model: ModelIdentity, v1: tuple[str, ...], v2: tuple[str, ...]
+) -> None:
+    """Issue 20: under schema 2 a KV page is one ``page`` object; nothing of schema 1 is ever
+    rendered by a schema-2 key space (the version is the first segment), side pools keep their
+    components."""
+    old, new = KeySpace(model, tag="t"), KeySpace(model, tag="t", schema=2)
+    assert (old.components, new.components) == (v1, v2)
+    assert old != new
+    pool = "emb" if model.kind is KVKind.EMBEDDING else "kv"
+    new_keys = new.page_keys(DEFAULT_NAMESPACE, H0, pool)
+    assert [parse_store_key(key).version for key in new_keys] == [2] * len(v2)
+    assert all(key.text.startswith("kvs2/t/") for key in new_keys)
+    assert not set(new_keys) & set(old.page_keys(DEFAULT_NAMESPACE, H0, pool))
+    side = new.key(DEFAULT_NAMESPACE, "mamba", "conv_0", H0)
+    assert parse_store_key(side).component == "conv_0"
+    assert side != old.key(DEFAULT_NAMESPACE, "mamba", "conv_0", H0)
+
+
 def _corruptions(text: str, tag: str | None) -> list[str]:
-    prefix = f"kvs{SCHEMA_VERSION}/"
+    prefix = text[: text.index("/") + 1]
+    version = int(prefix[3:-1])
     rest = text[len(prefix) :]
     out = [
         prefix + text,  # doubled prefix, glued
@@ -533,8 +575,8 @@ def _corruptions(text: str, tag: str | None) -> list[str]:
         text + "/prod",  # tag concatenated at the end
         text + "prod",
         prefix + "prod/" + rest,  # a second tag segment inserted
-        f"kvs0{SCHEMA_VERSION}/" + rest,  # non-canonical version
-        f"kvs{SCHEMA_VERSION + 1}/" + rest,  # unknown version
+        f"kvs0{version}/" + rest,  # non-canonical version
+        f"kvs{max(SCHEMA_VERSIONS) + 1}/" + rest,  # unknown version
         text[:-64] + text[-64:].upper(),  # non-canonical hex
         text[:-2],  # truncated hash
         text.replace("/", "//", 1),
@@ -727,6 +769,7 @@ def test_keys_are_deterministic_across_processes(hash_seed: str) -> None:
     component=st.sampled_from(["k", "v", "latent", "conv0", "temporal"]),
     digest=st.binary(min_size=32, max_size=32),
     mla=st.booleans(),
+    schema=st.sampled_from(SCHEMA_VERSIONS),
 )
 def test_key_space_fast_path_equals_the_one_renderer(  # noqa: PLR0917
     name: str,
@@ -736,12 +779,15 @@ def test_key_space_fast_path_equals_the_one_renderer(  # noqa: PLR0917
     component: str,
     digest: bytes,
     mla: bool,
+    schema: int,
 ) -> None:
     """KeySpace.key memoises the constant part of a key: byte for byte what render_store_key makes,
     parseable back, and a second call with another page hash reuses the memo correctly."""
     kind = KVKind.MLA if mla else KVKind.MHA
     shard = Shard.replicated() if mla else Shard(tp_rank=1, tp_size=2)
-    space = KeySpace(ModelIdentity(name=name, dtype="bf16", kind=kind, page_size=16), shard, tag)
+    space = KeySpace(
+        ModelIdentity(name=name, dtype="bf16", kind=kind, page_size=16), shard, tag, schema=schema
+    )
     namespace = Namespace(extra_key=extra)
     for page in (PageHash(digest), PageHash(bytes(reversed(digest)))):
         expected = render_store_key(
@@ -753,6 +799,7 @@ def test_key_space_fast_path_equals_the_one_renderer(  # noqa: PLR0917
                 component=component,
                 page_hash=page,
                 tag=tag,
+                version=schema,
             )
         )
         assert space.key(namespace, pool, component, page) == expected
@@ -774,13 +821,19 @@ def test_key_space_memo_is_not_part_of_identity() -> None:
     extra=st.sampled_from([None, "lora-1"]),
     pool=st.sampled_from(["kv", "indexer"]),
     tag=st.sampled_from([None, "prod.eu-1"]),
+    schema=st.sampled_from(SCHEMA_VERSIONS),
 )
-def test_a_rendered_batch_is_the_page_keys_of_every_page(
-    digests: list[bytes], model: ModelIdentity, extra: str | None, pool: str, tag: str | None
+def test_a_rendered_batch_is_the_page_keys_of_every_page(  # noqa: PLR0917
+    digests: list[bytes],
+    model: ModelIdentity,
+    extra: str | None,
+    pool: str,
+    tag: str | None,
+    schema: int,
 ) -> None:
     """Issue 20: ``KeySpace.rendered`` (one object per batch) gives exactly the strings
     ``page_keys`` gives page by page, page-major."""
-    space = KeySpace(model, tag=tag)
+    space = KeySpace(model, tag=tag, schema=schema)
     namespace = Namespace(extra_key=extra)
     pages = [PageHash(d) for d in digests]
     want = [key.text for page in pages for key in space.page_keys(namespace, page, pool)]

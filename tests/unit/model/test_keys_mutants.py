@@ -172,15 +172,15 @@ def test_render_messages_say_what_was_given() -> None:
         render_store_key(42)  # type: ignore[arg-type]
     with pytest.raises(DoubleRenderError, match=exactly("page_hash is not a PageHash: 'abc'")):
         render_store_key(_parts(page_hash="abc")())  # type: ignore[arg-type]
-    with pytest.raises(MisuseError, match=exactly("cannot render schema version 2")):
-        render_store_key(_parts(version=2)())  # type: ignore[arg-type]
+    with pytest.raises(MisuseError, match=exactly("cannot render schema version 3")):
+        render_store_key(_parts(version=3)())  # type: ignore[arg-type]
 
 
 # ---------------------------------------------------------------------------------- parse messages
 def test_parse_messages_say_what_is_wrong() -> None:
     with pytest.raises(KeyParseError, match=exactly("a store key is a string, got bytes")):
         parse_store_key(b"kvs1/...")  # type: ignore[arg-type]
-    with pytest.raises(KeyParseError, match=exactly("not a kvstrata v1 store key: 'hello'")):
+    with pytest.raises(KeyParseError, match=exactly("not a kvstrata v1 or v2 store key: 'hello'")):
         parse_store_key("hello")
     malformed = ZERO_KEY.replace("/mha/", "/xyz/")
     with pytest.raises(

@@ -88,10 +88,11 @@ class PageKit:
         name: str = "tiny-llama",
         shard: Shard | None = None,
         tag: str | None = TAG,
+        schema: int = 1,
     ) -> KeySpace:
         if shard is None:
             shard = Shard(tp_rank=0, tp_size=2) if kind is KVKind.MHA else Shard.replicated()
-        return KeySpace(model=self.model(kind, name), shard=shard, tag=tag)
+        return KeySpace(model=self.model(kind, name), shard=shard, tag=tag, schema=schema)
 
     def pages(
         self, kind: KVKind, count: int, first_token: int = 0, namespace: Namespace = NS

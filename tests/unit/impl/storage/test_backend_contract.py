@@ -65,17 +65,23 @@ class Case:
 
     @property
     def components(self) -> tuple[str, ...]:
-        return self.space.model.components
+        return self.space.components
+
+    def object_bits(self, host: HostKVPool, slot: int, number: int) -> bytes:
+        """The canonical bytes store object ``number`` of a page in ``slot`` holds: one plane
+        under key schema 1, the whole page under schema 2."""
+        whole = len(self.components) == 1
+        return slot_bits(host, slot, None if whole else number)
 
 
-def _space(shape: KVShape, shard: Shard) -> KeySpace:
+def _space(shape: KVShape, shard: Shard, schema: int = 1) -> KeySpace:
     model = ModelIdentity(
         name="tiny/model-β",
         dtype=str(shape.dtype).removeprefix("torch."),
         kind=shape.kind,
         page_size=shape.page_size,
     )
-    return KeySpace(model=model, shard=shard, tag=TAG)
+    return KeySpace(model=model, shard=shard, tag=TAG, schema=schema)
 
 
 MHA = KVShape(kind=KVKind.MHA, layers=2, heads=2, head_dim=4, dtype=torch.float16, page_size=4)
@@ -84,6 +90,14 @@ CASES = [
     Case(shape, _space(shape, shard), layout)
     for shape, shard in ((MHA, Shard(tp_rank=1, tp_size=2)), (MLA, Shard.replicated()))
     for layout in (HostLayout.PAGE_FIRST, HostLayout.PAGE_FIRST_DIRECT)
+] + [  # issue 20: one object per page (key schema 2) in every page-first layout, and page_major
+    Case(MHA, _space(MHA, Shard(tp_rank=1, tp_size=2), schema), layout)
+    for schema, layout in (
+        (2, HostLayout.PAGE_FIRST),
+        (2, HostLayout.PAGE_FIRST_DIRECT),
+        (2, HostLayout.PAGE_MAJOR),
+        (1, HostLayout.PAGE_MAJOR),
+    )
 ]
 
 
@@ -170,7 +184,7 @@ def _mooncake_factory(client: MooncakeClient) -> BackendFactory:
         keys = [
             key
             for name, key in zip(
-                backend.keyspace.model.components,
+                backend.keyspace.components,
                 backend.keyspace.page_keys(ns, page),
                 strict=True,
             )
@@ -201,7 +215,10 @@ def backend_factory(
     raise AssertionError(request.param)
 
 
-@pytest.fixture(params=CASES, ids=lambda case: f"{case.shape.kind.value}-{case.layout.value}")
+@pytest.fixture(
+    params=CASES,
+    ids=lambda case: f"{case.shape.kind.value}-{case.layout.value}-v{case.space.schema}",
+)
 def case(request: pytest.FixtureRequest) -> Case:
     return request.param  # type: ignore[no-any-return]
 
@@ -266,7 +283,7 @@ def test_instances_with_other_host_layouts_share_pages_bit_for_bit(
     writer = backend_factory.make(case, host, store=store)
     pages = case.pages(2)
     writer.put(NS, pages, [2, 3])
-    for layout in (HostLayout.PAGE_FIRST, HostLayout.PAGE_FIRST_DIRECT):
+    for layout in (HostLayout.PAGE_FIRST, HostLayout.PAGE_FIRST_DIRECT, HostLayout.PAGE_MAJOR):
         other_host = HostKVPool(case.shape, SLOTS, layout, pin_memory=False)
         reader = backend_factory.make(case, other_host, store=store)
         assert reader.get(NS, pages, [0, 1]) == [GetStatus.LOADED] * 2
@@ -392,10 +409,12 @@ def _variant(case: Case, what: str) -> KeySpace:
         return attrs.evolve(space, tag="green-7")
     if what == "no_tag":
         return attrs.evolve(space, tag=None)
+    if what == "schema":  # issue 20: objects of two key schemas never answer each other
+        return attrs.evolve(space, schema=3 - space.schema)
     raise AssertionError(what)
 
 
-@pytest.mark.parametrize("what", ["model", "dtype", "tp_size", "tag", "no_tag"])
+@pytest.mark.parametrize("what", ["model", "dtype", "tp_size", "tag", "no_tag", "schema"])
 def test_another_key_space_sees_nothing(
     backend_factory: BackendFactory, case: Case, host: HostKVPool, what: str
 ) -> None:
@@ -582,7 +601,7 @@ def _replay(
                 missing = [key for key in keys[index] if not model.contains(key)]
                 for key in missing:
                     assert model.begin_put(key)
-                    model.end_put(key, slot_bits(host, index, keys[index].index(key)))
+                    model.end_put(key, case.object_bits(host, index, keys[index].index(key)))
                 expected.append(PutStatus.STORED if missing else factory.again)
             assert backend.put(NS, [pages[i] for i in chosen], list(chosen)) == expected
         elif op == "evict":
@@ -610,8 +629,8 @@ def _replay(
                     event("get of a page missing one component")
                 assert status is (GetStatus.LOADED if whole else GetStatus.MISSING)
                 if whole:
-                    for plane, key in enumerate(keys[index]):
-                        assert slot_bits(host, target, plane) == model.get(key)
+                    for number, key in enumerate(keys[index]):
+                        assert case.object_bits(host, target, number) == model.get(key)
     assert backend.exists(NS, pages) == model.exists_pages(keys)
 
 

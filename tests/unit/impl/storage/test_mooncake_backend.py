@@ -400,3 +400,71 @@ def test_a_put_asks_exists_only_to_confirm_unless_told_to_ask_first(
     assert len(calls) == queries and calls[-1] == 3 * 2  # the confirm asks for every object
     assert backend.get(ns, pages, [4, 5, 6]) == [GetStatus.LOADED] * 3
     assert page_kit.holds(host, [4, 5, 6], pages)
+
+
+@pytest.mark.parametrize(
+    ("layout", "native"),
+    [
+        (HostLayout.PAGE_MAJOR, "batch_put_from"),
+        (HostLayout.PAGE_FIRST_DIRECT, "batch_put_parts"),
+        (HostLayout.PAGE_FIRST, "batch_put_from"),
+    ],
+    ids=lambda value: getattr(value, "value", value),
+)
+def test_schema_two_stores_a_page_as_one_object_of_canonical_bytes(  # noqa: PLR0917
+    make: MakeBackend,
+    page_kit,
+    mooncake_store: MooncakeClient,
+    monkeypatch: pytest.MonkeyPatch,
+    layout: HostLayout,
+    native: str,
+) -> None:
+    """Issue 20: under key schema 2 a page is one store object holding K then V in canonical order
+    (read back here with a plain ``batch_get_into`` of the key), put in one native call: one range
+    per page for ``page_major`` (and the staging buffer of ``page_first``), K and V runs as one
+    object for ``page_first_direct``; every layout reads what another wrote."""
+    host = page_kit.host(KVKind.MHA, layout=layout)
+    backend = make(KVKind.MHA, host, schema=2)
+    ns, pages = page_kit.NS, page_kit.pages(KVKind.MHA, 3)
+    page_kit.fill(host, [0, 1, 2], pages)
+    calls: list[tuple[str, int]] = []
+    for name in ("batch_put_from", "batch_put_parts"):
+        real = getattr(backend.client, name)
+
+        def spy(keys: object, *args: object, _name: str = name, _real: object = real) -> object:
+            calls.append((_name, len(keys)))  # type: ignore[arg-type]
+            return _real(keys, *args)  # type: ignore[operator]
+
+        monkeypatch.setattr(backend.client, name, spy)
+    assert backend.put(ns, pages, [0, 1, 2]) == [PutStatus.STORED] * 3
+    assert calls == [(native, 3)]
+    monkeypatch.undo()
+
+    keys = [backend.keyspace.page_keys(ns, page) for page in pages]
+    assert all(len(page_keys) == 1 and page_keys[0].text.startswith("kvs2/") for page_keys in keys)
+    size = host.shape.bytes_per_page
+    scratch = torch.zeros(3 * size, dtype=torch.uint8)
+    mooncake_store.register_buffer(scratch.data_ptr(), scratch.numel())
+    try:
+        codes = mooncake_store.batch_get_into(
+            [page_keys[0] for page_keys in keys],
+            [scratch.data_ptr() + i * size for i in range(3)],
+            [size] * 3,
+        )
+    finally:
+        mooncake_store.unregister_buffer(scratch.data_ptr())
+    assert codes == [size] * 3
+    canonical = host.read_pages([0, 1, 2]).transpose(0, 2).contiguous()  # [page, L, planes, ...]
+    want = canonical.transpose(1, 2).contiguous().view(-1).view(torch.uint8)  # [page, planes, L..]
+    assert torch.equal(scratch, want)
+
+    for other in (HostLayout.PAGE_MAJOR, HostLayout.PAGE_FIRST_DIRECT, HostLayout.PAGE_FIRST):
+        reader_host = page_kit.host(KVKind.MHA, layout=other)
+        reader = make(KVKind.MHA, reader_host, schema=2)
+        assert reader.get(ns, pages, [5, 6, 7]) == [GetStatus.LOADED] * 3
+        assert torch.equal(
+            reader_host.read_pages([5, 6, 7]).view(torch.uint8),
+            host.read_pages([0, 1, 2]).view(torch.uint8),
+        )
+    v1 = make(KVKind.MHA, page_kit.host(KVKind.MHA, layout=layout))
+    assert v1.exists(ns, pages) == 0  # the other schema's objects answer nothing

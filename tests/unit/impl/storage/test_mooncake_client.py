@@ -297,6 +297,42 @@ def test_client_round_trip_and_removal(mooncake_store: MooncakeClient) -> None:
         client.unregister_buffer(base)
 
 
+def test_an_object_of_several_ranges_round_trips(mooncake_store: MooncakeClient) -> None:
+    """Issue 20: ``batch_put_parts`` stores each object as its ranges concatenated in order (one
+    object per key, readable whole by ``batch_get_into``); ``batch_get_parts`` scatters it back;
+    a malformed shape or a range outside every registered buffer reaches no native call."""
+    client = mooncake_store
+    buffer = torch.arange(4096, dtype=torch.int32).view(torch.uint8)  # 16 KiB, distinct bytes
+    base = buffer.data_ptr()
+    client.register_buffer(base, buffer.numel())
+    try:
+        keys = [_key("pa"), _key("pb")]  # object = [1 KiB at 8 KiB, 1 KiB at 0], [2 KiB at 4 KiB]
+        ptrs, sizes = [[base + 8192, base], [base + 4096]], [[1024, 1024], [2048]]
+        assert client.batch_put_parts(keys, ptrs, sizes) == [0, 0]
+        got = client.batch_get_into(keys, [base + 12288, base + 14336], [2048, 2048])
+        assert got == [2048, 2048]
+        assert torch.equal(buffer[12288:13312], buffer[8192:9216])
+        assert torch.equal(buffer[13312:14336], buffer[:1024])
+        assert torch.equal(buffer[14336:], buffer[4096:6144])
+        buffer[12288:] = 0
+        back = client.batch_get_parts(keys[:1], [[base + 14336, base + 12288]], [[1024, 1024]])
+        assert back == [2048]
+        assert torch.equal(buffer[14336:15360], buffer[8192:9216])
+        assert torch.equal(buffer[12288:13312], buffer[:1024])
+        for bad_ptrs, bad_sizes, message in (
+            ([[base]], [[16, 16]], "differ in shape"),
+            ([[]], [[]], "differ in shape"),
+            ([[base], [base]], [[16], [16]], "differ in shape"),
+            ([[base, base - 4096]], [[16, 16]], "not inside a buffer registered"),
+        ):
+            with pytest.raises(MisuseError, match=message):
+                client.batch_put_parts([_key("pc")], bad_ptrs, bad_sizes)
+        assert client.batch_is_exist([_key("pc")]) == [0]
+        assert client.batch_remove(keys, force=True) == [0, 0]
+    finally:
+        client.unregister_buffer(base)
+
+
 def test_client_checks_arguments_before_any_native_call(mooncake_store: MooncakeClient) -> None:
     client = mooncake_store
     buffer = torch.zeros(8192, dtype=torch.uint8)
