@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import enum
 import re
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from urllib.parse import quote, unquote
 
 import attrs
@@ -384,3 +384,14 @@ class RenderedKeys:
 
     def __len__(self) -> int:
         return len(self.texts)
+
+    def __getitem__(self, part: slice) -> RenderedKeys:
+        """A run of the batch (slices only: a single key is a :class:`StoreKey`'s job)."""
+        if not isinstance(part, slice):
+            raise MisuseError(f"RenderedKeys takes a slice, got {part!r}")
+        return RenderedKeys(self.texts[part])
+
+    def select(self, positions: Iterable[int]) -> RenderedKeys:
+        """The keys at ``positions``, in that order."""
+        texts = self.texts
+        return RenderedKeys([texts[i] for i in positions])

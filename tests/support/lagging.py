@@ -51,19 +51,20 @@ class LaggingClient:
     def is_exist(self, key: StoreKey) -> int:
         return 0 if key.text in self.hidden else self._client.is_exist(key)
 
-    def batch_put_from(self, keys: Sequence[StoreKey], ptrs: Any, sizes: Any) -> list[int]:
+    def batch_put_from(self, keys: Any, ptrs: Any, sizes: Any) -> list[int]:
         return self._put(self._client.batch_put_from, keys, ptrs, sizes)
 
-    def batch_put_parts(self, keys: Sequence[StoreKey], ptrs: Any, sizes: Any) -> list[int]:
+    def batch_put_parts(self, keys: Any, ptrs: Any, sizes: Any) -> list[int]:
         return self._put(self._client.batch_put_parts, keys, ptrs, sizes)
 
-    def batch_get_into(self, keys: Sequence[StoreKey], ptrs: Any, sizes: Any) -> list[int]:
+    def batch_get_into(self, keys: Any, ptrs: Any, sizes: Any) -> list[int]:
         return self._get(self._client.batch_get_into, keys, ptrs, sizes)
 
-    def batch_get_parts(self, keys: Sequence[StoreKey], ptrs: Any, sizes: Any) -> list[int]:
+    def batch_get_parts(self, keys: Any, ptrs: Any, sizes: Any) -> list[int]:
         return self._get(self._client.batch_get_parts, keys, ptrs, sizes)
 
-    def _put(self, put: Any, keys: Sequence[StoreKey], ptrs: Any, sizes: Any) -> list[int]:
+    def _put(self, put: Any, keys: Any, ptrs: Any, sizes: Any) -> list[int]:
+        keys = _store_keys(keys)
         before = self._client.batch_is_exist(keys) if self.hold else []
         codes: list[int] = put(keys, ptrs, sizes)
         if self.hold:
@@ -72,7 +73,8 @@ class LaggingClient:
                     self.hidden[key.text] = key
         return codes
 
-    def _get(self, get: Any, keys: Sequence[StoreKey], ptrs: Any, sizes: Any) -> list[int]:
+    def _get(self, get: Any, keys: Any, ptrs: Any, sizes: Any) -> list[int]:
+        keys = _store_keys(keys)
         shown = [i for i, key in enumerate(keys) if key.text not in self.hidden]
         codes = [NOT_READY] * len(keys)
         if shown:
@@ -92,3 +94,10 @@ class LaggingClient:
         if lost:
             self._client.batch_remove(lost, force=True)
         return len(lost)
+
+
+def _store_keys(keys: Sequence[StoreKey] | RenderedKeys) -> list[StoreKey]:
+    """A batch's keys one by one (a rendered batch holds only their texts)."""
+    if isinstance(keys, RenderedKeys):
+        return [StoreKey(text) for text in keys.texts]
+    return list(keys)

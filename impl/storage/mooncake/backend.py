@@ -6,15 +6,13 @@ or ``page_major`` host pool they are runs of the host buffer, moved zero-copy (t
 registered once at :meth:`~MooncakeBackend.attach`); with ``page_first`` they pass through a
 registered staging buffer of ``staging_bytes``.
 
-Per batch, in Mooncake calls:
+Per batch (keys rendered as one :class:`RenderedKeys` batch), in Mooncake calls:
 
-- ``exists``: one ``batch_is_exist`` over every component key of the pages;
-- ``put``: ``batch_is_exist`` (what is there already), ``batch_put_from`` of the missing component
-  objects only, then ``batch_is_exist`` of the pages just written, because rc 0 does not mean readable:
-  a put that overlaps another writer's unfinished put of the same key returns 0 at once
-  (MOONCAKE.md §3.4). A page that cannot be confirmed is ``FAILED`` (retryable), never ``STORED``;
-- ``get``: one ``batch_get_into`` (per staging chunk); a page is ``LOADED`` only if every component
-  returned exactly its object size.
+- ``exists``: one ``batch_is_exist`` over every object key of the pages;
+- ``put``: one put of every object, then ``batch_is_exist`` of the pages just written (rc 0 does not
+  mean readable: a put overlapping another writer's unfinished put of the key returns 0 at once,
+  MOONCAKE.md §3.4); a page that cannot be confirmed is ``FAILED`` (retryable), never ``STORED``;
+- ``get``: one ``batch_get_into`` (per staging chunk); ``LOADED`` only if every object arrived whole.
 
 Replicated KV (MLA, ``Shard.replicated()``) is written by one rank: a backend built with
 ``writer=False`` answers ``SKIPPED`` for every page of a put without calling the store. Sharded KV is
@@ -51,8 +49,8 @@ from kvstrata.impl.storage.mooncake.client import ClientState, MooncakeClient
 from kvstrata.impl.storage.mooncake.codes import ErrorKind, classify, describe
 from kvstrata.impl.storage.mooncake.config import MooncakeConfig, to_bytes
 from kvstrata.impl.storage.mooncake.counters import ErrorCounters
-from kvstrata.impl.storage.mooncake.slabs import RPC_FAIL, SlabIO, slab_io
-from kvstrata.model.keys import KeySpace, KVKind, Namespace, PageHash, RenderedKeys, StoreKey
+from kvstrata.impl.storage.mooncake.slabs import RPC_FAIL, Keys, SlabIO, slab_io
+from kvstrata.model.keys import KeySpace, KVKind, Namespace, PageHash, RenderedKeys
 
 __all__ = ["MooncakeBackend"]
 
@@ -192,9 +190,9 @@ class MooncakeBackend:
         assert self._slabs is not None  # check_batch refuses an unattached backend
         return self._slabs
 
-    def _keys(self, namespace: Namespace, pages: Sequence[PageHash]) -> list[StoreKey]:
-        """Every object key of every page, page-major."""
-        return [k for page in pages for k in self.keyspace.page_keys(namespace, page, self.pool)]
+    def _keys(self, namespace: Namespace, pages: Sequence[PageHash]) -> RenderedKeys:
+        """Every object key of every page, page-major, rendered as one batch."""
+        return self.keyspace.rendered(namespace, pages, self.pool)
 
     def _count_errors(self, operation: str, codes: Sequence[int]) -> bool:
         """Count the negative ``codes`` by kind (and as ``io_errors``); whether there was any."""
@@ -212,7 +210,7 @@ class MooncakeBackend:
         self.errors.error(operation, kind, count, detail)
         self.counters.add(io_errors=count)
 
-    def _is_exist(self, keys: Sequence[StoreKey] | RenderedKeys) -> list[int]:
+    def _is_exist(self, keys: Keys) -> list[int]:
         """``batch_is_exist``; a client that is no longer usable answers -900 for every key."""
         try:
             return self.client.batch_is_exist(keys)
@@ -259,7 +257,7 @@ class MooncakeBackend:
         also against a dead master); an unreachable store counts as an outage and answers False."""
         self._checked("probe", namespace, [page], None)
         try:
-            code = self.client.is_exist(self._keys(namespace, [page])[0])
+            code = self.client.is_exist(self.keyspace.page_keys(namespace, page, self.pool)[0])
         except StoreUnavailable:
             code = RPC_FAIL
         if code < 0:
@@ -303,7 +301,7 @@ class MooncakeBackend:
             keys,
             width,
             lambda todo: slabs.put(
-                [keys[i] for i in todo], [(indices[i // width], i % width) for i in todo]
+                keys.select(todo), [(indices[i // width], i % width) for i in todo]
             ),
         )
         by_page = dict(zip(unique, settled, strict=True))
@@ -318,7 +316,7 @@ class MooncakeBackend:
 
     def put_objects(
         self,
-        keys: Sequence[StoreKey],
+        keys: Keys,
         width: int,
         write: Callable[[list[int]], list[int]],
     ) -> tuple[list[PutStatus], int]:
@@ -366,15 +364,13 @@ class MooncakeBackend:
         return [PutStatus.FAILED if s is None else s for s in status], written
 
     def _confirm(
-        self,
-        keys: Sequence[StoreKey],
-        width: int,
-        pages: Sequence[int],
-        status: list[PutStatus | None],
+        self, keys: Keys, width: int, pages: Sequence[int], status: list[PutStatus | None]
     ) -> bool:
         """Settle ``pages`` (each component just written or already present): STORED if every
         component is now visible, FAILED (counted NOT_VISIBLE) if not. Whether anything failed."""
-        codes = self._is_exist([keys[p * width + c] for p in pages for c in range(width)])
+        at = [p * width + c for p in pages for c in range(width)]
+        subset = keys.select(at) if isinstance(keys, RenderedKeys) else [keys[i] for i in at]
+        codes = self._is_exist(subset)
         failed = self._count_errors("put", codes)
         unseen = 0
         for n, page in enumerate(pages):

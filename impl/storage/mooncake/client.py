@@ -68,6 +68,7 @@ __all__ = [
 log = logging.getLogger("kvstrata.storage.mooncake")
 
 INTERNAL_ERROR: Final = -1
+Keys = Sequence[StoreKey] | RenderedKeys
 Parts = Sequence[Sequence[int]]
 """Per object, its registered ranges' pointers (or sizes), in order."""
 T = TypeVar("T")
@@ -348,7 +349,7 @@ class MooncakeClient:
         return self._call("is_exist", call)
 
     def batch_put_from(
-        self, keys: Sequence[StoreKey], ptrs: Sequence[int], sizes: Sequence[int]
+        self, keys: Sequence[StoreKey] | RenderedKeys, ptrs: Sequence[int], sizes: Sequence[int]
     ) -> list[int]:
         """Per key: 0 stored (or already existing: the first bytes stay), negative error."""
         texts = self._texts(keys, "batch_put_from")
@@ -365,7 +366,7 @@ class MooncakeClient:
         )
 
     def batch_get_into(
-        self, keys: Sequence[StoreKey], ptrs: Sequence[int], sizes: Sequence[int]
+        self, keys: Sequence[StoreKey] | RenderedKeys, ptrs: Sequence[int], sizes: Sequence[int]
     ) -> list[int]:
         """Per key: bytes read (``> 0``), or negative (-704 missing, -600 slot too small, ...)."""
         texts = self._texts(keys, "batch_get_into")
@@ -381,18 +382,18 @@ class MooncakeClient:
             lambda: self._check_ranges(ptr_list, size_list, "batch_get_into"),
         )
 
-    def batch_put_parts(self, keys: Sequence[StoreKey], ptrs: Parts, sizes: Parts) -> list[int]:
+    def batch_put_parts(self, keys: Keys, ptrs: Parts, sizes: Parts) -> list[int]:
         """:meth:`batch_put_from` of objects each made of several registered ranges, in order
         (object ``i`` is ``sizes[i][j]`` bytes at ``ptrs[i][j]`` for every ``j``): the native
         ``batch_put_from_multi_buffers``. Per key as :meth:`batch_put_from`."""
         return self._parts("batch_put_from_multi_buffers", keys, ptrs, sizes)
 
-    def batch_get_parts(self, keys: Sequence[StoreKey], ptrs: Parts, sizes: Parts) -> list[int]:
+    def batch_get_parts(self, keys: Keys, ptrs: Parts, sizes: Parts) -> list[int]:
         """:meth:`batch_get_into` scattering each object over several registered ranges, in order
         (the native ``batch_get_into_multi_buffers``). Per key: the bytes read in all, or negative."""
         return self._parts("batch_get_into_multi_buffers", keys, ptrs, sizes)
 
-    def _parts(self, what: str, keys: Sequence[StoreKey], ptrs: Parts, sizes: Parts) -> list[int]:
+    def _parts(self, what: str, keys: Keys, ptrs: Parts, sizes: Parts) -> list[int]:
         texts = self._texts(keys, what)
         ptr_lists, size_lists = [list(p) for p in ptrs], [list(s) for s in sizes]
         shapes = [len(p) for p in ptr_lists]

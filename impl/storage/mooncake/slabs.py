@@ -38,7 +38,10 @@ from kvstrata.impl.pools.host import HostKVPool
 from kvstrata.impl.pools.shape import HostLayout
 from kvstrata.impl.storage.base import PageObject
 from kvstrata.impl.storage.mooncake.client import MooncakeClient
-from kvstrata.model.keys import StoreKey
+from kvstrata.model.keys import RenderedKeys, StoreKey
+
+Keys = Sequence[StoreKey] | RenderedKeys
+"""A batch's keys: :class:`StoreKey` values or one rendered batch."""
 
 __all__ = ["RPC_FAIL", "DirectSlabs", "SlabIO", "StagedSlabs", "slab_io"]
 
@@ -55,10 +58,10 @@ class SlabIO(Protocol):
     size: int
     """Bytes of one object."""
 
-    def put(self, keys: Sequence[StoreKey], objects: Sequence[Obj]) -> list[int]:
+    def put(self, keys: Keys, objects: Sequence[Obj]) -> list[int]:
         """``batch_put_from`` of each object under its key; one code per object."""
 
-    def get(self, keys: Sequence[StoreKey], objects: Sequence[Obj], width: int) -> list[int]:
+    def get(self, keys: Keys, objects: Sequence[Obj], width: int) -> list[int]:
         """``batch_get_into`` of each object; ``objects`` are whole pages of ``width`` components
         each, page-major. One code per object."""
 
@@ -115,7 +118,7 @@ class DirectSlabs:
             sizes.append([size for _, size in runs])
         return ptrs, sizes
 
-    def _move(self, keys: Sequence[StoreKey], objects: Sequence[Obj], put: bool) -> list[int]:
+    def _move(self, keys: Keys, objects: Sequence[Obj], put: bool) -> list[int]:
         try:
             if self.single:
                 at = [self.base + index * self.page_stride for index, _ in objects]
@@ -128,10 +131,10 @@ class DirectSlabs:
         except StoreUnavailable:
             return [RPC_FAIL] * len(objects)
 
-    def put(self, keys: Sequence[StoreKey], objects: Sequence[Obj]) -> list[int]:
+    def put(self, keys: Keys, objects: Sequence[Obj]) -> list[int]:
         return self._move(keys, objects, put=True)
 
-    def get(self, keys: Sequence[StoreKey], objects: Sequence[Obj], width: int) -> list[int]:
+    def get(self, keys: Keys, objects: Sequence[Obj], width: int) -> list[int]:
         return self._move(keys, objects, put=False)
 
     def release(self) -> None:
@@ -187,7 +190,7 @@ class StagedSlabs:
             first += len(positions)
         return ptrs, runs
 
-    def put(self, keys: Sequence[StoreKey], objects: Sequence[Obj]) -> list[int]:
+    def put(self, keys: Keys, objects: Sequence[Obj]) -> list[int]:
         codes: list[int] = []
         for start in range(0, len(objects), self.capacity):
             chunk = objects[start : start + self.capacity]
@@ -205,7 +208,7 @@ class StagedSlabs:
                 break
         return codes
 
-    def get(self, keys: Sequence[StoreKey], objects: Sequence[Obj], width: int) -> list[int]:
+    def get(self, keys: Keys, objects: Sequence[Obj], width: int) -> list[int]:
         codes: list[int] = []
         step = self.capacity // width * width  # whole pages per chunk
         for start in range(0, len(objects), step):

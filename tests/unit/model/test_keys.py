@@ -30,6 +30,7 @@ from kvstrata.model.keys import (
     ModelIdentity,
     Namespace,
     PageHash,
+    RenderedKeys,
     Shard,
     StoreKey,
     chain_page_hashes,
@@ -839,6 +840,15 @@ def test_a_rendered_batch_is_the_page_keys_of_every_page(  # noqa: PLR0917
     want = [key.text for page in pages for key in space.page_keys(namespace, page, pool)]
     assert space.rendered(namespace, pages, pool).texts == want
     assert len(space.rendered(namespace, pages, pool)) == len(want)
+
+
+def test_a_rendered_batch_slices_and_selects_into_rendered_batches() -> None:
+    space = KeySpace(MHA)
+    batch = space.rendered(DEFAULT_NAMESPACE, [H0, PageHash(bytes(range(32)))])
+    assert batch[1:3].texts == batch.texts[1:3] and isinstance(batch[1:3], RenderedKeys)
+    assert batch.select([3, 0]).texts == [batch.texts[3], batch.texts[0]]
+    with pytest.raises(MisuseError, match="takes a slice"):
+        batch[0]  # type: ignore[call-overload]
 
 
 def test_a_rendered_batch_takes_page_hashes_only() -> None:
