@@ -250,7 +250,15 @@ class MooncakeClient:
 
     def _check_ranges(self, ptrs: Sequence[int], sizes: Sequence[int], what: str) -> None:
         """:class:`MisuseError` unless every ``[ptr, ptr + size)`` lies in one registered buffer
-        (called through the gate: registrations change only while no data call runs)."""
+        (called through the gate: registrations change only while no data call runs). Fast path:
+        plain positive ints spanning ``[lowest, highest end)`` inside one buffer (buffers never
+        overlap, so every range lies in it); anything else is checked range by range."""
+        if ptrs and len(ptrs) == len(sizes) and all(type(v) is int for v in (*ptrs, *sizes)):
+            low, high = min(ptrs), max(map(sum, zip(ptrs, sizes, strict=True)))
+            slot = bisect.bisect_right(self._starts, low) - 1
+            end = self._starts[slot] + self._sizes[self._starts[slot]] if slot >= 0 else 0
+            if min(low, *sizes) >= 1 and high <= end:
+                return
         for ptr, size in zip(ptrs, sizes, strict=True):
             _check_int(ptr, f"{what}: pointer", 1)
             _check_int(size, f"{what}: size", 1)

@@ -333,6 +333,30 @@ def test_an_object_of_several_ranges_round_trips(mooncake_store: MooncakeClient)
         client.unregister_buffer(base)
 
 
+def test_ranges_in_two_registered_buffers_pass_and_a_straddling_one_does_not(
+    mooncake_store: MooncakeClient,
+) -> None:
+    """The range check's fast path (one span inside one buffer) never accepts what the range by
+    range check refuses: ranges in two buffers pass, a range across a buffer's end does not."""
+    client = mooncake_store
+    first, second = torch.zeros(8192, dtype=torch.uint8), torch.zeros(8192, dtype=torch.uint8)
+    a, b = first.data_ptr(), second.data_ptr()
+    client.register_buffer(a, 8192)
+    client.register_buffer(b, 8192)
+    try:
+        keys = [_key("ra"), _key("rb")]
+        assert client.batch_put_from(keys, [a, b + 4096], [4096, 4096]) == [0, 0]
+        with pytest.raises(MisuseError, match="not inside a buffer registered"):
+            client.batch_put_from([_key("rc")], [a + 4096], [8192])  # runs past the first's end
+        with pytest.raises(MisuseError, match="pointer"):
+            client.batch_put_from([_key("rc")], [True], [1])  # type: ignore[list-item]
+        assert client.batch_is_exist([_key("rc")]) == [0]
+        assert client.batch_remove(keys, force=True) == [0, 0]
+    finally:
+        client.unregister_buffer(a)
+        client.unregister_buffer(b)
+
+
 def test_client_checks_arguments_before_any_native_call(mooncake_store: MooncakeClient) -> None:
     client = mooncake_store
     buffer = torch.zeros(8192, dtype=torch.uint8)
