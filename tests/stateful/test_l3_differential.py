@@ -426,8 +426,8 @@ class L3Differential(DifferentialMachine):
     @precondition(lambda self: self.ready and self.seen)
     @rule(data=st.data())
     def peer_reads_back(self, data: st.DataObject) -> None:
-        """Another instance, with a host layout of its own, reads pages the store holds whole: a
-        page it gets is bit for bit the page's KV (an object's bytes are fixed by its key, whatever
+        """Other instances, one per page-first host layout, read pages the store holds whole: a
+        page one gets is bit for bit the page's KV (an object's bytes are fixed by its key, whatever
         layout wrote it; issue 20's one object per page moves K and V in one object)."""
         ns, tokens = data.draw(st.sampled_from(sorted(self.seen, key=repr)), label="sequence")
         whole = [
@@ -437,26 +437,23 @@ class L3Differential(DifferentialMachine):
         ]
         if not whole:
             return
-        layout = data.draw(
-            st.sampled_from(
-                [HostLayout.PAGE_FIRST, HostLayout.PAGE_FIRST_DIRECT, HostLayout.PAGE_MAJOR]
-            ),
-            label="peer layout",
+        for layout in (HostLayout.PAGE_FIRST, HostLayout.PAGE_FIRST_DIRECT, HostLayout.PAGE_MAJOR):
+            scratch = HostKVPool(self.shape, len(whole), layout)
+            peer = self.peer()
+            peer.attach(scratch)
+            try:
+                statuses = peer.get(ns, whole, list(range(len(whole))))
+            finally:
+                peer.close()
+            for slot, (page, status) in enumerate(zip(whole, statuses, strict=True)):
+                if status is GetStatus.LOADED:
+                    got = scratch.read_pages([slot]).view(torch.uint8)
+                    assert torch.equal(got, kv_for(self.shape, page).view(torch.uint8)), (
+                        f"a peer ({layout.value}) read other bytes for {page!r}"
+                    )
+        event(
+            f"peers in every page-first layout read back whole pages (schema {self.keyspace.schema})"
         )
-        scratch = HostKVPool(self.shape, len(whole), layout)
-        peer = self.peer()
-        peer.attach(scratch)
-        try:
-            statuses = peer.get(ns, whole, list(range(len(whole))))
-        finally:
-            peer.close()
-        for slot, (page, status) in enumerate(zip(whole, statuses, strict=True)):
-            if status is GetStatus.LOADED:
-                got = scratch.read_pages([slot]).view(torch.uint8)
-                assert torch.equal(got, kv_for(self.shape, page).view(torch.uint8)), (
-                    f"a peer ({layout.value}) read other bytes for {page!r}"
-                )
-        event(f"a peer read back whole pages ({layout.value}, schema {self.keyspace.schema})")
 
     @precondition(lambda self: self.ready and self.lists_keys and self.seen)
     @rule(data=st.data())
