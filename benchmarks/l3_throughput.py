@@ -512,7 +512,7 @@ class CachePath:
     def __init__(
         self, client: MooncakeClient, cell: Cell, host_a: HostKVPool, backend_a: MooncakeBackend
     ) -> None:
-        shape = shape_of(cell)
+        shape, schema = shape_of(cell), backend_a.keyspace.schema
         self.cell = cell
         self.device = DeviceKVPool(shape, cell.pages, "cpu")
         fill(self.device, 7 << 40)
@@ -526,13 +526,14 @@ class CachePath:
                 prefetch_threshold=cell.tokens, backup_batch_pages=cell.batch
             ),
         )
-        self.host_b = HostKVPool(shape, cell.pages, HostLayout.PAGE_FIRST_DIRECT, pin_memory=False)
+        layout = HostLayout.PAGE_MAJOR if schema == 2 else HostLayout.PAGE_FIRST_DIRECT
+        self.host_b = HostKVPool(shape, cell.pages, layout, pin_memory=False)
         fill(self.host_b, 9 << 40)
         self.b = HierarchicalRadixCache.build(
             config,
             DeviceKVPool(shape, 1, "cpu"),
             self.host_b,
-            storage=MooncakeBackend(client, keyspace_of(cell)),
+            storage=MooncakeBackend(client, keyspace_of(cell, schema)),
             storage_config=StorageConfig(
                 prefetch_threshold=cell.tokens,
                 prefetch_policy="wait_complete",
@@ -594,7 +595,13 @@ class CachePath:
 
 # ---------------------------------------------------------------------------------------------- cells
 def run_cell(
-    cell: Cell, client: MooncakeClient, raw: RawStore, repeats: int, with_cache: bool
+    cell: Cell,
+    client: MooncakeClient,
+    raw: RawStore,
+    repeats: int,
+    with_cache: bool,
+    *,
+    cache_schema: int = 1,
 ) -> dict[str, Any]:
     """Every row of one cell (see the module docstring)."""
     started = time.perf_counter()
@@ -644,15 +651,17 @@ def run_cell(
                 for name, (put_s, get_s) in times.items():
                     samples[name].put.append(put_s)
                     samples[name].get.append(get_s)
+            cached = "direct_one_object" if cache_schema == 2 else "direct"
             for name in ("prefix", "staged", "exists_first", *ONE_OBJECT):
-                backends[name].close()
+                if name != cached:
+                    backends[name].close()
             if with_cache:
                 retries = run_cache(
                     cell,
                     client=client,
                     raw_path=raw_path,
-                    direct=direct,
-                    backend=backends["direct"],
+                    direct=major if cache_schema == 2 else direct,
+                    backend=backends[cached],
                     repeats=repeats,
                     samples=samples,
                 )
@@ -864,6 +873,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--segment-mib", type=int, default=None, help="storage node segment")
     parser.add_argument("--threads", type=int, default=1, help="torch.set_num_threads")
     parser.add_argument("--skip-cache", action="store_true", help="no cache backup/prefetch rows")
+    parser.add_argument(
+        "--cache-schema",
+        type=int,
+        choices=(1, 2),
+        default=1,
+        help="the cache rows' key schema: 1 (page_first_direct pools) or 2 (page_major pools)",
+    )
     parser.add_argument("--skip-exists", action="store_true", help="no exists latency table")
     parser.add_argument("--json", type=Path, default=None, help="write every number here")
     args = parser.parse_args(argv)
@@ -912,6 +928,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "quick": args.quick,
             "segment_bytes": args.segment_mib * MIB,
             "threads": args.threads,
+            "cache_schema": args.cache_schema,
             "cpus": os.cpu_count(),
             "python": platform.python_version(),
             "torch": torch.__version__,
@@ -928,7 +945,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 file=sys.stderr,
                 flush=True,
             )
-            result["cells"].append(run_cell(cell, client, raw, args.repeats, not args.skip_cache))
+            result["cells"].append(
+                run_cell(
+                    cell,
+                    client,
+                    raw,
+                    args.repeats,
+                    not args.skip_cache,
+                    cache_schema=args.cache_schema,
+                )
+            )
             gc.collect()
         if not args.skip_exists:
             print("exists latency ...", file=sys.stderr, flush=True)
