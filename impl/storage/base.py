@@ -163,11 +163,6 @@ class PageObject:
     component: str
     planes: range
 
-    @property
-    def plane(self) -> int:
-        """The first plane the object holds."""
-        return self.planes.start
-
 
 def page_objects(keyspace: KeySpace) -> tuple[PageObject, ...]:
     """The store objects of one KV page, in key order (:attr:`KeySpace.components`): plane ``i`` of

@@ -45,11 +45,11 @@ from kvstrata.impl.storage.base import (
     page_objects,
 )
 from kvstrata.impl.storage.counters import BackendCounters
-from kvstrata.impl.storage.mooncake.client import ClientState, MooncakeClient
+from kvstrata.impl.storage.mooncake.client import ClientState, Keys, MooncakeClient
 from kvstrata.impl.storage.mooncake.codes import ErrorKind, classify, describe
 from kvstrata.impl.storage.mooncake.config import MooncakeConfig, to_bytes
 from kvstrata.impl.storage.mooncake.counters import ErrorCounters
-from kvstrata.impl.storage.mooncake.slabs import RPC_FAIL, Keys, SlabIO, slab_io
+from kvstrata.impl.storage.mooncake.slabs import RPC_FAIL, SlabIO, slab_io
 from kvstrata.model.keys import KeySpace, KVKind, Namespace, PageHash, RenderedKeys
 
 __all__ = ["MooncakeBackend"]
@@ -242,7 +242,7 @@ class MooncakeBackend:
         self._checked("exists", namespace, pages, None)
         if not pages:
             return 0
-        codes = self._is_exist(self.keyspace.rendered(namespace, pages, self.pool))
+        codes = self._is_exist(self._keys(namespace, pages))
         if min(codes) >= 0:  # one pass in C on the common path
             self.errors.success("exists")
         else:

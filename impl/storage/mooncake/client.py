@@ -69,6 +69,7 @@ log = logging.getLogger("kvstrata.storage.mooncake")
 
 INTERNAL_ERROR: Final = -1
 Keys = Sequence[StoreKey] | RenderedKeys
+"""A batch's keys: :class:`StoreKey` values or one rendered batch (:meth:`KeySpace.rendered`)."""
 Parts = Sequence[Sequence[int]]
 """Per object, its registered ranges' pointers (or sizes), in order."""
 T = TypeVar("T")

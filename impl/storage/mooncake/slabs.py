@@ -37,11 +37,7 @@ from kvstrata.impl.errors import ConfigError, StoreUnavailable
 from kvstrata.impl.pools.host import HostKVPool
 from kvstrata.impl.pools.shape import HostLayout
 from kvstrata.impl.storage.base import PageObject
-from kvstrata.impl.storage.mooncake.client import MooncakeClient
-from kvstrata.model.keys import RenderedKeys, StoreKey
-
-Keys = Sequence[StoreKey] | RenderedKeys
-"""A batch's keys: :class:`StoreKey` values or one rendered batch."""
+from kvstrata.impl.storage.mooncake.client import Keys, MooncakeClient
 
 __all__ = ["RPC_FAIL", "DirectSlabs", "SlabIO", "StagedSlabs", "slab_io"]
 
