@@ -75,6 +75,7 @@ SHAPES = {"image": (576, 1024), "small": (64, 1024)}
 ITEMS = {"image": 96, "small": 384}
 BATCHES = (1, 8, 32)
 WAIT_S = 120.0
+NAMES = ("raw_put", "insert", "in_place", "raw_get", "prefetch", "borrow")
 
 
 @dataclass(frozen=True)
@@ -125,17 +126,22 @@ class Sides:
         self.sizes = [size] * cell.batch
         shape = PoolShape(cell.batch, cell.tokens, cell.dim, DTYPE)  # one unit per embedding
         keyspace = keyspace_of(cell)
-        self.a = EmbeddingCache(EmbeddingPool(shape), MooncakeEmbeddingStore(client), keyspace)
-        self.b = EmbeddingCache(EmbeddingPool(shape), MooncakeEmbeddingStore(client), keyspace)
+        self.a, self.b, self.a2, self.b2 = (
+            EmbeddingCache(EmbeddingPool(shape), MooncakeEmbeddingStore(client), keyspace)
+            for _ in range(4)
+        )
         self.raw_keys: list[list[str]] = []
         self.media: list[list[PageHash]] = []
+        self.media2: list[list[PageHash]] = []
         self.requests = 0
+        self.verify = False
 
     def begin(self, label: str) -> None:
         """Fresh keys for one repetition (the raw ones have the cache's key form)."""
         cell = self.cell
         raw_media = l3.fresh_pages(f"{label}/raw", cell.calls * cell.batch)
         media = l3.fresh_pages(f"{label}/emb", cell.calls * cell.batch)
+        media2 = l3.fresh_pages(f"{label}/emb-in-place", cell.calls * cell.batch)
         self.raw_keys = [
             [
                 self.a.object_keys(m, cell.tokens)[0].text
@@ -144,6 +150,7 @@ class Sides:
             for c in range(cell.calls)
         ]
         self.media = [list(chunk) for chunk in l3.batches(media, cell.batch)]
+        self.media2 = [list(chunk) for chunk in l3.batches(media2, cell.batch)]
 
     # ------------------------------------------------------------------------------ the four calls
     def raw_put(self, call: int) -> None:
@@ -164,22 +171,63 @@ class Sides:
         if result.stored != self.cell.batch or self.a.counters.pushed - before != self.cell.batch:
             raise l3.BenchError(f"insert_batch: {result}, counters {self.a.counters}")
 
-    def prefetch(self, call: int) -> list[torch.Tensor | None]:
+    def in_place(self, call: int) -> float:
+        """reserve, the encoder's output written into the views (untimed: the seconds returned,
+        as the raw put's buffer is filled before its clock starts), commit, flush."""
+        tokens = [self.cell.tokens] * self.cell.batch
+        before = self.a2.counters.pushed
+        reservation = self.a2.reserve(self.media2[call], tokens)
+        start = time.perf_counter()
+        for media, tensor in zip(self.media2[call], self.tensors, strict=True):
+            view = reservation.views[media]
+            if view is None:
+                raise l3.BenchError("reserve: an entry of the bench pool is not one view")
+            view.copy_(tensor)
+        untimed = time.perf_counter() - start
+        result = self.a2.commit(reservation)
+        if not self.a2.flush(WAIT_S):
+            raise l3.BenchError("commit: the batch put did not complete")
+        if result.stored != self.cell.batch or self.a2.counters.pushed - before != self.cell.batch:
+            raise l3.BenchError(f"commit: {result}, counters {self.a2.counters}")
+        return untimed
+
+    def _fetch(self, cache: EmbeddingCache, media: list[PageHash]) -> str:
         request = f"r{self.requests}"
         self.requests += 1
         tokens = [self.cell.tokens] * self.cell.batch
-        result = self.b.prefetch(request, self.media[call], tokens)
-        if not self.b.wait(request, WAIT_S):
+        result = cache.prefetch(request, media, tokens, probe=False)
+        if not cache.wait(request, WAIT_S):
             raise l3.BenchError("prefetch: the batch get did not complete")
+        if result.loading != self.cell.batch:
+            raise l3.BenchError(f"prefetch: {result}, counters {cache.counters}")
+        return request
+
+    def prefetch(self, call: int) -> None:
+        """prefetch (no probe) + wait + get (a copy of each tensor out of the pool)."""
+        request = self._fetch(self.b, self.media[call])
         got = list(self.b.get(self.media[call]))
         self.b.release(request)
-        if result.loading != self.cell.batch or any(tensor is None for tensor in got):
-            raise l3.BenchError(f"prefetch: {result}, counters {self.b.counters}")
-        return got
+        self._check("prefetch", got)
+
+    def borrow(self, call: int) -> None:
+        """prefetch (no probe) + wait + borrow (the tensors read in place) + give back."""
+        request = self._fetch(self.b2, self.media2[call])
+        with self.b2.borrow(self.media2[call]) as loan:
+            self._check("borrow", list(loan.tensors))
+        self.b2.release(request)
+
+    def _check(self, what: str, got: list[torch.Tensor | None]) -> None:
+        if any(tensor is None for tensor in got):
+            raise l3.BenchError(f"{what}: a miss after the get completed")
+        if self.verify:
+            for tensor, want in zip(got, self.tensors, strict=True):
+                assert tensor is not None
+                if not torch.equal(tensor.view(torch.int16), want.view(torch.int16)):
+                    raise l3.BenchError(f"{what}: node B got other bytes than A inserted")
 
     def close(self) -> None:
-        self.a.close()
-        self.b.close()
+        for cache in (self.a, self.b, self.a2, self.b2):
+            cache.close()
         for buffer in (self.src, self.dst):
             self.raw.unregister(buffer.data_ptr())
 
@@ -188,18 +236,15 @@ def repetition(sides: Sides, client: MooncakeClient, label: str, verify: bool) -
     """One repetition: every put (raw and insert_batch interleaved), then every get."""
     l3.clear(client, sides.raw)
     sides.begin(label)
-    seconds = {"raw_put": 0.0, "insert": 0.0, "raw_get": 0.0, "prefetch": 0.0}
-    for phase in (("raw_put", "insert"), ("raw_get", "prefetch")):
+    sides.verify = verify
+    seconds = dict.fromkeys(NAMES, 0.0)
+    for phase in (("raw_put", "insert", "in_place"), ("raw_get", "prefetch", "borrow")):
         for call in range(sides.cell.calls):
-            order = phase if call % 2 == 0 else phase[::-1]
-            for name in order:
+            turn = call % len(phase)
+            for name in phase[turn:] + phase[:turn]:  # each goes first in turn
                 start = time.perf_counter()
-                got = getattr(sides, name)(call)
-                seconds[name] += time.perf_counter() - start
-                if verify and name == "prefetch":
-                    for tensor, want in zip(got, sides.tensors, strict=True):
-                        if not torch.equal(tensor.view(torch.int16), want.view(torch.int16)):
-                            raise l3.BenchError("prefetch: node B got other bytes than A inserted")
+                untimed = getattr(sides, name)(call)
+                seconds[name] += time.perf_counter() - start - (untimed or 0.0)
             if verify and phase[0] == "raw_get":
                 if not torch.equal(sides.dst.view(torch.int16), sides.src.view(torch.int16)):
                     raise l3.BenchError("raw batch_get_into: other bytes than were put")
@@ -209,14 +254,14 @@ def repetition(sides: Sides, client: MooncakeClient, label: str, verify: bool) -
 
 def run_cell(cell: Cell, client: MooncakeClient, raw: l3.RawStore, repeats: int) -> dict[str, Any]:
     sides = Sides(cell, client, raw)
-    samples: dict[str, list[float]] = {"raw_put": [], "insert": [], "raw_get": [], "prefetch": []}
+    samples: dict[str, list[float]] = {name: [] for name in NAMES}
     try:
         repetition(sides, client, f"{cell.shape}/{cell.batch}/warm", verify=True)
         for rep in range(repeats):
             seconds = repetition(sides, client, f"{cell.shape}/{cell.batch}/{rep}", verify=False)
             for name, value in seconds.items():
                 samples[name].append(value)
-        failed = sides.a.counters.failed + sides.b.counters.failed
+        failed = sum(c.counters.failed for c in (sides.a, sides.b, sides.a2, sides.b2))
     finally:
         sides.close()
         l3.clear(client, raw)
@@ -242,9 +287,13 @@ def run_cell(cell: Cell, client: MooncakeClient, raw: l3.RawStore, repeats: int)
         "raw_put_mbps": mbps("raw_put"),
         "insert_mbps": mbps("insert"),
         "insert_ratio": ratio("raw_put", "insert"),
+        "in_place_mbps": mbps("in_place"),
+        "in_place_ratio": ratio("raw_put", "in_place"),
         "raw_get_mbps": mbps("raw_get"),
         "prefetch_mbps": mbps("prefetch"),
         "prefetch_ratio": ratio("raw_get", "prefetch"),
+        "borrow_mbps": mbps("borrow"),
+        "borrow_ratio": ratio("raw_get", "borrow"),
         "samples": samples,
     }
 
@@ -328,8 +377,8 @@ def print_table(result: dict[str, Any]) -> None:
     )
     print()
     print(
-        "| embedding | batch x calls | raw put MB/s | insert_batch MB/s | ÷ raw "
-        "| raw get MB/s | prefetch+wait+get MB/s | ÷ raw |"
+        "| embedding | batch x calls | raw put MB/s | insert_batch ÷ raw | reserve+commit ÷ raw "
+        "| raw get MB/s | prefetch+get ÷ raw | prefetch+borrow ÷ raw |"
     )
     print("|---|---|---:|---:|---:|---:|---:|---:|")
     for cell in result["cells"]:
@@ -337,9 +386,9 @@ def print_table(result: dict[str, Any]) -> None:
         label = f"{cell['shape']} {cell['tokens']}x{cell['dim']} ({size / MIB:.3g} MiB)"
         print(
             f"| {label} | {cell['batch']} x {cell['calls']} | {cell['raw_put_mbps']:.0f} "
-            f"| {cell['insert_mbps']:.0f} | {cell['insert_ratio']:.2f} "
-            f"| {cell['raw_get_mbps']:.0f} | {cell['prefetch_mbps']:.0f} "
-            f"| {cell['prefetch_ratio']:.2f} |"
+            f"| {cell['insert_ratio']:.2f} | {cell['in_place_ratio']:.2f} "
+            f"| {cell['raw_get_mbps']:.0f} | {cell['prefetch_ratio']:.2f} "
+            f"| {cell['borrow_ratio']:.2f} |"
         )
 
 

@@ -38,7 +38,7 @@ def _check_digest(_instance: object, _attribute: object, value: bytes) -> None:
         raise MisuseError(f"a page hash is 32 bytes of SHA-256, got {value!r}")
 
 
-@attrs.frozen(repr=False)
+@attrs.frozen(repr=False, cache_hash=True)
 class PageHash:
     """The SHA-256 digest naming one page *and* its whole prefix (or, for embeddings, one media item)."""
 

@@ -5,7 +5,8 @@ does.
 
 :class:`EmbeddingCache` (``cache.py``, the facade) is composed of pieces that own their state,
 named as the model's: ``entries.py`` (the entry table: the only module that advances the entry
-lifecycle) and ``ops.py`` (the puts and gets in flight, their executor and results)."""
+lifecycle), ``ops.py`` (the puts and gets in flight, their executor and results) and ``holds.py``
+(the caller's reservations and loans: inserts and reads in place, without a copy)."""
 
 from kvstrata.impl.embedding.cache import (
     EmbeddingCache,
@@ -13,6 +14,7 @@ from kvstrata.impl.embedding.cache import (
     InsertResult,
     PrefetchResult,
 )
+from kvstrata.impl.embedding.holds import Loan, Reservation
 from kvstrata.impl.embedding.pool import EmbeddingPool, PoolShape
 from kvstrata.impl.embedding.store import (
     EmbeddingStore,
@@ -30,8 +32,10 @@ __all__ = [
     "Extent",
     "ExtentStatus",
     "InsertResult",
+    "Loan",
     "MemoryEmbeddingStore",
     "MooncakeEmbeddingStore",
     "PoolShape",
     "PrefetchResult",
+    "Reservation",
 ]

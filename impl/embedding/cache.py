@@ -38,8 +38,9 @@ Upheld here (the facade; checked by the differential machine against the model):
 
 Deviation from the bare issue API, forced by the model: ``prefetch`` and ``exists`` take each
 item's token count (the model's prefetch takes sizes: a reader must know how much room to
-allocate), and ``insert_batch`` / ``prefetch`` ask the store which keys exist (one batch
-``exists`` on the caller's thread) so that an entry the store already holds is not pinned.
+allocate). Store round trips on the caller's thread: ``insert_batch`` asks ``exists`` only for
+its local hits (a hit the store holds is not pinned; new entries are pushed unasked, the store
+skips what it holds), ``prefetch`` asks for what is not local unless ``probe=False``.
 """
 
 from __future__ import annotations
@@ -49,18 +50,28 @@ from collections.abc import Iterable
 import attrs
 import torch
 
+from kvstrata.impl.embedding.checks import check_hashes, check_insert, check_sizes
 from kvstrata.impl.embedding.entries import Entries, Entry
+from kvstrata.impl.embedding.holds import Holds, Loan, Reservation, Reserved
 from kvstrata.impl.embedding.ops import Item, Ops
 from kvstrata.impl.embedding.pool import EmbeddingPool
 from kvstrata.impl.embedding.store import EmbeddingStore
-from kvstrata.impl.errors import CapacityError, MisuseError
+from kvstrata.impl.errors import MisuseError
 from kvstrata.impl.guard import Guard, guarded
 from kvstrata.impl.transfer import Executor, ThreadExecutor
 from kvstrata.model.embedding.entries import PUSHABLE, READABLE
 from kvstrata.model.keys import DEFAULT_NAMESPACE, KeySpace, KVKind, Namespace, PageHash, StoreKey
 from kvstrata.model.lifecycles import EntryEvent
 
-__all__ = ["EmbeddingCache", "EmbeddingCounters", "Entry", "InsertResult", "PrefetchResult"]
+__all__ = [
+    "EmbeddingCache",
+    "EmbeddingCounters",
+    "Entry",
+    "InsertResult",
+    "Loan",
+    "PrefetchResult",
+    "Reservation",
+]
 
 
 @attrs.frozen
@@ -105,7 +116,22 @@ class EmbeddingCounters:
     evicted: int = 0
 
 
-@guarded("insert_batch", "prefetch", "release", "get", "evict", "flush", "poll", "is_ready", "wait")
+@guarded(
+    "insert_batch",
+    "reserve",
+    "commit",
+    "abort",
+    "borrow",
+    "give_back",
+    "prefetch",
+    "release",
+    "get",
+    "evict",
+    "flush",
+    "poll",
+    "is_ready",
+    "wait",
+)
 class EmbeddingCache:
     """One node's embedding cache. See the module docstring for the rules. Its verbs run only on
     the owner thread and only while open (:mod:`kvstrata.impl.guard`)."""
@@ -134,9 +160,11 @@ class EmbeddingCache:
         self.executor: Executor = (
             executor if executor is not None else ThreadExecutor("kvstrata-embedding")
         )
-        self._counted = EmbeddingCounters()  # what the facade counts; results are counted by ops
+        # what the facade counts (results are counted by ops): plain ints, a hot path
+        self._counted = dict.fromkeys(("new", "re_pushed", "skipped_no_space", "evicted"), 0)
         self._entries = Entries(pool)
         self._ops = Ops(self._entries, store, keyspace, namespace, self.executor)
+        self._holds = Holds(self._entries)
         self.store.register(pool.ptr, pool.nbytes)
         self._guard = Guard("EmbeddingCache")
 
@@ -146,8 +174,8 @@ class EmbeddingCache:
     def counters(self) -> EmbeddingCounters:
         """Counters since construction (see :class:`EmbeddingCounters`)."""
         ops = self._ops
-        return attrs.evolve(
-            self._counted,
+        return EmbeddingCounters(
+            **self._counted,
             failed=ops.failed,
             store_full=ops.store_full,
             pushed=ops.pushed,
@@ -167,13 +195,17 @@ class EmbeddingCache:
     def pending_ops(self) -> tuple[int, ...]:
         return self._ops.handles()
 
+    def open_holds(self) -> tuple[int, ...]:
+        """The open reservations and loans, by hold number."""
+        return self._holds.handles()
+
     def object_keys(self, media: PageHash, tokens: int) -> tuple[StoreKey, ...]:
         """The store keys of the embedding of ``media`` with ``tokens`` rows, unit by unit."""
         return self._ops.object_keys(media, tokens)
 
     def exists(self, hashes: Iterable[PageHash], tokens: Iterable[int]) -> tuple[bool, ...]:
         """Whether each embedding is visible, every unit of it, in the (shared) store."""
-        batch = self._check_sizes(hashes, tokens, merge=False)
+        batch = check_sizes(self._entries, hashes, tokens, merge=False)
         return tuple(self._ops.visible(batch))
 
     def is_ready(self, request_id: str) -> bool:
@@ -191,54 +223,72 @@ class EmbeddingCache:
     def insert_batch(
         self, hashes: Iterable[PageHash], tensors: Iterable[torch.Tensor]
     ) -> InsertResult:
-        """Insert freshly computed embeddings; push every READY one the store lacks (local hits
-        included) in one batch put."""
+        """Insert freshly computed embeddings (one copy each into the pool) and push every READY
+        one in one batch put: :meth:`reserve`, the copies, :meth:`commit`."""
         self.poll()
-        batch, first = self._check_insert(hashes, tensors)
-        protect = frozenset(media for media, _tokens in batch)
-        hits = {media: self._entries[media] for media, _tokens in batch if media in self._entries}
-        misses = [(media, tokens) for media, tokens in batch if media not in hits]
-        victims, fits, no_space = self._entries.plan_room(misses, protect)
-        ready = [(m, t) for m, t in batch if m in hits and hits[m].state in PUSHABLE]
-        seen = self._ops.visible(ready + fits)
-        visible = dict(zip([m for m, _ in ready + fits], seen, strict=True))
-        # Nothing has changed so far; every step below is legal by construction.
-        self._evict(victims)
-        fresh = {media: self._entries.fill(media, first[media]) for media, _tokens in fits}
-        items: list[Item] = []
-        re_pushed = skipped = busy = 0
-        for media, _tokens in batch:
-            entry = fresh.get(media) or hits.get(media)
-            if entry is None:
-                continue
-            if entry.state not in PUSHABLE:
-                busy += 1
-                continue
-            re_pushed += media in hits
-            entry = self._entries.stamp(entry)
-            if visible[media]:
-                skipped += 1
-            else:
-                entry = self._entries.step(entry, EntryEvent.PUSH)
-                items.append(self._ops.item(entry))
-            self._entries.put(entry)
-        op = self._ops.submit(True, items)
-        self._count(new=len(fresh), re_pushed=re_pushed, skipped_no_space=no_space)
-        return InsertResult(op, len(fresh), re_pushed, len(items), skipped, busy, no_space)
+        batch, first = check_insert(self._entries, hashes, tensors)
+        reservation = self._reserve(batch)
+        for media in reservation.new:
+            self.pool.write(self._entries[media].units, first[media])
+        return self._commit(reservation)
+
+    def reserve(self, hashes: Iterable[PageHash], tokens: Iterable[int]) -> Reservation:
+        """The first half of an insert without a copy: FILLING entries for the new items that fit
+        (LRU READY entries outside the batch evicted if needed), to be written in place (see
+        :class:`Reservation`), then :meth:`commit` or :meth:`abort`."""
+        self.poll()
+        return self._reserve(check_sizes(self._entries, hashes, tokens, merge=True))
+
+    def commit(self, reservation: Reservation) -> InsertResult:
+        """The second half of an insert: the reservation's entries are READY, and every READY
+        entry of its batch the store may lack goes to one batch put (see the module docstring)."""
+        self.poll()
+        return self._commit(reservation)
+
+    def abort(self, reservation: Reservation) -> int:
+        """Give up a reservation: its FILLING entries are freed and forgotten; how many."""
+        reserved = self._holds.close_reservation(reservation)
+        for media, _generation in reserved.fresh:
+            self._entries.forget(self._entries[media], EntryEvent.FILL_FAILED)
+        return len(reserved.fresh)
+
+    def borrow(self, hashes: Iterable[PageHash]) -> Loan:
+        """:meth:`get` without a copy: each READY entry's bytes in place in the pool (touched for
+        LRU), kept from eviction until :meth:`give_back` or the end of ``with loan:``; ``None``
+        for anything else."""
+        self.poll()
+        asked = check_hashes(hashes)
+        lent = [m for m in dict.fromkeys(asked) if self._readable(m)]
+        views = {m: self._entries.view(self._entries[m]) for m in lent}
+        for media in lent:
+            self._entries.touch(media)
+        return Loan(self._holds.lend(lent), tuple(views.get(m) for m in asked), self.give_back)
+
+    def give_back(self, loan: Loan) -> int:
+        """Close a loan (its views must not be used any more); how many entries it named."""
+        return self._holds.give_back(loan)
 
     def prefetch(
-        self, request_id: str, hashes: Iterable[PageHash], tokens: Iterable[int]
+        self,
+        request_id: str,
+        hashes: Iterable[PageHash],
+        tokens: Iterable[int],
+        *,
+        probe: bool = True,
     ) -> PrefetchResult:
         """Start one batch get for the items that are not local but visible in the store; their
-        entries are LOADING (pinned) until the result is applied."""
+        entries are LOADING (pinned) until the result is applied. ``probe=False`` skips the
+        ``exists`` round trip (the caller just asked :meth:`exists`): every item that is not
+        local is fetched, and one the store lacks after all fails its load and frees its room."""
+        if not isinstance(probe, bool):
+            raise MisuseError(f"prefetch: probe is a bool, got {probe!r}")
         self.poll()
         self._ops.check_new_request(request_id)
-        batch = self._check_sizes(hashes, tokens, merge=True)
+        batch = check_sizes(self._entries, hashes, tokens, merge=True)
         local = [media for media, _tokens in batch if media in self._entries]
         others = [(media, count) for media, count in batch if media not in self._entries]
-        remote = [
-            item for item, seen in zip(others, self._ops.visible(others), strict=True) if seen
-        ]
+        seen = self._ops.visible(others) if probe else [True] * len(others)
+        remote = [item for item, there in zip(others, seen, strict=True) if there]
         protect = frozenset(media for media, _tokens in batch)
         victims, fits, no_space = self._entries.plan_room(remote, protect)
         # Nothing has changed so far; every step below is legal by construction.
@@ -261,12 +311,11 @@ class EmbeddingCache:
         """A copy of each READY entry's embedding (touched for LRU); ``None`` for anything else."""
         self.poll()
         out: list[torch.Tensor | None] = []
-        for media in _check_hashes(hashes):
-            entry = self._entries.get(media)
-            if entry is None or entry.state not in READABLE:
+        for media in check_hashes(hashes):
+            if not self._readable(media):
                 out.append(None)
                 continue
-            out.append(self._entries.read(entry))
+            out.append(self._entries.read(self._entries[media]))
             self._entries.touch(media)
         return tuple(out)
 
@@ -304,73 +353,67 @@ class EmbeddingCache:
 
     # ----------------------------------------------------------------------------- helpers
 
+    def _reserve(self, batch: list[tuple[PageHash, int]]) -> Reservation:
+        protect = frozenset(media for media, _tokens in batch)
+        hits = tuple(media for media, _tokens in batch if media in self._entries)
+        misses = [(media, tokens) for media, tokens in batch if media not in self._entries]
+        victims, fits, no_space = self._entries.plan_room(misses, protect)
+        # Nothing has changed so far; every step below is legal by construction.
+        self._evict(victims)
+        fresh = [self._entries.begin_fill(media, tokens) for media, tokens in fits]
+        reserved = Reserved(
+            tuple(batch), tuple((e.media, e.generation) for e in fresh), hits, no_space
+        )
+        self._count(skipped_no_space=no_space)
+        return Reservation(
+            self._holds.reserve(reserved),
+            tuple(e.media for e in fresh),
+            no_space,
+            views={e.media: self.pool.view(e.units, e.tokens) for e in fresh},
+            places={e.media: (e.units, e.tokens) for e in fresh},
+            pool=self.pool,
+        )
+
+    def _commit(self, reservation: Reservation) -> InsertResult:
+        reserved = self._holds.close_reservation(reservation)
+        fresh = self._entries.end_fill([media for media, _gen in reserved.fresh])
+        hits = {m: e for m in reserved.hits if m not in fresh and (e := self._entries.get(m))}
+        # Only the hits are looked up: a new entry is pushed unasked (the store skips a key it
+        # holds), a hit the store holds stays READY (readable and evictable).
+        ready = [(m, e.tokens) for m, e in hits.items() if e.state in PUSHABLE]
+        visible = dict(zip([m for m, _ in ready], self._ops.visible(ready), strict=True))
+        items: list[Item] = []
+        re_pushed = skipped = busy = 0
+        for media, _tokens in reserved.batch:
+            entry = fresh.get(media) or hits.get(media)
+            if entry is None:  # did not fit, or gone since the reserve
+                continue
+            if entry.state not in PUSHABLE:
+                busy += 1
+                continue
+            re_pushed += media in hits
+            entry = self._entries.stamp(entry)
+            if visible.get(media, False):
+                skipped += 1
+            else:
+                entry = self._entries.step(entry, EntryEvent.PUSH)
+                items.append(self._ops.item(entry))
+            self._entries.put(entry)
+        op = self._ops.submit(True, items)
+        self._count(new=len(fresh), re_pushed=re_pushed)
+        return InsertResult(
+            op, len(fresh), re_pushed, len(items), skipped, busy, reserved.skipped_no_space
+        )
+
+    def _readable(self, media: PageHash) -> bool:
+        entry = self._entries.get(media)
+        return entry is not None and entry.state in READABLE
+
     def _evict(self, victims: Iterable[Entry]) -> None:
         for victim in victims:
             self._entries.forget(victim, EntryEvent.EVICT)
-            self._count(evicted=1)
+            self._counted["evicted"] += 1
 
     def _count(self, **deltas: int) -> None:
-        counted = self._counted
-        changes = {name: getattr(counted, name) + delta for name, delta in deltas.items()}
-        self._counted = attrs.evolve(counted, **changes)
-
-    def _check_insert(
-        self, hashes: Iterable[PageHash], tensors: Iterable[torch.Tensor]
-    ) -> tuple[list[tuple[PageHash, int]], dict[PageHash, torch.Tensor]]:
-        """The batch as (media, tokens) pairs, duplicates merged, and each item's first tensor;
-        raises on misuse."""
-        hashes, tensors = _check_hashes(hashes), tuple(tensors)
-        if len(hashes) != len(tensors):
-            raise MisuseError(f"insert_batch: {len(hashes)} hashes but {len(tensors)} tensors")
-        for tensor in tensors:
-            self._check_tensor(tensor)
-        batch = self._check_sizes(hashes, [int(t.shape[0]) for t in tensors], merge=True)
-        return batch, {media: tensors[hashes.index(media)] for media, _tokens in batch}
-
-    def _check_tensor(self, tensor: object) -> None:
-        shape = self.pool.shape
-        if not isinstance(tensor, torch.Tensor):
-            raise MisuseError(
-                f"insert_batch: an embedding is a torch.Tensor, got {type(tensor).__name__}"
-            )
-        if tensor.dtype != shape.dtype:
-            raise MisuseError(f"insert_batch: dtype {tensor.dtype}, the pool holds {shape.dtype}")
-        if tensor.dim() != 2 or tensor.shape[1] != shape.dim:
-            raise MisuseError(
-                f"insert_batch: shape {tuple(tensor.shape)}, want [tokens, {shape.dim}]"
-            )
-
-    def _check_sizes(
-        self, hashes: Iterable[PageHash], tokens: Iterable[int], *, merge: bool
-    ) -> list[tuple[PageHash, int]]:
-        """(media, tokens) pairs (duplicates merged when ``merge``); raises on misuse."""
-        hashes, counts = _check_hashes(hashes), tuple(tokens)
-        if len(hashes) != len(counts):
-            raise MisuseError(f"{len(hashes)} hashes but {len(counts)} token counts")
-        batch: dict[PageHash, int] = {}
-        pairs = []
-        for media, count in zip(hashes, counts, strict=True):
-            if isinstance(count, bool) or not isinstance(count, int) or count <= 0:
-                raise MisuseError(f"a token count is an int > 0, got {count!r}")
-            units = self.pool.shape.units_for(count)
-            if units > self.pool.shape.units:
-                raise CapacityError(
-                    f"{count} tokens take {units} units, the pool has {self.pool.shape.units}"
-                )
-            entry = self._entries.get(media)
-            known = batch.get(media, entry.tokens if entry is not None and merge else count)
-            if known != count:
-                raise MisuseError(f"{media} has {known} tokens, not {count}")
-            batch[media] = count
-            pairs.append((media, count))
-        return list(batch.items()) if merge else pairs
-
-
-def _check_hashes(hashes: Iterable[PageHash]) -> tuple[PageHash, ...]:
-    if isinstance(hashes, PageHash | str | bytes):
-        raise MisuseError(f"expected an iterable of PageHash, got {type(hashes).__name__}")
-    out = tuple(hashes)
-    for media in out:
-        if not isinstance(media, PageHash):
-            raise MisuseError(f"a media hash is a PageHash, got {type(media).__name__}")
-    return out
+        for name, delta in deltas.items():
+            self._counted[name] += delta

@@ -11,7 +11,8 @@ Invariants upheld here alone:
 
 * only READY entries are read or pushed, and LRU eviction takes READY entries only: an entry being
   pushed or loaded is pinned, never evicted, its units never reused until its op's result is
-  applied;
+  applied; a FILLING entry (held by a reservation) and a borrowed one (``readers``) are never
+  evicted either;
 * every allocation gets a new generation, so an extent captured for an older one is stale;
 * an entry leaves the table only through an event that frees it (eviction, or a failed get:
   ``LOAD_FAILED`` frees and forgets it), and :meth:`Entries.forget` is the only place its units
@@ -36,7 +37,8 @@ __all__ = ["Entries", "Entry"]
 
 @attrs.frozen
 class Entry:
-    """One cached media item; ``generation`` is new for every allocation, ``stamp`` orders LRU."""
+    """One cached media item; ``generation`` is new for every allocation, ``stamp`` orders LRU,
+    ``readers`` counts the open loans of its units (a borrowed entry is never evicted)."""
 
     media: PageHash
     tokens: int
@@ -44,6 +46,27 @@ class Entry:
     state: EntryState
     generation: int
     stamp: int
+    readers: int = 0
+
+
+def _with(
+    entry: Entry,
+    *,
+    state: EntryState | None = None,
+    stamp: int | None = None,
+    readers: int | None = None,
+) -> Entry:
+    """``entry`` with some fields replaced (``attrs.evolve`` without its introspection: this
+    runs several times per item of every batch)."""
+    return Entry(
+        entry.media,
+        entry.tokens,
+        entry.units,
+        entry.state if state is None else state,
+        entry.generation,
+        entry.stamp if stamp is None else stamp,
+        entry.readers if readers is None else readers,
+    )
 
 
 class Entries:
@@ -76,10 +99,19 @@ class Entries:
         """A copy of ``entry``'s embedding."""
         return self.pool.read(entry.units, entry.tokens)
 
+    def view(self, entry: Entry) -> torch.Tensor:
+        """``entry``'s embedding in place (a copy only when its units are apart)."""
+        view = self.pool.view(entry.units, entry.tokens)
+        return view if view is not None else self.pool.read(entry.units, entry.tokens)
+
     def lru(self, protect: frozenset[PageHash]) -> list[Entry]:
-        """Evictable entries (READY, unpinned, not protected), least recently used first."""
+        """Evictable entries (READY, unpinned, not borrowed, not protected), LRU first."""
         return sorted(
-            (e for e in self._table.values() if e.state in EVICTABLE and e.media not in protect),
+            (
+                e
+                for e in self._table.values()
+                if e.state in EVICTABLE and not e.readers and e.media not in protect
+            ),
             key=lambda entry: entry.stamp,
         )
 
@@ -108,21 +140,35 @@ class Entries:
 
     # ----------------------------------------------------------------------------- lifecycle
 
-    def fill(self, media: PageHash, tensor: torch.Tensor) -> Entry:
-        """A new READY entry of ``media`` (FREE -> FILLING -> READY), ``tensor`` written."""
-        filling = EMBEDDING_ENTRY.next(EMBEDDING_ENTRY.initial, EntryEvent.FILL)
-        units = self.pool.alloc(self.pool.shape.units_for(int(tensor.shape[0])))
-        self.pool.write(units, tensor)
+    def begin_fill(self, media: PageHash, tokens: int) -> Entry:
+        """A new FILLING entry of ``media`` (FREE -> FILLING): the caller writes its units (a
+        reservation holds it until it is committed or aborted)."""
         entry = Entry(
             media=media,
-            tokens=int(tensor.shape[0]),
-            units=units,
-            state=EMBEDDING_ENTRY.next(filling, EntryEvent.FILLED),
+            tokens=tokens,
+            units=self.pool.alloc(self.pool.shape.units_for(tokens)),
+            state=EMBEDDING_ENTRY.next(EMBEDDING_ENTRY.initial, EntryEvent.FILL),
             generation=self._new_generation(),
             stamp=self._tick(),
         )
         self._table[media] = entry
         return entry
+
+    def end_fill(self, media: Sequence[PageHash]) -> dict[PageHash, Entry]:
+        """The caller wrote the units of each of ``media``: READY (FILLED), and stored."""
+        ready = EMBEDDING_ENTRY.next(EntryState.FILLING, EntryEvent.FILLED)
+        out = {}
+        for item in media:
+            entry = self._table[item]
+            if entry.state is not EntryState.FILLING:  # the table's own error for anything else
+                EMBEDDING_ENTRY.next(entry.state, EntryEvent.FILLED)
+            out[item] = self._table[item] = _with(entry, state=ready)
+        return out
+
+    def lend(self, media: PageHash, delta: int) -> None:
+        """One loan of ``media``'s units opened (``delta`` 1) or closed (-1)."""
+        entry = self._table[media]
+        self.put(_with(entry, readers=entry.readers + delta))
 
     def load(self, media: PageHash, tokens: int) -> Entry:
         """A new LOADING (pinned) entry of ``media`` (FREE -> LOADING), its units unwritten."""
@@ -139,11 +185,11 @@ class Entries:
 
     def stamp(self, entry: Entry) -> Entry:
         """``entry`` touched for LRU (not stored: :meth:`put` it)."""
-        return attrs.evolve(entry, stamp=self._tick())
+        return _with(entry, stamp=self._tick())
 
     def step(self, entry: Entry, event: EntryEvent) -> Entry:
         """``entry`` after ``event`` (not stored: :meth:`put` it); never to FREE (:meth:`forget`)."""
-        return attrs.evolve(entry, state=EMBEDDING_ENTRY.next(entry.state, event))
+        return _with(entry, state=EMBEDDING_ENTRY.next(entry.state, event))
 
     def put(self, entry: Entry) -> None:
         self._table[entry.media] = entry
@@ -156,7 +202,7 @@ class Entries:
 
     def forget(self, entry: Entry, event: EntryEvent) -> None:
         """Take ``entry`` to FREE through ``event``: forgotten, its units freed."""
-        if EMBEDDING_ENTRY.next(entry.state, event) is not EntryState.FREE:
+        if EMBEDDING_ENTRY.next(entry.state, event) is not EntryState.FREE or entry.readers:
             raise InvariantViolation("I5", f"{event} does not free {entry!r}")
         del self._table[entry.media]
         self.pool.free(entry.units)

@@ -1,9 +1,11 @@
 """The host pool of the embedding cache: ``units`` fixed-size units of ``unit_tokens`` rows of
 ``dim`` elements, in one contiguous host tensor that a store may register for zero-copy.
 
-An embedding of ``tokens`` rows takes ``ceil(tokens / unit_tokens)`` units, not necessarily
-adjacent (paged allocation: no fragmentation). Unit ``i`` of an entry holds rows
-``[i * unit_tokens, (i + 1) * unit_tokens)``; the last unit may be partly used.
+An embedding of ``tokens`` rows takes ``ceil(tokens / unit_tokens)`` units: the lowest run of
+adjacent free units when there is one (then the entry is one in-place view of the pool), else any
+free units (paged allocation: fragmentation never refuses room, it only costs the single view).
+Unit ``i`` of an entry holds rows ``[i * unit_tokens, (i + 1) * unit_tokens)``; the last unit may
+be partly used.
 
 Invariants: a unit is free or allocated, never both; :meth:`alloc` hands out only free units and
 :meth:`free` takes back only allocated ones (anything else is a :class:`MisuseError`). The pool
@@ -18,6 +20,8 @@ import torch
 from kvstrata.impl.errors import ConfigError, MisuseError
 
 __all__ = ["EmbeddingPool", "PoolShape"]
+
+_FREE, _USED = b"\x01", b"\x00"
 
 
 def _positive(_instance: object, attribute: attrs.Attribute[int], value: int) -> None:
@@ -41,7 +45,7 @@ class PoolShape:
 
     @property
     def itemsize(self) -> int:
-        return torch.empty((), dtype=self.dtype).element_size()
+        return self.dtype.itemsize
 
     @property
     def unit_nbytes(self) -> int:
@@ -66,8 +70,10 @@ class EmbeddingPool:
         self.buffer = torch.zeros(
             (shape.units, shape.unit_tokens, shape.dim), dtype=shape.dtype, pin_memory=pin_memory
         )
-        self._free: list[int] = list(range(shape.units - 1, -1, -1))  # pop() gives the lowest
-        self._used: set[int] = set()
+        self._rows = self.buffer.view(-1, shape.dim)  # every unit's rows, end to end
+        # One byte per unit, FREE or USED: a run of free units is found by a C-speed search.
+        self._map = bytearray(_FREE * shape.units)
+        self._free_count = shape.units
 
     @property
     def ptr(self) -> int:
@@ -79,32 +85,66 @@ class EmbeddingPool:
 
     @property
     def free_count(self) -> int:
-        return len(self._free)
+        return self._free_count
 
     @property
     def used_count(self) -> int:
-        return len(self._used)
+        return self.shape.units - self._free_count
 
     def alloc(self, count: int) -> tuple[int, ...]:
-        """``count`` free units (the caller planned room: too few free units is misuse)."""
-        if count > len(self._free):
-            raise MisuseError(f"embedding pool: {count} units asked, {len(self._free)} free")
-        units = tuple(self._free.pop() for _ in range(count))
-        self._used.update(units)
+        """``count`` free units (the caller planned room: too few free units is misuse): the
+        lowest run of adjacent free units when there is one (so the entry is one view of the
+        pool, :meth:`view`), else the lowest free units."""
+        if count > self._free_count:
+            raise MisuseError(f"embedding pool: {count} units asked, {self._free_count} free")
+        at = self._map.find(_FREE * count)
+        if at >= 0:
+            units = tuple(range(at, at + count))
+        else:
+            found: list[int] = []
+            at = -1
+            while len(found) < count:
+                at = self._map.find(_FREE, at + 1)
+                found.append(at)
+            units = tuple(found)
+        for unit in units:
+            self._map[unit] = _USED[0]
+        self._free_count -= count
         return units
 
     def free(self, units: tuple[int, ...]) -> None:
-        if any(unit not in self._used for unit in units) or len(set(units)) != len(units):
+        if len(set(units)) != len(units) or any(
+            not 0 <= unit < self.shape.units or self._map[unit] != _USED[0] for unit in units
+        ):
             raise MisuseError(f"embedding pool: freeing units {units} that are not allocated")
-        self._used.difference_update(units)
-        self._free.extend(sorted(units, reverse=True))
-        self._free.sort(reverse=True)
+        for unit in units:
+            self._map[unit] = _FREE[0]
+        self._free_count += len(units)
+
+    def view(self, units: tuple[int, ...], tokens: int) -> torch.Tensor | None:
+        """The ``[tokens, dim]`` embedding held in ``units``, in place (no copy), when they are
+        adjacent and in order; ``None`` otherwise (:meth:`segments`)."""
+        first = units[0]
+        if units[-1] - first != len(units) - 1 or units != tuple(range(first, first + len(units))):
+            return None
+        row = first * self.shape.unit_tokens
+        return self._rows[row : row + tokens]
+
+    def segments(self, units: tuple[int, ...], tokens: int) -> tuple[torch.Tensor, ...]:
+        """The ``[rows, dim]`` piece of the embedding each unit holds, in place, in order."""
+        return tuple(
+            self.buffer[unit, : self.shape.rows(tokens, index)] for index, unit in enumerate(units)
+        )
 
     def unit_ptr(self, unit: int) -> int:
         return self.ptr + unit * self.shape.unit_nbytes
 
     def write(self, units: tuple[int, ...], tensor: torch.Tensor) -> None:
         """Copy ``tensor`` (``[tokens, dim]``, the pool's dtype) into ``units``, row by row."""
+        view = self.view(units, int(tensor.shape[0]))
+        if view is not None:
+            view.copy_(tensor)
+            return
         step = self.shape.unit_tokens
         for index, unit in enumerate(units):
             rows = tensor[index * step : (index + 1) * step]
@@ -112,6 +152,9 @@ class EmbeddingPool:
 
     def read(self, units: tuple[int, ...], tokens: int) -> torch.Tensor:
         """A copy of the ``[tokens, dim]`` embedding held in ``units``."""
+        view = self.view(units, tokens)
+        if view is not None:
+            return view.clone()
         out = torch.empty((tokens, self.shape.dim), dtype=self.shape.dtype)
         step = self.shape.unit_tokens
         for index, unit in enumerate(units):

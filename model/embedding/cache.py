@@ -53,7 +53,14 @@ from kvstrata.model.embedding.entries import (
     check_hashes,
     embedding_content,
 )
+from kvstrata.model.embedding.holds import Hold, Holds, Reserved
 from kvstrata.model.embedding.ops import Offset, OpHandle, OpKind, Ops
+from kvstrata.model.embedding.results import (
+    EmbeddingStats,
+    InsertResult,
+    PrefetchResult,
+    ReserveResult,
+)
 from kvstrata.model.errors import CapacityError, InvariantViolation, MisuseError
 from kvstrata.model.keys import (
     DEFAULT_NAMESPACE,
@@ -75,51 +82,15 @@ __all__ = [
     "EmbeddingStats",
     "InsertResult",
     "PrefetchResult",
+    "ReserveResult",
 ]
+
+#: What an entry holds, unit by unit (the model moves content identities, not bytes).
+Content = tuple[Hashable, ...]
 
 #: The pool and component segments of every embedding store key.
 POOL = "emb"
 COMPONENT = "emb"
-
-
-@attrs.frozen
-class InsertResult:
-    """What one ``insert_batch`` did. ``re_pushed`` local hits were handed to the batch PUT
-    again; ``stored`` keys were accepted by the store, ``store_skipped`` ones it already had (or
-    was writing); ``busy`` local entries were loading or already pushing and were left alone."""
-
-    op: OpHandle | None
-    new: int
-    re_pushed: int
-    stored: int
-    store_skipped: int
-    busy: int
-    skipped_no_space: int
-
-
-@attrs.frozen
-class PrefetchResult:
-    """What one ``prefetch`` did: ``loading`` entries are in the GET ``op``; ``local`` were already
-    here; ``missing`` are not visible in the store; ``skipped_no_space`` did not fit."""
-
-    op: OpHandle | None
-    loading: int
-    local: int
-    missing: int
-    skipped_no_space: int
-
-
-@attrs.frozen
-class EmbeddingStats:
-    """Counters since construction."""
-
-    new: int = 0
-    re_pushed: int = 0
-    pushed: int = 0
-    push_failed: int = 0
-    loaded: int = 0
-    load_failed: int = 0
-    evicted: int = 0
 
 
 def _check_name(_instance: object, _attribute: object, value: str) -> None:
@@ -151,10 +122,12 @@ class EmbeddingCacheModel:
     stats: EmbeddingStats = attrs.field(init=False, factory=EmbeddingStats)
     _entries: Entries = attrs.field(init=False)
     _ops: Ops = attrs.field(init=False)
+    _holds: Holds = attrs.field(init=False)
 
     def __attrs_post_init__(self) -> None:
         self._entries = Entries(self.name, SlotPool(f"{self.name}/emb", self.capacity))
         self._ops = Ops(self.name, self._entries, self.store)
+        self._holds = Holds(self.name, self._entries)
 
     # ----------------------------------------------------------------------------- queries
 
@@ -194,38 +167,62 @@ class EmbeddingCacheModel:
     # ----------------------------------------------------------------------------- operations
 
     def insert_batch(self, hashes: Iterable[PageHash], sizes: Iterable[int]) -> InsertResult:
-        """Insert freshly computed embeddings and push the whole batch to the store as one PUT.
+        """Insert freshly computed embeddings and push the batch to the store as one PUT:
+        :meth:`reserve`, the caller's bytes written, :meth:`commit`."""
+        return self.commit(self.reserve(hashes, sizes).hold)
 
-        New items are allocated (evicting LRU READY entries outside the batch if needed), filled and
-        pushed. Local READY hits are pushed again: local presence does not mean global presence.
-        """
+    def reserve(self, hashes: Iterable[PageHash], sizes: Iterable[int]) -> ReserveResult:
+        """The first half of an insert: allocate a FILLING entry for each new item that fits
+        (evicting LRU READY entries outside the batch if needed; the batch's own hits are never
+        victims), for the caller to write in place. Nothing is readable or pushed until
+        :meth:`commit`; :meth:`abort` frees the entries."""
         batch = self._check_batch(hashes, sizes)
-        # The batch's own hits are never victims: the PUT below hands their offsets to the store.
         protect = frozenset(media for media, _size in batch)
-        hits = {media: self._entries[media] for media, _size in batch if media in self._entries}
-        misses = [(media, size) for media, size in batch if media not in hits]
+        hits = tuple(media for media, _size in batch if media in self._entries)
+        misses = [(media, size) for media, size in batch if media not in self._entries]
         victims, fits, no_space = self._entries.plan_room(misses, protect)
         # Nothing has changed so far; every step below is legal by construction.
         self._evict(victims)
-        fresh = {media: self._entries.fill(media, size) for media, size in fits}
+        fresh = [self._entries.begin_fill(media, size) for media, size in fits]
+        reserved = Reserved(
+            tuple(batch), tuple((e.media, e.generation) for e in fresh), hits, no_space
+        )
+        hold = self._holds.reserve(reserved)
+        self.check_invariants()
+        return ReserveResult(hold, tuple(e.media for e in fresh), no_space)
+
+    def commit(self, hold: Hold) -> InsertResult:
+        """The second half of an insert: the reservation's entries are written (READY), and every
+        READY one of its batch is handed to one PUT, unasked: the store skips a key it holds or
+        is writing (MOONCAKE.md §3.4); such an item is pinned until the ack like the others (its
+        offset is not ``reserved``: it writes only if the store lost the key by the ack). The
+        batch's local hits are pushed again (local presence is not global presence) only when
+        the store lacks them: a hit the store holds stays READY (``store_skipped``). A hit gone
+        since :meth:`reserve` is left out."""
+        reserved = self._holds.close_reservation(hold)
+        fresh = {media: self._entries.end_fill(media) for media, _gen in reserved.fresh}
         offsets: list[Offset] = []
         re_pushed = store_skipped = busy = 0
-        for media, _size in batch:
-            entry = fresh.get(media) or hits.get(media)
-            if entry is None:  # did not fit
+        for media, _size in reserved.batch:
+            entry = fresh.get(media)
+            if entry is None and media in reserved.hits:
+                entry = self._entries.get(media)
+            if entry is None:  # did not fit, or gone since the reserve
                 continue
             if entry.state not in PUSHABLE:  # loading, or already being pushed: pinned
                 busy += 1
                 continue
-            if media in hits:
-                re_pushed += 1
             key = self.key(media)
             entry = self._entries.stamp(entry)
-            if self.store.begin_put(key):
-                entry = self._entries.step(entry, EntryEvent.PUSH)
-                offsets.append(Offset(key, media, entry.generation, entry.slots))
-            else:
-                store_skipped += 1
+            began = self.store.begin_put(key)
+            if media not in fresh:
+                re_pushed += 1
+                if not began:  # the store holds (or is writing) it: the hit stays READY
+                    store_skipped += 1
+                    self._entries.put(entry)
+                    continue
+            entry = self._entries.step(entry, EntryEvent.PUSH)
+            offsets.append(Offset(key, media, entry.generation, entry.slots, began))
             self._entries.put(entry)
         op = self._ops.open(OpKind.PUSH, offsets)
         self.stats = attrs.evolve(
@@ -233,14 +230,37 @@ class EmbeddingCacheModel:
         )
         self.check_invariants()
         return InsertResult(
-            op=op,
-            new=len(fresh),
-            re_pushed=re_pushed,
-            stored=len(offsets),
-            store_skipped=store_skipped,
-            busy=busy,
-            skipped_no_space=no_space,
+            op, len(fresh), re_pushed, len(offsets), store_skipped, busy, reserved.skipped_no_space
         )
+
+    def abort(self, hold: Hold) -> int:
+        """Give up a reservation: its FILLING entries are freed and forgotten; how many."""
+        reserved = self._holds.close_reservation(hold)
+        for media, _gen in reserved.fresh:
+            self._entries.forget(self._entries[media], EntryEvent.FILL_FAILED)
+        self.check_invariants()
+        return len(reserved.fresh)
+
+    def borrow(self, hashes: Iterable[PageHash]) -> tuple[Hold, tuple[Content | None, ...]]:
+        """:meth:`get` without a copy: the content of each READY entry, read in place, and a loan
+        (one reader on each entry lent, touched for LRU) that keeps those entries from eviction
+        until :meth:`give_back`; ``None`` for anything else."""
+        media_list = check_hashes(hashes)
+        lent = [m for m in dict.fromkeys(media_list) if self._readable(m)]
+        out = tuple(
+            self._entries.read(self._entries[m].slots) if m in lent else None for m in media_list
+        )
+        for media in lent:
+            self._entries.touch(media)
+        hold = self._holds.lend(lent)
+        self.check_invariants()
+        return hold, out
+
+    def give_back(self, hold: Hold) -> int:
+        """Close a loan: its entries may be evicted again; how many it named."""
+        count = self._holds.give_back(hold)
+        self.check_invariants()
+        return count
 
     def ack_push(self, handle: OpHandle, failed: Iterable[PageHash] = ()) -> int:
         """The store answers a batch PUT, item by item (a real batch call returns one code per
@@ -266,19 +286,29 @@ class EmbeddingCacheModel:
         return len(media)
 
     def prefetch(
-        self, request_id: str, hashes: Iterable[PageHash], sizes: Iterable[int]
+        self,
+        request_id: str,
+        hashes: Iterable[PageHash],
+        sizes: Iterable[int],
+        *,
+        probe: bool = True,
     ) -> PrefetchResult:
         """Start one batch GET for the items of a request that are not local but in the store.
 
         Their entries are allocated (evicting LRU READY entries outside the request if needed) and
-        LOADING (pinned) until :meth:`ack_get` or :meth:`fail_get`."""
+        LOADING (pinned) until :meth:`ack_get` or :meth:`fail_get`. With ``probe=False`` the store
+        is not asked first (the caller just did, with :meth:`exists`): every item that is not local
+        is fetched, and one the store lacks after all fails its load (``load_failed``) and frees
+        the room it took; ``missing`` is then 0."""
+        if not isinstance(probe, bool):
+            raise MisuseError(f"{self.name}: probe is a bool, got {probe!r}")
         self._ops.check_new_request(request_id)
         batch = self._check_batch(hashes, sizes)
         local = [media for media, _size in batch if media in self._entries]
         remote = [
             (media, size)
             for media, size in batch
-            if media not in self._entries and self.store.contains(self.key(media))
+            if media not in self._entries and (not probe or self.store.contains(self.key(media)))
         ]
         protect = frozenset(media for media, _size in batch)
         victims, fits, no_space = self._entries.plan_room(remote, protect)
@@ -327,16 +357,15 @@ class EmbeddingCacheModel:
         """Forget a request (its GET, if still pending, completes on its own)."""
         self._ops.release(request_id)
 
-    def get(self, hashes: Iterable[PageHash]) -> tuple[tuple[Hashable, ...] | None, ...]:
+    def get(self, hashes: Iterable[PageHash]) -> tuple[Content | None, ...]:
         """The content of each READY entry (read from its slots, and touched for LRU); ``None`` for
         anything else."""
-        out: list[tuple[Hashable, ...] | None] = []
+        out: list[Content | None] = []
         for media in check_hashes(hashes):
-            entry = self._entries.get(media)
-            if entry is None or entry.state not in READABLE:
+            if not self._readable(media):
                 out.append(None)
                 continue
-            out.append(self._entries.read(entry.slots))
+            out.append(self._entries.read(self._entries[media].slots))
             self._entries.touch(media)
         self.check_invariants()
         return tuple(out)
@@ -361,6 +390,7 @@ class EmbeddingCacheModel:
         """Raise :class:`InvariantViolation` unless the invariants of every piece all hold."""
         self._entries.check_accounting()
         self._ops.check()
+        self._holds.check()
         self._entries.check_contents()
         for key, content in self.store.visible_items():
             parts = parse_store_key(key)
@@ -371,6 +401,10 @@ class EmbeddingCacheModel:
                 raise InvariantViolation("I2", f"store object {key} holds {content!r}")
 
     # ----------------------------------------------------------------------------- helpers
+
+    def _readable(self, media: PageHash) -> bool:
+        entry = self._entries.get(media)
+        return entry is not None and entry.state in READABLE
 
     def _evict(self, victims: Iterable[Entry]) -> None:
         for victim in victims:

@@ -16,8 +16,9 @@ Invariants upheld here alone:
   ``LOAD_FAILED`` frees and forgets it), and :meth:`Entries.forget` is the only place its slots
   are freed;
 * I5 accounting: the pool's allocated slots are exactly the slots of live entries, no slot
-  belongs to two entries, no entry outlives a call in FREE or FILLING; I7: a complete entry's
-  slots hold its own units, a loading entry's are unwritten.
+  belongs to two entries, no entry outlives a call in FREE (a FILLING one is held by a
+  reservation, :mod:`.holds`); I7: a complete entry's slots hold its own units, a loading or
+  filling entry's are unwritten; a borrowed entry (``readers``) is complete and never evicted.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from kvstrata.model.slots import UNWRITTEN, SlotPool
 __all__ = [
     "COMPLETE",
     "EVICTABLE",
+    "FILLING",
     "HELD_BY_GET",
     "HELD_BY_PUSH",
     "PINNED",
@@ -60,6 +62,8 @@ HELD_BY_GET = EMBEDDING_ENTRY.sources(EntryEvent.LOADED, EntryEvent.LOAD_FAILED)
 PINNED = HELD_BY_PUSH | HELD_BY_GET
 #: The slots hold the entry's own units: a push may start, or one is running.
 COMPLETE = EMBEDDING_ENTRY.sources(EntryEvent.PUSH, EntryEvent.PUSH_ACK)
+#: Being written by the caller (held by a reservation until it is committed or aborted).
+FILLING = EMBEDDING_ENTRY.sources(EntryEvent.FILLED, EntryEvent.FILL_FAILED)
 
 
 @attrs.frozen
@@ -77,7 +81,8 @@ def embedding_content(media: PageHash, size: int) -> tuple[Unit, ...]:
 
 @attrs.frozen
 class Entry:
-    """One cached media item. ``generation`` is new for every allocation; ``stamp`` orders LRU."""
+    """One cached media item. ``generation`` is new for every allocation; ``stamp`` orders LRU;
+    ``readers`` counts the open loans of its slots (a borrowed entry is never evicted)."""
 
     media: PageHash
     size: int
@@ -85,6 +90,7 @@ class Entry:
     slots: tuple[int, ...]
     generation: int
     stamp: int
+    readers: int = 0
 
 
 def check_hash(media: PageHash) -> PageHash:
@@ -131,12 +137,13 @@ class Entries:
         return tuple(self.pool.read(slot) for slot in slots)
 
     def lru(self, protect: frozenset[PageHash]) -> list[Entry]:
-        """Evictable entries (READY, unpinned, not protected), least recently used first."""
+        """Evictable entries (READY, unpinned, not borrowed, not protected), least recently used
+        first."""
         return sorted(
             (
                 entry
                 for entry in self._table.values()
-                if entry.state in EVICTABLE and entry.media not in protect
+                if entry.state in EVICTABLE and not entry.readers and entry.media not in protect
             ),
             key=lambda entry: entry.stamp,
         )
@@ -166,13 +173,24 @@ class Entries:
 
     # ----------------------------------------------------------------------------- lifecycle
 
-    def fill(self, media: PageHash, size: int) -> Entry:
-        """A new READY entry of ``media`` (FREE -> FILLING -> READY), its units written."""
-        filling = EMBEDDING_ENTRY.next(EMBEDDING_ENTRY.initial, EntryEvent.FILL)
-        slots = self.pool.alloc(size)
-        for slot, unit in zip(slots, embedding_content(media, size), strict=True):
+    def begin_fill(self, media: PageHash, size: int) -> Entry:
+        """A new FILLING entry of ``media`` (FREE -> FILLING), its slots unwritten: the caller
+        writes them (a reservation holds the entry until it is committed or aborted)."""
+        state = EMBEDDING_ENTRY.next(EMBEDDING_ENTRY.initial, EntryEvent.FILL)
+        return self._new(media, size, state, self.pool.alloc(size))
+
+    def end_fill(self, media: PageHash) -> Entry:
+        """The caller wrote ``media``'s units into its slots: READY (FILLED)."""
+        entry = self._table[media]
+        for slot, unit in zip(entry.slots, embedding_content(media, entry.size), strict=True):
             self.pool.write(slot, unit)
-        return self._new(media, size, EMBEDDING_ENTRY.next(filling, EntryEvent.FILLED), slots)
+        self.advance(media, EntryEvent.FILLED)
+        return self._table[media]
+
+    def lend(self, media: PageHash, delta: int) -> None:
+        """One loan of ``media``'s slots opened (``delta`` 1) or closed (-1)."""
+        entry = self._table[media]
+        self.put(attrs.evolve(entry, readers=entry.readers + delta))
 
     def load(self, media: PageHash, size: int) -> Entry:
         """A new LOADING (pinned) entry of ``media`` (FREE -> LOADING), its slots unwritten."""
@@ -205,7 +223,7 @@ class Entries:
 
     def forget(self, entry: Entry, event: EntryEvent) -> None:
         """Take ``entry`` to FREE through ``event``: it is forgotten and its slots are freed."""
-        if EMBEDDING_ENTRY.next(entry.state, event) is not EntryState.FREE:
+        if EMBEDDING_ENTRY.next(entry.state, event) is not EntryState.FREE or entry.readers:
             raise InvariantViolation("I5", f"{self.name}: {event} does not free {entry!r}")
         del self._table[entry.media]
         self.pool.free(entry.slots)
@@ -223,7 +241,7 @@ class Entries:
         """I5: live entries only, each slot owned once, the pool's allocation = the entries'."""
         owner: dict[int, PageHash] = {}
         for media, entry in self._table.items():
-            if media != entry.media or entry.state not in PINNED | COMPLETE:
+            if media != entry.media or entry.state not in PINNED | COMPLETE | FILLING:
                 raise InvariantViolation("I5", f"{self.name}: bad live entry {entry!r}")
             if len(entry.slots) != entry.size:
                 raise InvariantViolation("I5", f"{self.name}: {entry!r} has the wrong slot count")
@@ -241,9 +259,13 @@ class Entries:
             )
 
     def check_contents(self) -> None:
-        """I7: a complete entry holds its own units; a loading one's slots are unwritten."""
+        """I7: a complete entry holds its own units; a loading or filling one's slots are
+        unwritten (its bytes are not the entry's until it is complete); only a complete entry is
+        lent."""
         for entry in self._table.values():
             contents = [self.pool.peek(slot) for slot in entry.slots]
+            if entry.readers and entry.state not in COMPLETE:
+                raise InvariantViolation("I7", f"{self.name}: {entry!r} is lent incomplete")
             if entry.state in COMPLETE:
                 if contents != list(embedding_content(entry.media, entry.size)):
                     raise InvariantViolation("I7", f"{self.name}: {entry!r} holds {contents}")

@@ -14,7 +14,9 @@ Invariants upheld here alone:
 * the store reads a pushed buffer *at* the ack (pessimistic), so a slot reused while its offset is
   with the store would show up as wrong bytes in the store;
 * a failed GET item frees and forgets its entry; a failed push item is READY again, its write
-  aborted; every key of a pending push is reserved (invisible) in the store (I2);
+  aborted; every key a pending push began is reserved (invisible) in the store (I2); a push item
+  that began nothing (the store held or was writing its key) writes at its ack only if the store
+  has lost the key by then (the store reads its slots then, so they are pinned like the others);
 * ``failed`` must name items of the op, checked before anything changes.
 """
 
@@ -60,12 +62,15 @@ class OpHandle:
 
 @attrs.frozen
 class Offset:
-    """What an op hands to the store: a key and the slots of one entry of one generation."""
+    """What an op hands to the store: a key and the slots of one entry of one generation.
+    ``reserved`` (pushes): this push began the key's write; one that did not (the store held or
+    was writing the key) writes at its ack only if the store has lost the key by then."""
 
     key: StoreKey
     media: PageHash
     generation: int
     slots: tuple[int, ...]
+    reserved: bool = True
 
 
 @attrs.frozen
@@ -137,10 +142,14 @@ class Ops:
         del self._ops[handle]
         for item in op.items:
             if item.media in lost:
-                self.store.abort_put(item.key)
+                if item.reserved:
+                    self.store.abort_put(item.key)
                 self.entries.advance(item.media, EntryEvent.PUSH_FAILED)
                 continue
-            self.store.end_put(item.key, self.entries.read(item.slots))
+            # An item that began nothing writes only if the store lost the key meanwhile: the
+            # real put runs late, and the store skips a key only while it holds or writes it.
+            if item.reserved or self.store.begin_put(item.key):
+                self.store.end_put(item.key, self.entries.read(item.slots))
             self.entries.advance(item.media, EntryEvent.PUSH_ACK)
         return len(op.items) - len(lost), len(lost)
 
@@ -193,7 +202,7 @@ class Ops:
                     raise InvariantViolation(
                         "I5", f"{self.name}: stale offset {item!r} in {handle!r}; entry {entry!r}"
                     )
-                if handle.kind is OpKind.PUSH and item.key not in writing:
+                if handle.kind is OpKind.PUSH and item.reserved and item.key not in writing:
                     raise InvariantViolation("I2", f"{self.name}: {item.key} is not reserved")
                 held.add(item.media)
         for entry in self.entries:

@@ -24,7 +24,7 @@ import hypothesis.strategies as st
 from hypothesis import event, note, settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from kvstrata.model.embedding import EmbeddingCacheModel, OpHandle, OpKind, Unit
+from kvstrata.model.embedding import EmbeddingCacheModel, Hold, HoldKind, OpHandle, OpKind, Unit
 from kvstrata.model.errors import CapacityError, MisuseError
 from kvstrata.model.keys import (
     DEFAULT_NAMESPACE,
@@ -72,6 +72,8 @@ class Pending:
     node: int
     handle: OpHandle
     media: tuple[PageHash, ...]
+    began: frozenset[PageHash] = frozenset()
+    """A push's items whose key the store neither held nor was writing when it started."""
 
 
 class EmbeddingMachine(RuleBasedStateMachine):
@@ -98,6 +100,9 @@ class EmbeddingMachine(RuleBasedStateMachine):
         self.pending: list[Pending] = []
         self.completed: list[tuple[int, OpHandle]] = []
         self.requests: dict[str, tuple[int, OpHandle | None]] = {}
+        self.reservations: list[tuple[int, Hold, tuple[PageHash, ...]]] = []
+        self.loans: list[tuple[int, Hold, dict[PageHash, int]]] = []
+        self.closed_holds: list[tuple[int, Hold]] = []
 
     # ------------------------------------------------------------------------------ helpers
 
@@ -117,9 +122,11 @@ class EmbeddingMachine(RuleBasedStateMachine):
     def gets(self) -> list[Pending]:
         return [op for op in self.pending if op.handle.kind is OpKind.GET]
 
-    def track(self, node: int, handle: OpHandle | None) -> None:
+    def track(
+        self, node: int, handle: OpHandle | None, began: frozenset[PageHash] = frozenset()
+    ) -> None:
         if handle is not None:
-            self.pending.append(Pending(node, handle, self.nodes[node].op_media(handle)))
+            self.pending.append(Pending(node, handle, self.nodes[node].op_media(handle), began))
 
     # ------------------------------------------------------------------------------ rules
 
@@ -131,8 +138,14 @@ class EmbeddingMachine(RuleBasedStateMachine):
         peer_pushing = {
             e.media for e in self.nodes[1 - node].entries() if e.state is EntryState.PUSHING
         }
+        known = {m for m in hashes if self.store_knows(store_key(m))}
         report = cache.insert_batch(hashes, [self.size[m] for m in hashes])
         note(f"node {node} insert {hashes}: {report}")
+        pushing = set(cache.op_media(report.op)) if report.op is not None else set()
+        # Every pushed key the store neither held nor was writing is being written now.
+        assert {store_key(m) for m in pushing - known} <= self.store.writing_keys()
+        if pushing & known:
+            event("insert: a new entry the store holds pushed unasked (writes nothing)")
         unique = set(hashes)
         assert report.new + report.re_pushed + report.busy + report.skipped_no_space == len(unique)
         assert report.stored + report.store_skipped == report.new + report.re_pushed
@@ -146,17 +159,20 @@ class EmbeddingMachine(RuleBasedStateMachine):
             event("insert: local entry busy (loading or pushing)")
         if report.skipped_no_space:
             event("insert: no space (pinned entries)")
-        self.track(node, report.op)
+        self.track(node, report.op, frozenset(pushing - known))
 
-    @rule(node=nodes, chosen=picks)
-    def prefetch(self, node: int, chosen: list[int]) -> None:
+    @rule(node=nodes, chosen=picks, probe=st.booleans())
+    def prefetch(self, node: int, chosen: list[int], probe: bool) -> None:
         cache = self.nodes[node]
         hashes = self.batch(chosen)
         request = f"r{len(self.requests)}"
-        report = cache.prefetch(request, hashes, [self.size[m] for m in hashes])
-        note(f"node {node} prefetch {request} {hashes}: {report}")
+        report = cache.prefetch(request, hashes, [self.size[m] for m in hashes], probe=probe)
+        note(f"node {node} prefetch {request} {hashes} probe={probe}: {report}")
         if report.loading:
             event("prefetch: GET from the shared store")
+        media = cache.op_media(report.op) if report.op is not None else ()
+        if not probe and any(not self.store.contains(store_key(m)) for m in media):
+            event("prefetch: unprobed GET of an object the store lacks")
         if report.skipped_no_space:
             event("prefetch: no space")
         self.requests[request] = (node, report.op)
@@ -170,7 +186,8 @@ class EmbeddingMachine(RuleBasedStateMachine):
         chosen = data.draw(
             st.lists(st.sampled_from(self.remote(node)), min_size=1, max_size=3), label="media"
         )
-        self.prefetch(node, [self.media.index(m) for m in chosen])
+        probe = data.draw(st.booleans(), label="probe")
+        self.prefetch(node, [self.media.index(m) for m in chosen], probe)
 
     def take(self, data: st.DataObject, kind: OpKind) -> Pending:
         """Remove a pending op of ``kind`` chosen by Hypothesis (any node, any age)."""
@@ -193,7 +210,8 @@ class EmbeddingMachine(RuleBasedStateMachine):
         for media in op.media:
             entry = cache.entry(media)
             assert entry is not None and entry.state is EntryState.READY
-            assert self.store.contains(store_key(media)) is succeed
+            if media in op.began:  # the others wrote nothing: the store holds what it held
+                assert self.store.contains(store_key(media)) is succeed
         event(f"push {'acked' if succeed else 'failed'}")
 
     @precondition(lambda self: bool(self.gets()))
@@ -234,7 +252,8 @@ class EmbeddingMachine(RuleBasedStateMachine):
             for media in op.media:  # a failed push item is READY again, its write aborted
                 entry = cache.entry(media)
                 assert entry is not None and entry.state is EntryState.READY
-                assert self.store.contains(store_key(media)) is (media not in failed)
+                if media in op.began:
+                    assert self.store.contains(store_key(media)) is (media not in failed)
         else:
             lost = failed | {m for m in op.media if not self.store.contains(store_key(m))}
             assert cache.ack_get(op.handle, failed) == len(op.media) - len(lost)
@@ -265,6 +284,74 @@ class EmbeddingMachine(RuleBasedStateMachine):
                 event("store dropped an object a node still holds")
 
     @rule(node=nodes, chosen=picks)
+    def reserve(self, node: int, chosen: list[int]) -> None:
+        """The first half of an insert: the new entries are FILLING (held, neither readable nor
+        evictable) until the reservation is committed or aborted."""
+        cache = self.nodes[node]
+        hashes = self.batch(chosen)
+        result = cache.reserve(hashes, [self.size[m] for m in hashes])
+        note(f"node {node} reserve {hashes}: {result}")
+        for media in result.new:
+            entry = cache.entry(media)
+            assert entry is not None and entry.state is EntryState.FILLING
+        assert cache.get(result.new) == (None,) * len(result.new)
+        self.reservations.append((node, result.hold, result.new))
+
+    @precondition(lambda self: bool(self.reservations))
+    @rule(data=st.data(), commit=st.booleans())
+    def finish_reservation(self, data: st.DataObject, commit: bool) -> None:
+        held = data.draw(st.sampled_from(self.reservations), label="reservation")
+        self.reservations.remove(held)
+        node, hold, new = held
+        cache = self.nodes[node]
+        if commit:
+            report = cache.commit(hold)
+            note(f"node {node} commit {hold}: {report}")
+            assert report.new == len(new)
+            for media in new:
+                entry = cache.entry(media)
+                assert entry is not None and entry.state in (EntryState.READY, EntryState.PUSHING)
+            self.track(node, report.op)  # the begin check is the insert rule's
+            event("reservation committed")
+        else:
+            assert cache.abort(hold) == len(new)
+            assert all(cache.entry(media) is None for media in new)
+            event("reservation aborted")
+        self.closed_holds.append((node, hold))
+
+    @rule(node=nodes, chosen=picks)
+    def borrow(self, node: int, chosen: list[int]) -> None:
+        """``get`` in place: every READY entry's content, lent until given back."""
+        cache = self.nodes[node]
+        hashes = self.batch(chosen)
+        ready = {m for m in hashes if (e := cache.entry(m)) and e.state is EntryState.READY}
+        hold, got = cache.borrow(hashes)
+        for media, content in zip(hashes, got, strict=True):
+            assert content == (expected(media, self.size[media]) if media in ready else None)
+        lent = {m: e.generation for m in ready if (e := cache.entry(m)) is not None}
+        self.loans.append((node, hold, lent))
+        if ready:
+            event("borrow: hit")
+
+    @precondition(lambda self: bool(self.loans))
+    @rule(data=st.data())
+    def give_back(self, data: st.DataObject) -> None:
+        held = data.draw(st.sampled_from(self.loans), label="loan")
+        self.loans.remove(held)
+        node, hold, lent = held
+        assert self.nodes[node].give_back(hold) == len(lent)
+        self.closed_holds.append((node, hold))
+
+    @invariant()
+    def loans_keep_their_entries(self) -> None:
+        """A lent entry is never evicted or reallocated while the loan is open: what the caller
+        reads in place stays the entry's own bytes."""
+        for node, _hold, lent in self.loans:
+            for media, generation in lent.items():
+                entry = self.nodes[node].entry(media)
+                assert entry is not None and entry.generation == generation, (media, entry)
+
+    @rule(node=nodes, chosen=picks)
     def get(self, node: int, chosen: list[int]) -> None:
         cache = self.nodes[node]
         hashes = self.batch(chosen)
@@ -292,6 +379,8 @@ class EmbeddingMachine(RuleBasedStateMachine):
                 "request id reused",
                 "evict negative",
                 "unknown request",
+                "closed hold",
+                "loan committed",
             ]
         ),
     )
@@ -303,6 +392,8 @@ class EmbeddingMachine(RuleBasedStateMachine):
         ours = [op for op in self.pending if op.node == node]
         done = [handle for n, handle in self.completed if n == node]
         requests = [request for request, (n, _op) in self.requests.items() if n == node]
+        closed = [hold for n, hold in self.closed_holds if n == node]
+        loans = [hold for n, hold, _lent in self.loans if n == node]
         calls = {
             "length mismatch": lambda: cache.insert_batch([media, media], [size]),
             "size zero": lambda: cache.prefetch("bad", [media], [0]),
@@ -320,12 +411,18 @@ class EmbeddingMachine(RuleBasedStateMachine):
             "request id reused": lambda: cache.prefetch(requests[0], [media], [size]),
             "evict negative": lambda: cache.evict(-1),
             "unknown request": lambda: cache.is_ready("no such request"),
+            "closed hold": lambda: (
+                cache.give_back if closed[0].kind is HoldKind.LOAN else cache.commit
+            )(closed[0]),
+            "loan committed": lambda: cache.commit(loans[0]),
         }
         applicable = {
             "wrong size for a local entry": bool(local),
             "completed op": bool(done),
             "wrong op kind": bool(ours),
             "request id reused": bool(requests),
+            "closed hold": bool(closed),
+            "loan committed": bool(loans),
         }
         if not applicable.get(misuse, True):
             return
@@ -341,6 +438,10 @@ class EmbeddingMachine(RuleBasedStateMachine):
         event(f"misuse: {misuse}")
 
     # ------------------------------------------------------------------------------ oracles
+
+    def store_knows(self, key: StoreKey) -> bool:
+        """The store holds ``key`` or is writing it (a put of it would begin nothing)."""
+        return self.store.contains(key) or key in self.store.writing_keys()
 
     @invariant()
     def model_invariants(self) -> None:
@@ -363,7 +464,9 @@ class EmbeddingMachine(RuleBasedStateMachine):
                 if op.node == node and op.handle.kind is OpKind.PUSH:
                     writing |= {store_key(m) for m in op.media}
             assert set(cache.pending_ops()) == {op.handle for op in self.pending if op.node == node}
-        assert self.store.writing_keys() == writing
+        # A push of a key the store held (or was writing) begins nothing, so the store may write
+        # fewer keys than the pushes name, never another one (the insert rule checks the others).
+        assert self.store.writing_keys() <= writing
 
     @invariant()
     def ready_exactly_when_the_get_is_done(self) -> None:

@@ -281,3 +281,115 @@ def test_a_closed_embedding_cache_refuses_every_verb() -> None:
     ):
         with pytest.raises(CacheClosed, match=verb):
             getattr(cache, verb)()
+
+
+def test_reserve_write_in_place_then_commit_pushes_the_written_bytes() -> None:
+    store = MemoryEmbeddingStore()
+    a, io = node(store)
+    b, io_b = node(store)
+    assert io is not None and io_b is not None
+    reservation = a.reserve([A, B, A], [5, 3, 5])
+    assert reservation.new == (A, B) and a.get([A, B]) == (None, None)
+    assert [e.state for e in a.entries()] == [EntryState.FILLING] * 2
+    assert a.evict(6) == 0  # filling entries are held by the reservation
+    view = reservation.views[A]
+    assert view is not None and view.shape == (5, DIM)
+    view.copy_(embedding(A, 5))
+    reservation.write(B, embedding(B, 3))
+    with pytest.raises(MisuseError, match="want a"):
+        reservation.write(B, embedding(B, 4))
+    with pytest.raises(MisuseError, match="not a new entry"):
+        reservation.write(C, embedding(C, 3))
+    report = a.commit(reservation)
+    assert (report.new, report.stored, report.op) == (2, 2, 0)
+    with pytest.raises(MisuseError, match="no open reservation"):
+        a.commit(reservation)
+    with pytest.raises(MisuseError, match="not a new entry"):
+        reservation.write(B, embedding(B, 3))  # nothing may be written after the commit
+    io.run_all()
+    a.poll()
+    assert b.prefetch("r", [A, B], [5, 3], probe=False).loading == 2
+    io_b.run_all()
+    got_a, got_b = b.get([A, B])
+    assert same(got_a, embedding(A, 5)) and same(got_b, embedding(B, 3))
+
+
+def test_abort_frees_a_reservation_and_nothing_reaches_the_store() -> None:
+    store = MemoryEmbeddingStore()
+    a, _io = node(store)
+    reservation = a.reserve([A], [4])
+    assert a.used_units == 1 and a.abort(reservation) == 1
+    assert a.used_units == 0 and a.entry(A) is None and a.open_holds() == ()
+    with pytest.raises(MisuseError):
+        a.abort(reservation)
+    assert a.exists([A], [4]) == (False,)
+
+
+def test_a_loan_reads_in_place_and_keeps_its_entries_until_given_back() -> None:
+    store = MemoryEmbeddingStore()
+    a, io = node(store, units=2)
+    assert io is not None
+    a.insert_batch([A, B], [embedding(A, 4), embedding(B, 4)])
+    io.run_all()
+    a.poll()
+    loan = a.borrow([A, C, A])
+    got_a, miss, again = loan.tensors
+    assert miss is None and got_a is not None and again is not None
+    assert got_a.data_ptr() == a.pool.unit_ptr(a.entries()[0].units[0]) or same(
+        got_a, embedding(A, 4)
+    )
+    assert same(got_a, embedding(A, 4)) and a.entry(A).readers == 1  # type: ignore[union-attr]
+    assert a.evict(2) == 1  # B went; A is lent
+    report = a.insert_batch([C], [embedding(C, 4)])  # room comes from the free unit, not A
+    assert report.new == 1 and same(got_a, embedding(A, 4))
+    assert a.insert_batch([B], [embedding(B, 4)]).skipped_no_space == 1  # A lent, C pushing
+    assert a.give_back(loan) == 1 and a.entry(A).readers == 0  # type: ignore[union-attr]
+    with pytest.raises(MisuseError, match="no open loan"):
+        a.give_back(loan)
+
+
+def test_a_scattered_entry_is_written_through_write_and_lent_as_a_copy() -> None:
+    store = MemoryEmbeddingStore()
+    a, io = node(store, units=3)
+    assert io is not None
+    a.insert_batch([A, B, C], [embedding(A, 4), embedding(B, 4), embedding(C, 4)])
+    io.run_all()
+    a.poll()
+    a.get([B])  # A and C are the LRU entries: units 0 and 2 become free, 1 stays taken
+    assert a.evict(2) == 2 and a.entry(B) is not None
+    big = content_hash(b"big")
+    reservation = a.reserve([big], [8])
+    assert reservation.views[big] is None  # units 0 and 2: no single view
+    reservation.write(big, embedding(big, 8))
+    a.commit(reservation)
+    io.run_all()
+    a.poll()
+    with a.borrow([big]) as loan:
+        (got,) = loan.tensors
+        assert same(got, embedding(big, 8))  # gathered into a copy
+    fresh, fresh_io = node(store)
+    assert fresh_io is not None and fresh.prefetch("r", [big], [8]).loading == 1
+    assert fresh_io.run_all() == 1  # the pushed object is the two scattered units, in order
+    (fetched,) = fresh.get([big])
+    assert same(fetched, embedding(big, 8))
+
+
+def test_the_pool_gives_the_lowest_adjacent_run_else_the_lowest_free_units() -> None:
+    pool = EmbeddingPool(PoolShape(6, 4, DIM, torch.bfloat16))
+    assert pool.alloc(2) == (0, 1) and pool.alloc(1) == (2,) and pool.alloc(2) == (3, 4)
+    pool.free((0, 1))
+    pool.free((3, 4))
+    assert pool.alloc(3) == (3, 4, 5)  # the lowest run of three
+    assert pool.view((3, 4, 5), 10) is not None
+    assert pool.alloc(2) == (0, 1) and pool.free_count == 0
+    pool.free((0,))
+    pool.free((4,))
+    units = pool.alloc(2)  # no run of two: the lowest free units, apart
+    assert units == (0, 4) and pool.view(units, 8) is None
+    assert [p.shape[0] for p in pool.segments(units, 7)] == [4, 3]
+    for bad in ((0, 0), (9,), (-1,)):
+        with pytest.raises(MisuseError, match="not allocated"):
+            pool.free(bad)
+    with pytest.raises(MisuseError, match="units asked"):
+        pool.alloc(1)
+    assert pool.used_count == 6

@@ -166,11 +166,41 @@ def test_a_write_in_flight_on_another_node_is_invisible_and_not_written_twice() 
     first, second = node("a", store=store), node("b", store=store)
     report = first.insert_batch([A], [2])
     assert second.prefetch("r1", [A], [2]).missing == 1  # I2: not visible yet
-    other = second.insert_batch([A], [2])
-    assert (other.new, other.stored, other.store_skipped) == (1, 0, 1)
-    assert report.op is not None
+    other = second.insert_batch([A], [2])  # a new entry is pushed unasked; it begins nothing
+    assert (other.new, other.stored, other.store_skipped) == (1, 1, 0)
+    assert report.op is not None and other.op is not None
+    assert second.ack_push(other.op) == 1 and second.exists([A]) == (False,)  # nothing written
+    assert state(second, A) is EntryState.READY
     first.ack_push(report.op)
     assert second.exists([A]) == (True,)
+
+
+def test_a_new_entry_the_store_holds_is_pushed_unasked_and_writes_nothing() -> None:
+    store = StoreModel()
+    first, second = node("a", store=store), node("b", store=store)
+    pushed(first, [A], [2])
+    report = second.insert_batch([A, B], [2, 1])
+    assert (report.new, report.stored, report.store_skipped) == (2, 2, 0)
+    assert report.op is not None and state(second, A) is EntryState.PUSHING  # pinned until the ack
+    assert store.writing_keys() == frozenset({second.key(B)})  # only B began a write
+    assert (
+        second.ack_push(report.op, failed=[A]) == 1
+    )  # a failure of the skipped key aborts nothing
+    assert second.exists([A, B]) == (True, True) and store.writing_keys() == frozenset()
+    assert state(second, A) is state(second, B) is EntryState.READY
+
+
+def test_prefetch_without_a_probe_fetches_every_item_that_is_not_local() -> None:
+    store = StoreModel()
+    first, second = node("a", store=store), node("b", store=store)
+    pushed(first, [A], [2])
+    with pytest.raises(MisuseError, match="probe"):
+        second.prefetch("r0", [A], [2], probe=1)  # type: ignore[arg-type]
+    report = second.prefetch("r1", [A, B], [2, 1], probe=False)
+    assert (report.loading, report.local, report.missing) == (2, 0, 0)
+    assert report.op is not None and second.ack_get(report.op) == 1  # B is not in the store
+    assert state(second, A) is EntryState.READY and second.entry(B) is None
+    assert (second.stats.loaded, second.stats.load_failed, second.used_units) == (1, 1, 2)
 
 
 def test_other_key_spaces_do_not_share() -> None:

@@ -166,3 +166,53 @@ def test_a_batch_larger_than_the_store_completes_item_by_item() -> None:
         finally:
             a.close()
             b.close()
+
+
+def test_in_place_insert_and_borrow_through_mooncake(
+    mooncake_store: MooncakeClient, mooncake_cluster: LocalCluster
+) -> None:
+    """Issue 20 item 5 on a real master: a reservation written in place is pushed from the pool,
+    another node borrows it in place after an unprobed prefetch, and a new entry whose objects
+    the store already holds is pushed unasked (the master skips it: rc 0, nothing rewritten)."""
+    keyspace = KeySpace(
+        ModelIdentity(name="clip-inplace", dtype="fp16", kind=KVKind.EMBEDDING, dim=DIM),
+        shard=Shard.replicated(),
+    )
+    media = [content_hash(f"inplace-{name}".encode()) for name in NAMES]
+    want = {m: torch.randn((t, DIM)).to(torch.float16) for m, t in zip(media, TOKENS, strict=True)}
+    caches = [
+        EmbeddingCache(
+            EmbeddingPool(PoolShape(32, 16, DIM, torch.float16)),
+            MooncakeEmbeddingStore(mooncake_store),
+            keyspace,
+        )
+        for _ in range(3)
+    ]
+    a, b, c = caches
+    try:
+        reservation = a.reserve(media, TOKENS)
+        assert reservation.new == tuple(media)
+        for m in media:
+            view = reservation.views[m]
+            assert view is not None  # an empty pool gives every entry adjacent units
+            view.copy_(want[m])
+        report = a.commit(reservation)
+        assert (report.new, report.stored) == (3, 3) and a.flush()
+        assert a.exists(media, TOKENS) == (True, True, True)
+
+        fetched = b.prefetch("r", media, TOKENS, probe=False)
+        assert (fetched.loading, fetched.missing) == (3, 0) and b.wait("r")
+        with b.borrow(media) as loan:
+            assert all(_same(got, want[m]) for got, m in zip(loan.tensors, media, strict=True))
+            assert b.evict(32) == 0  # lent entries are not evicted
+        assert b.evict(32) == sum(-(-t // 16) for t in TOKENS)
+
+        # c computed the same items: pushed unasked, the master keeps the first bytes
+        again = c.insert_batch(media, [torch.zeros_like(want[m]) for m in media])
+        assert (again.new, again.stored, again.store_skipped) == (3, 3, 0) and c.flush()
+        assert c.counters.failed == 0 and c.counters.pushed == 3
+        assert b.prefetch("r2", media, TOKENS).loading == 3 and b.wait("r2")
+        assert all(_same(got, want[m]) for got, m in zip(b.get(media), media, strict=True))
+    finally:
+        for cache in caches:
+            cache.close()

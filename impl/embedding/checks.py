@@ -1,0 +1,76 @@
+"""Argument checks of :class:`~kvstrata.impl.embedding.cache.EmbeddingCache`: each raises a typed
+error (:class:`MisuseError`, :class:`CapacityError`) before the cache changes anything, and
+returns the batch in the form the cache plans with."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+from kvstrata.impl.embedding.entries import Entries
+from kvstrata.impl.embedding.pool import PoolShape
+from kvstrata.impl.errors import CapacityError, MisuseError
+from kvstrata.model.keys import PageHash
+
+__all__ = ["check_hashes", "check_insert", "check_sizes"]
+
+
+def check_hashes(hashes: Iterable[PageHash]) -> tuple[PageHash, ...]:
+    if isinstance(hashes, PageHash | str | bytes):
+        raise MisuseError(f"expected an iterable of PageHash, got {type(hashes).__name__}")
+    out = tuple(hashes)
+    for media in out:
+        if not isinstance(media, PageHash):
+            raise MisuseError(f"a media hash is a PageHash, got {type(media).__name__}")
+    return out
+
+
+def check_insert(
+    entries: Entries, hashes: Iterable[PageHash], tensors: Iterable[torch.Tensor]
+) -> tuple[list[tuple[PageHash, int]], dict[PageHash, torch.Tensor]]:
+    """The batch as (media, tokens) pairs, duplicates merged, and each item's first tensor."""
+    hashes, tensors = check_hashes(hashes), tuple(tensors)
+    if len(hashes) != len(tensors):
+        raise MisuseError(f"insert_batch: {len(hashes)} hashes but {len(tensors)} tensors")
+    for tensor in tensors:
+        _check_tensor(entries.pool.shape, tensor)
+    batch = check_sizes(entries, hashes, [int(t.shape[0]) for t in tensors], merge=True)
+    return batch, {media: tensors[hashes.index(media)] for media, _tokens in batch}
+
+
+def _check_tensor(shape: PoolShape, tensor: object) -> None:
+    if not isinstance(tensor, torch.Tensor):
+        raise MisuseError(
+            f"insert_batch: an embedding is a torch.Tensor, got {type(tensor).__name__}"
+        )
+    if tensor.dtype != shape.dtype:
+        raise MisuseError(f"insert_batch: dtype {tensor.dtype}, the pool holds {shape.dtype}")
+    if tensor.dim() != 2 or tensor.shape[1] != shape.dim:
+        raise MisuseError(f"insert_batch: shape {tuple(tensor.shape)}, want [tokens, {shape.dim}]")
+
+
+def check_sizes(
+    entries: Entries, hashes: Iterable[PageHash], tokens: Iterable[int], *, merge: bool
+) -> list[tuple[PageHash, int]]:
+    """(media, tokens) pairs (duplicates merged when ``merge``); a local entry's token count must
+    match when ``merge``."""
+    hashes, counts = check_hashes(hashes), tuple(tokens)
+    if len(hashes) != len(counts):
+        raise MisuseError(f"{len(hashes)} hashes but {len(counts)} token counts")
+    shape = entries.pool.shape
+    batch: dict[PageHash, int] = {}
+    pairs = []
+    for media, count in zip(hashes, counts, strict=True):
+        if isinstance(count, bool) or not isinstance(count, int) or count <= 0:
+            raise MisuseError(f"a token count is an int > 0, got {count!r}")
+        units = shape.units_for(count)
+        if units > shape.units:
+            raise CapacityError(f"{count} tokens take {units} units, the pool has {shape.units}")
+        entry = entries.get(media)
+        known = batch.get(media, entry.tokens if entry is not None and merge else count)
+        if known != count:
+            raise MisuseError(f"{media} has {known} tokens, not {count}")
+        batch[media] = count
+        pairs.append((media, count))
+    return list(batch.items()) if merge else pairs
