@@ -67,6 +67,7 @@ from kvstrata.impl.embedding import (
 )
 from kvstrata.impl.errors import KvStrataError
 from kvstrata.impl.storage.mooncake import MooncakeClient
+from kvstrata.impl.transfer import InlineExecutor
 from kvstrata.model.keys import KeySpace, KVKind, ModelIdentity, PageHash, Shard
 
 MIB = 1 << 20
@@ -109,7 +110,9 @@ def keyspace_of(cell: Cell) -> KeySpace:
 class Sides:
     """Both sides of one cell: the raw buffers and keys, and the two cache nodes."""
 
-    def __init__(self, cell: Cell, client: MooncakeClient, raw: l3.RawStore) -> None:
+    def __init__(
+        self, cell: Cell, client: MooncakeClient, raw: l3.RawStore, inline: bool = False
+    ) -> None:
         self.cell, self.raw = cell, raw
         gen = torch.Generator().manual_seed(cell.tokens * 7919 + cell.batch)
         self.tensors = [
@@ -127,7 +130,12 @@ class Sides:
         shape = PoolShape(cell.batch, cell.tokens, cell.dim, DTYPE)  # one unit per embedding
         keyspace = keyspace_of(cell)
         self.a, self.b, self.a2, self.b2 = (
-            EmbeddingCache(EmbeddingPool(shape), MooncakeEmbeddingStore(client), keyspace)
+            EmbeddingCache(
+                EmbeddingPool(shape),
+                MooncakeEmbeddingStore(client),
+                keyspace,
+                executor=InlineExecutor() if inline else None,
+            )
             for _ in range(4)
         )
         self.raw_keys: list[list[str]] = []
@@ -252,8 +260,10 @@ def repetition(sides: Sides, client: MooncakeClient, label: str, verify: bool) -
     return seconds
 
 
-def run_cell(cell: Cell, client: MooncakeClient, raw: l3.RawStore, repeats: int) -> dict[str, Any]:
-    sides = Sides(cell, client, raw)
+def run_cell(
+    cell: Cell, client: MooncakeClient, raw: l3.RawStore, repeats: int, inline: bool
+) -> dict[str, Any]:
+    sides = Sides(cell, client, raw, inline)
     samples: dict[str, list[float]] = {name: [] for name in NAMES}
     try:
         repetition(sides, client, f"{cell.shape}/{cell.batch}/warm", verify=True)
@@ -309,6 +319,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--shapes", default="image,small", help=f"of {','.join(SHAPES)}")
     parser.add_argument("--segment-mib", type=int, default=512, help="storage node segment")
     parser.add_argument("--threads", type=int, default=1, help="torch.set_num_threads")
+    parser.add_argument(
+        "--inline",
+        action="store_true",
+        help="the caches run their store calls on the caller's thread (InlineExecutor)",
+    )
     parser.add_argument("--json", type=Path, default=None, help="write every number here")
     args = parser.parse_args(argv)
     try:
@@ -346,6 +361,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "quick": args.quick,
             "segment_bytes": args.segment_mib * MIB,
             "threads": args.threads,
+            "executor": "inline" if args.inline else "thread",
             "cpus": os.cpu_count(),
             "python": platform.python_version(),
             "torch": torch.__version__,
@@ -361,7 +377,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 file=sys.stderr,
                 flush=True,
             )
-            result["cells"].append(run_cell(cell, client, raw, args.repeats))
+            result["cells"].append(run_cell(cell, client, raw, args.repeats, args.inline))
             gc.collect()
     result["seconds"] = time.perf_counter() - started
     result["loadavg"] = {"start": load_start, "end": os.getloadavg()}
@@ -371,7 +387,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 def print_table(result: dict[str, Any]) -> None:
     config = result["config"]
     print(
-        f"float16 embeddings; median of {config['repeats']}; {result['seconds']:.0f} s; "
+        f"float16 embeddings; {config['executor']} executor; median of {config['repeats']}; "
+        f"{result['seconds']:.0f} s; "
         f"1-min load average {result['loadavg']['start'][0]:.2f} -> "
         f"{result['loadavg']['end'][0]:.2f}"
     )

@@ -77,7 +77,7 @@ BENCHMARKS: tuple[Benchmark, ...] = (
         "benchmarks/embedding_throughput.py",
         ("--json", "{out}/embedding.json"),
         ("--quick", "--json", "{out}/embedding.json"),
-        "embedding cache insert_batch / prefetch throughput against the raw Mooncake client",
+        "embedding cache insert / prefetch (copied and in place) against the raw Mooncake client",
     ),
     Benchmark(
         "hybrid",

@@ -17,7 +17,7 @@ from kvstrata.impl.embedding import (
 from kvstrata.impl.embedding.store import status_of_get, status_of_put
 from kvstrata.impl.errors import CapacityError, ConfigError, MisuseError
 from kvstrata.impl.storage.memory import MemoryStore
-from kvstrata.impl.transfer import ManualExecutor
+from kvstrata.impl.transfer import InlineExecutor, ManualExecutor
 from kvstrata.model.keys import KeySpace, KVKind, ModelIdentity, PageHash, Shard, content_hash
 from kvstrata.model.lifecycles import EntryState
 
@@ -393,3 +393,17 @@ def test_the_pool_gives_the_lowest_adjacent_run_else_the_lowest_free_units() -> 
     with pytest.raises(MisuseError, match="units asked"):
         pool.alloc(1)
     assert pool.used_count == 6
+
+
+def test_an_inline_executor_completes_the_put_before_commit_returns(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    store = MemoryEmbeddingStore()
+    pool = EmbeddingPool(PoolShape(4, 4, DIM, torch.bfloat16))
+    a = EmbeddingCache(pool, store, KEYSPACE, executor=InlineExecutor())
+    report = a.insert_batch([A], [embedding(A, 4)])
+    assert report.op == 0 and a.exists([A], [4]) == (True,)  # stored already
+    assert a.pending_ops() == (0,) and a.poll() == 1 and a.counters.pushed == 1
+    InlineExecutor().submit(lambda: 1 / 0)  # a raising job is logged, never raised
+    assert "inline job raised" in caplog.text
+    a.close()

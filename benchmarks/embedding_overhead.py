@@ -1,0 +1,95 @@
+"""The embedding cache's own cost per item, without a store or a thread (issue 20).
+
+A store that answers every put and get DONE at once and every ``exists`` as asked (nothing moves), and
+:class:`~kvstrata.impl.transfer.ManualExecutor`s run right after each call, so what is timed is the
+cache's Python and its copies: node A ``insert_batch`` (one copy per tensor into the pool) + applying
+the put; node B ``prefetch`` + applying the get + ``get`` (one copy per tensor out). 128 KiB float16
+embeddings ([64, 1024]), one unit each, pools of one batch. Prints the median microseconds per item
+over 9600 items. Run it from any tree to compare versions (the module path is printed on stderr).
+
+Usage: python benchmarks/embedding_overhead.py [--batches 1,32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+
+import torch
+
+from kvstrata.impl import embedding
+from kvstrata.impl.embedding import EmbeddingCache, EmbeddingPool, Extent, ExtentStatus, PoolShape
+from kvstrata.impl.transfer import ManualExecutor
+from kvstrata.model.keys import KeySpace, KVKind, ModelIdentity, Shard, StoreKey, content_hash
+
+ITEMS = 9600
+
+
+class NullStore:
+    """Answers at once; ``exists`` says ``there`` for every key."""
+
+    def __init__(self, there: bool) -> None:
+        self.there = there
+
+    def register(self, ptr: int, nbytes: int) -> None:
+        """Nothing to register."""
+
+    def unregister(self, ptr: int) -> None:
+        """Nothing to unregister."""
+
+    def exists(self, keys: Sequence[StoreKey]) -> list[bool]:
+        return [self.there] * len(keys)
+
+    def put(self, extents: Sequence[Extent]) -> list[ExtentStatus]:
+        return [ExtentStatus.DONE] * len(extents)
+
+    def get(self, extents: Sequence[Extent]) -> list[ExtentStatus]:
+        return [ExtentStatus.DONE] * len(extents)
+
+
+def per_item(batch: int) -> dict[str, float]:
+    model = ModelIdentity(name="overhead", dtype="float16", kind=KVKind.EMBEDDING, dim=1024)
+    keyspace = KeySpace(model, shard=Shard.replicated())
+    shape = PoolShape(batch, 64, 1024, torch.float16)
+    io_a, io_b = ManualExecutor(), ManualExecutor()
+    a = EmbeddingCache(EmbeddingPool(shape), NullStore(False), keyspace, executor=io_a)
+    b = EmbeddingCache(EmbeddingPool(shape), NullStore(True), keyspace, executor=io_b)
+    tensors = [torch.randn(64, 1024).to(torch.float16) for _ in range(batch)]
+    seconds: dict[str, list[float]] = {"insert": [], "prefetch+get": []}
+    for call in range(ITEMS // batch):
+        media = [content_hash(f"{call}/{i}".encode()) for i in range(batch)]
+        start = time.perf_counter()
+        a.insert_batch(media, tensors)
+        io_a.run_all()
+        a.poll()
+        middle = time.perf_counter()
+        b.prefetch(f"r{call}", media, [64] * batch)
+        io_b.run_all()
+        b.poll()
+        b.get(media)
+        end = time.perf_counter()
+        b.release(f"r{call}")
+        seconds["insert"].append(middle - start)
+        seconds["prefetch+get"].append(end - middle)
+    return {name: statistics.median(values) * 1e6 / batch for name, values in seconds.items()}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    parser.add_argument("--batches", default="1,32", help="items per call")
+    args = parser.parse_args(argv)
+    print(f"module: {embedding.__file__}", file=sys.stderr)
+    for batch in (int(b) for b in args.batches.split(",")):
+        cost = per_item(batch)
+        print(
+            f"batch {batch}: insert {cost['insert']:.0f} us/item, "
+            f"prefetch+get {cost['prefetch+get']:.0f} us/item"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
