@@ -161,9 +161,10 @@ class Agreement:
                 stopped.add(kind)  # FIFO; a failure waits until no rank copies this direction
                 continue
             direction = Direction.WRITE if kind is FactKind.WRITE else Direction.LOAD
-            landed = value == CopyFact.LANDED
-            completion = Completion(direction, (op_id,), landed, 0)
-            events.append(tiers.copies.apply(completion, tiers.ack, tiers.fail))
-            if not landed:
+            if value == CopyFact.LANDED:
+                completion = Completion(direction, (op_id,), True, 0)
+                events.append(tiers.copies.apply(completion, tiers.ack, tiers.fail))
+            else:  # due: no rank copies this direction any more
+                events.append(tiers.copies.fail_all(direction, tiers.fail))
                 stopped.add(kind)  # every pending op of the direction failed with it
         return events

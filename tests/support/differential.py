@@ -161,12 +161,14 @@ class DifferentialMachine(RuleBasedStateMachine):
             **self.storage(),
         )
         self.stream = DeferredStream()
+        self.stale_copies: list[str] = []
         if self.impl.transfer is not None:
             transfer = self.impl.transfer
             transfer.use_stream(self.stream, chunk_pages=1)
             real_copy = transfer._copy
 
             def copy(direction: Direction, src: np.ndarray, dst: np.ndarray) -> int:
+                self.check_destinations(direction, dst)
                 if self.flaky.fail_next:
                     self.flaky.fail_next = False
                     raise RuntimeError("injected copy failure")
@@ -188,6 +190,26 @@ class DifferentialMachine(RuleBasedStateMachine):
         self.seen: set[tuple[Namespace, tuple[int, ...]]] = set()
         self.locked: list[int] = []
         self.ready = True
+
+    def check_destinations(self, direction: Direction, dst: np.ndarray) -> None:
+        """A copy writes only pages that a pending op of its direction holds: a page freed (by a
+        failed batch, an eviction, ...) while a copy into it is still in flight is a stale offset,
+        whoever gets the page next. Recorded, not raised: the worker turns an exception into a
+        failed batch (:meth:`no_stale_copy` fails the test)."""
+        copies = self.impl._tiers.copies
+        held: set[int] = set()
+        for op in copies.write if direction is Direction.WRITE else copies.load:
+            for node in op.nodes:
+                pages = node.host if direction is Direction.WRITE else node.device
+                if pages is not None:
+                    held.update(int(page) for page in pages)
+        stale = {int(page) for page in dst} - held
+        if stale:
+            self.stale_copies.append(f"a {direction.value} copy writes pages {sorted(stale)}")
+
+    @invariant()
+    def no_stale_copy(self) -> None:
+        assert not getattr(self, "stale_copies", []), self.stale_copies
 
     # ------------------------------------------------------------ hooks for subclasses
     page_first_only = False  # an L3 backend needs a page-first host layout
@@ -386,6 +408,8 @@ class DifferentialMachine(RuleBasedStateMachine):
     def complete_copy_batch(self, fail: bool, at_launch: bool = False) -> None:
         """The oldest copy batch runs to its end; ``fail``: a copy fails as it lands, or (``at_launch``)
         the batch's second copy fails to launch while its first is still in flight."""
+        if fail and len(self.executor.jobs) > 1:
+            event("a copy batch fails while a later batch is queued")
         if fail and at_launch:
             self.executor.step_next()
             self.stream.refuse_next = True

@@ -171,6 +171,34 @@ def test_a_failed_copy_degrades_to_a_smaller_cache() -> None:
     assert cache.match_prefix(tokens).device_pages == 2
 
 
+def test_a_failed_batch_frees_nothing_while_a_later_copy_is_in_flight() -> None:
+    """A failed write-through batch fails every op of its direction, but only once the later
+    batches came back: until then their destination pages stay theirs (no stale offset)."""
+    executor = ManualExecutor()
+    cache, device, _ = build(executor)
+    first, second = list(range(8)), list(range(100, 108))
+    serve(cache, device, first)
+    serve(cache, device, second)
+    transfer = cache.transfer
+    assert transfer is not None and len(executor.jobs) == 2
+    copy = transfer._copy
+
+    def broken(*_args: object) -> int:
+        raise RuntimeError("DMA error")
+
+    transfer._copy = broken
+    executor.run_next()  # the first batch fails; the second is still queued
+    assert [event.op_ids for event in cache.check_events()] == [()]  # the failure waits
+    assert cache.host_free == 32 - 4  # both batches' L2 pages are still held
+    assert cache.pending().write == 2
+    transfer._copy = copy
+    executor.run_next()  # the second batch lands
+    (applied,) = cache.check_events()
+    assert not applied.ok and len(applied.op_ids) == 2  # now every op of the direction fails
+    assert cache.host_free == 32 and cache.pending().write == 0
+    assert cache.residency(first) == cache.residency(second) == (Residency.DEVICE,) * 2
+
+
 def test_page_hashes_match_the_model_schema_in_every_namespace() -> None:
     cache, _, _ = build(ManualExecutor())
     tokens = list(range(12))
