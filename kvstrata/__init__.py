@@ -19,6 +19,9 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
         "PendingWork", "SchedulerCache",
     ),
     "kvstrata.impl.config": ("RadixCacheConfig", "StorageConfig"),
+    "kvstrata.impl.embedding": (
+        "EmbeddingCache", "EmbeddingPool", "MemoryEmbeddingStore", "MooncakeEmbeddingStore", "PoolShape",
+    ),
     "kvstrata.impl.errors": (
         "CacheClosed", "CapacityError", "ConfigError", "KvStrataError", "MisuseError",
         "StoreError", "TpAgreementError", "WrongThread",
@@ -58,6 +61,8 @@ if TYPE_CHECKING:  # what type checkers see: the same names, imported eagerly
     from kvstrata.impl.cache import CacheEvent, HierarchicalRadixCache, InsertResult, MatchResult
     from kvstrata.impl.cache import Node, PendingWork, SchedulerCache
     from kvstrata.impl.config import RadixCacheConfig, StorageConfig
+    from kvstrata.impl.embedding import EmbeddingCache, EmbeddingPool, MemoryEmbeddingStore
+    from kvstrata.impl.embedding import MooncakeEmbeddingStore, PoolShape
     from kvstrata.impl.errors import CacheClosed, CapacityError, ConfigError, KvStrataError
     from kvstrata.impl.errors import MisuseError, StoreError, TpAgreementError, WrongThread
     from kvstrata.impl.pools import DeviceKVPool, HostKVPool, HostLayout, KVShape

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import kvstrata
 from kvstrata.impl.embedding import (
     EmbeddingCache,
     EmbeddingPool,
@@ -407,3 +408,30 @@ def test_an_inline_executor_completes_the_put_before_commit_returns(
     InlineExecutor().submit(lambda: 1 / 0)  # a raising job is logged, never raised
     assert "inline job raised" in caplog.text
     a.close()
+
+
+def test_the_documented_flow_runs_through_the_public_face() -> None:
+    """docs/scheduler.md §8 with the names it imports from ``kvstrata`` (an in-memory store)."""
+    identity = kvstrata.ModelIdentity(
+        name="siglip", dtype="bf16", kind=kvstrata.KVKind.EMBEDDING, dim=DIM
+    )
+    keyspace = kvstrata.KeySpace(identity, shard=kvstrata.Shard.replicated())
+    store = kvstrata.MemoryEmbeddingStore()
+    shape = kvstrata.PoolShape(units=8, unit_tokens=4, dim=DIM, dtype=torch.bfloat16)
+    encoder = kvstrata.EmbeddingCache(kvstrata.EmbeddingPool(shape), store, keyspace)
+    prefill = kvstrata.EmbeddingCache(kvstrata.EmbeddingPool(shape), store, keyspace)
+    reservation = encoder.reserve([A, B], [4, 7])
+    for media, tokens in zip(reservation.new, [4, 7], strict=True):
+        view = reservation.views[media]
+        assert view is not None
+        view.copy_(embedding(media, tokens))
+    assert encoder.commit(reservation).stored == 2 and encoder.flush(10)
+    assert prefill.exists([A, B, C], [4, 7, 4]) == (True, True, False)
+    prefill.prefetch("req-7", [A, B], [4, 7], probe=False)
+    assert prefill.wait("req-7", 10)
+    with prefill.borrow([A, B, C]) as loan:
+        got_a, got_b, miss = loan.tensors
+        assert same(got_a, embedding(A, 4)) and same(got_b, embedding(B, 7)) and miss is None
+    prefill.release("req-7")
+    encoder.close()
+    prefill.close()
