@@ -11,11 +11,14 @@ so a reader that expects another token count misses; a media item whose objects 
 visible is a miss).
 
 Every entry advances only through :data:`~kvstrata.model.lifecycles.EMBEDDING_ENTRY`, with the
-model's rules: ``insert_batch`` fills new entries (FREE -> FILLING -> READY), touches every READY
-entry of the batch and hands those the store lacks to *one* batch put (READY -> PUSHING);
-``prefetch`` allocates LOADING entries for the items that are not local but visible in the store
-and hands them to *one* batch get; LRU eviction takes READY entries only. The I/O runs on an
-:class:`~kvstrata.impl.transfer.Executor` (a thread, or a
+model's rules: ``reserve`` allocates new entries (FREE -> FILLING) for the caller to write in
+place, ``commit`` makes them READY, touches every READY entry of the batch and hands the new ones
+and the local hits the store lacks to *one* batch put (READY -> PUSHING); ``insert_batch`` is the
+two with one copy between; ``prefetch`` allocates LOADING entries for the items that are not local
+(and visible in the store, unless ``probe=False``) and hands them to *one* batch get; ``borrow``
+lends READY entries in place until ``give_back``; LRU eviction takes unlent READY entries only.
+The I/O runs on an :class:`~kvstrata.impl.transfer.Executor` (a thread, an
+:class:`~kvstrata.impl.transfer.InlineExecutor`, or a
 :class:`~kvstrata.impl.transfer.ManualExecutor` in tests); results are queued and applied only on
 the caller's thread (:meth:`EmbeddingCache.poll`, called by every public operation). A result is
 per store object (one status per key, as a real batch call answers), applied item by item as the
@@ -260,8 +263,6 @@ class EmbeddingCache:
         asked = check_hashes(hashes)
         lent = [m for m in dict.fromkeys(asked) if self._readable(m)]
         views = {m: self._entries.view(self._entries[m]) for m in lent}
-        for media in lent:
-            self._entries.touch(media)
         return Loan(self._holds.lend(lent), tuple(views.get(m) for m in asked), self.give_back)
 
     def give_back(self, loan: Loan) -> int:
@@ -376,7 +377,7 @@ class EmbeddingCache:
 
     def _commit(self, reservation: Reservation) -> InsertResult:
         reserved = self._holds.close_reservation(reservation)
-        fresh = self._entries.end_fill([media for media, _gen in reserved.fresh])
+        fresh = {media: self._entries[media] for media, _generation in reserved.fresh}
         hits = {m: e for m in reserved.hits if m not in fresh and (e := self._entries.get(m))}
         # Only the hits are looked up: a new entry is pushed unasked (the store skips a key it
         # holds), a hit the store holds stays READY (readable and evictable).
@@ -385,7 +386,11 @@ class EmbeddingCache:
         items: list[Item] = []
         re_pushed = skipped = busy = 0
         for media, _tokens in reserved.batch:
-            entry = fresh.get(media) or hits.get(media)
+            entry = fresh.get(media)
+            if entry is not None:  # written by the caller: pushed unasked
+                items.append(self._ops.item(self._entries.push_filled(entry)))
+                continue
+            entry = hits.get(media)
             if entry is None:  # did not fit, or gone since the reserve
                 continue
             if entry.state not in PUSHABLE:

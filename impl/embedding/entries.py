@@ -154,21 +154,19 @@ class Entries:
         self._table[media] = entry
         return entry
 
-    def end_fill(self, media: Sequence[PageHash]) -> dict[PageHash, Entry]:
-        """The caller wrote the units of each of ``media``: READY (FILLED), and stored."""
-        ready = EMBEDDING_ENTRY.next(EntryState.FILLING, EntryEvent.FILLED)
-        out = {}
-        for item in media:
-            entry = self._table[item]
-            if entry.state is not EntryState.FILLING:  # the table's own error for anything else
-                EMBEDDING_ENTRY.next(entry.state, EntryEvent.FILLED)
-            out[item] = self._table[item] = _with(entry, state=ready)
-        return out
+    def push_filled(self, entry: Entry) -> Entry:
+        """The caller wrote a FILLING ``entry``: FILLED then PUSH (one value, touched for LRU),
+        stored. One step of the table each, as :meth:`step` would take them."""
+        ready = EMBEDDING_ENTRY.next(entry.state, EntryEvent.FILLED)
+        pushing = EMBEDDING_ENTRY.next(ready, EntryEvent.PUSH)
+        self._table[entry.media] = entry = _with(entry, state=pushing, stamp=self._tick())
+        return entry
 
     def lend(self, media: PageHash, delta: int) -> None:
-        """One loan of ``media``'s units opened (``delta`` 1) or closed (-1)."""
+        """One loan of ``media``'s units opened (``delta`` 1, touched for LRU) or closed (-1)."""
         entry = self._table[media]
-        self.put(_with(entry, readers=entry.readers + delta))
+        stamp = self._tick() if delta > 0 else None
+        self.put(_with(entry, readers=entry.readers + delta, stamp=stamp))
 
     def load(self, media: PageHash, tokens: int) -> Entry:
         """A new LOADING (pinned) entry of ``media`` (FREE -> LOADING), its units unwritten."""

@@ -11,11 +11,11 @@ is the content identity ``Unit(m, i)``, written into the slots, read back from t
 and from the store as a tuple.
 
 Every entry advances only through :data:`~kvstrata.model.lifecycles.EMBEDDING_ENTRY`, in
-:mod:`.entries` alone: a new entry is FREE -> FILLING -> READY (``insert_batch``) or
-FREE -> LOADING -> READY (``prefetch``, then ``ack_get``); a READY entry whose key the store
-accepted is PUSHING until ``ack_push`` or ``fail_push``; a READY entry may be evicted (FREE:
-forgotten, slots freed); a failed GET is FREE at once (forgotten, slots freed). Entries are
-immutable values, replaced with ``attrs.evolve``.
+:mod:`.entries` alone: a new entry is FREE -> FILLING (``reserve``: the caller writes it in place)
+-> READY (``commit``; ``insert_batch`` is both) or FREE -> LOADING -> READY (``prefetch``, then
+``ack_get``); a READY entry in a PUT is PUSHING until ``ack_push`` or ``fail_push``; a READY entry
+no loan names (``borrow`` / ``give_back``) may be evicted (FREE: forgotten, slots freed); a failed
+GET, or an aborted reservation, is FREE at once. Entries are immutable values.
 
 Pushes and GETs are ops with a handle (:mod:`.ops`), completed when the caller (a test, or the I/O
 worker) says so, item by item as a real batch call answers (one code per key): ``ack_push(handle,
@@ -32,7 +32,7 @@ nothing); a batch's own local hits are never its LRU victims (the PUT hands thei
 store); only READY entries are read (``get``) or pushed; every mutating call ends with
 :meth:`EmbeddingCacheModel.check_invariants`, which also checks I2: every visible embedding object
 holds exactly the units its key names (the store is never poisoned). I5 and I7 are checked by the
-pieces that own the state they are about (:mod:`.entries`, :mod:`.ops`).
+pieces that own the state they are about (:mod:`.entries`, :mod:`.ops`, :mod:`.holds`).
 
 Design choice: ``get`` returns content for READY entries only, as SPEC §6 says ("only ready
 entries are read"); a PUSHING entry's bytes are complete, but it is a miss until its push acks.
