@@ -69,9 +69,6 @@ class Holds:
     _loans: dict[Hold, tuple[PageHash, ...]] = attrs.field(init=False, factory=dict)
     _next: int = attrs.field(init=False, default=0)
 
-    def handles(self) -> tuple[Hold, ...]:
-        return tuple(sorted([*self._reserved, *self._loans], key=lambda hold: hold.seq))
-
     def reservation(self, hold: Hold) -> Reserved:
         """The open reservation ``hold``; :class:`MisuseError` if it is not one."""
         reserved = self._reserved.get(hold) if isinstance(hold, Hold) else None
