@@ -171,7 +171,9 @@ class StorageConfig:
     (``probe_deadline_s`` for a probe) counts as a fault; a fault makes the store suspect, a
     failed probe (or a second fault) makes it down: reads answer nothing at once, backups wait in a
     queue of at most ``backup_deferred_pages`` pages (the oldest are dropped and counted), and
-    probes retry after ``probe_backoff_s``, doubling up to ``probe_backoff_cap_s``.
+    probes retry after ``probe_backoff_s``, doubling up to ``probe_backoff_cap_s``. For
+    ``remount_grace_s`` after the store came back, a backup refused only as full spends no retry
+    (a restarted master refuses puts until its clients remount their segments: about 1 s).
     """
 
     prefetch_threshold: int = attrs.field(default=256, validator=_non_negative)
@@ -192,6 +194,7 @@ class StorageConfig:
     probe_backoff_s: float = attrs.field(default=0.05, validator=_non_negative_float)
     probe_backoff_cap_s: float = attrs.field(default=0.5, validator=_non_negative_float)
     backup_deferred_pages: int = attrs.field(default=4096, validator=_non_negative)
+    remount_grace_s: float = attrs.field(default=5.0, validator=_non_negative_float)
 
     def prefetch_timeout(self, tokens: int) -> float:
         """Seconds the ``timeout`` policy waits for a prefetch of ``tokens`` tokens."""

@@ -20,7 +20,12 @@ Store down (issue 17; model: ``StoreLinkModel``): a backup the link refuses is *
 kept, in a queue bounded by ``backup_deferred_pages`` pages; when a new one would overflow it, the
 oldest are dropped (unpinned, counted in ``backup_dropped_pages``). :meth:`Backups.resume` issues
 them again, in order, once the store is back; :meth:`Backups.republish` backs up every L2 node again
-after the store came back empty.
+after the store came back empty. For ``StorageConfig.remount_grace_s`` after the store came back
+(:meth:`Backups.recovered`), a batch whose only failures are "full" spends no retry: a restarted
+Mooncake master refuses puts until its clients have remounted their segments (MOONCAKE.md §5.3,
+about 1 s), and abandoning the re-published L2 then would lose what the recovery is for. Its
+back-off still grows (``BackupOp.waits``), and the grace ends, so a store really full is abandoned
+as before.
 """
 
 from __future__ import annotations
@@ -71,6 +76,7 @@ class BackupOp:
     refs: list[PageRef]
     state: BackupState = BackupState.QUEUED
     attempts: int = 0
+    waits: int = 0  # retries that spent no attempt (full within the remount grace): back-off only
     retry_at: float = 0.0
     states: list[StateInfo] = attrs.field(factory=list)
     state_digests: bytes = b""
@@ -104,6 +110,24 @@ class Backups:
         #: and reported, never released here
         self.agreed = False
         self._deferred_pages = 0  # sum of the deferred ops' pages (kept, not recounted)
+        self._grace_until = float("-inf")  # "full" spends no retry before this (remounting)
+
+    def recovered(self) -> None:
+        """The store came back: for ``remount_grace_s``, a batch refused only as full spends no
+        retry (its clients may not have remounted their segments yet)."""
+        self._grace_until = self._now() + self.config.remount_grace_s
+
+    def _spends_attempt(self, result: BackupResult) -> bool:
+        """Whether ``result`` counts against its op's retries: not when it was never tried (the
+        store went down), nor when its only failures are "full" within the remount grace."""
+        if result.skipped:
+            return False
+        if self._now() >= self._grace_until:
+            return True
+        statuses = [*result.statuses, *result.states]
+        return not statuses or any(
+            not status.ok and status is not PutStatus.FULL for status in statuses
+        )
 
     def enqueue(
         self, namespace: Namespace, nodes: list[Node], state_node: Node | None = None
@@ -237,7 +261,7 @@ class Backups:
         failed, states_failed = self._failures(op, result)
         if not any(failed) and not any(states_failed):
             return BackupFact.STORED
-        attempts = op.attempts - (1 if result.skipped else 0)
+        attempts = op.attempts - (0 if self._spends_attempt(result) else 1)
         return BackupFact.GIVE_UP if attempts > self.config.backup_retries else BackupFact.RETRY
 
     @staticmethod
@@ -260,8 +284,10 @@ class Backups:
         if agreed is not None and agreed is not BackupFact.STORED:
             failed, states_failed = [True] * len(failed), [True] * len(states_failed)
         counters = self._counters
-        if result.skipped:  # not tried (the store went down): not an attempt, retried at once
+        waited = False
+        if not self._spends_attempt(result):  # never tried, or full while remounting
             op.attempts -= 1
+            waited = not result.skipped
         for status in result.statuses if not result.skipped else ():
             counters.backup_pages[status.value] += 1
         counters.backup_bytes += self._page_nbytes * sum(
@@ -288,6 +314,7 @@ class Backups:
         if abandon:
             counters.backup_abandoned_pages += sum(failed)
             return
+        op.waits += waited
         retry = self._retry_op(op, failed, states_failed, skipped=result.skipped)
         self.ops[retry.op_id] = retry
         self._retry.append(retry)
@@ -309,7 +336,9 @@ class Backups:
             op.host[mask] if len(mask) else op.host,
             [ref for ref, bad in zip(op.refs, failed, strict=True) if bad],
             attempts=op.attempts,
-            retry_at=self._now() + (0.0 if skipped else self.config.backoff(op.attempts)),
+            waits=op.waits,
+            retry_at=self._now()
+            + (0.0 if skipped else self.config.backoff(op.attempts + op.waits)),
             states=[info for info, bad in zip(op.states, states_failed, strict=True) if bad],
             state_digests=b"".join(
                 op.state_digests[i * _DIGEST : (i + 1) * _DIGEST]

@@ -82,6 +82,7 @@ class L3Tier:
         for result in results:
             self.reports.hold(result)
         if recovery is not None:
+            self.backup.recovered()
             self.backup.resume()
             self.reports.republish |= recovery.republish
         self.backup.resubmit_due()
@@ -120,6 +121,7 @@ class L3Tier:
             else:
                 self.prefetch.apply_fetch(result)
         if recovery is not None:
+            self.backup.recovered()
             self.backup.resume()
             if recovery.republish:
                 self.backup.republish(self._tree.host_nodes())

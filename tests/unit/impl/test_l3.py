@@ -54,10 +54,11 @@ class Rig:
         store: MemoryStore | None = None,
         config: StorageConfig | None = None,
         host_pages: int = 16,
+        backend: type[MemoryBackend] = MemoryBackend,
     ) -> None:
         self.device = DeviceKVPool(SHAPE, 16, "cpu")
         self.host = HostKVPool(SHAPE, host_pages, HostLayout.PAGE_FIRST)
-        self.backend = MemoryBackend(KEYS, store=store if store is not None else MemoryStore())
+        self.backend = backend(KEYS, store=store if store is not None else MemoryStore())
         self.copies = ManualExecutor()
         self.io = ManualExecutor()
         self.cache = HierarchicalRadixCache.build(
@@ -145,6 +146,60 @@ def test_store_full_is_a_counted_miss_and_succeeds_on_retry() -> None:
     assert rig.counters.backup_pages["full"] == 4
     assert rig.counters.backup_pages["stored"] == 4
     assert rig.backend.exists(rig.cache.namespace_of(None), chain_page_hashes(TOKENS, PAGE)) == 4
+
+
+class Unreachable(MemoryBackend):
+    """Raises on every call while ``unreachable``: a store the link judges down."""
+
+    unreachable = False
+
+    def put(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        if self.unreachable:
+            raise ConnectionError("store unreachable")
+        return super().put(*args, **kwargs)
+
+    def exists(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        if self.unreachable:
+            raise ConnectionError("store unreachable")
+        return super().exists(*args, **kwargs)
+
+
+def test_full_right_after_the_store_came_back_spends_no_retry() -> None:
+    """A restarted Mooncake master answers puts "full" until its clients have remounted their
+    segments (MOONCAKE.md §5.3). Within ``remount_grace_s`` of a recovery such answers spend no
+    retry, so the backups deferred while the store was down land; after the grace they count again,
+    and a store really full is abandoned as before."""
+    config = StorageConfig(backup_retries=1, backup_backoff_s=0, remount_grace_s=5.0)
+    rig = Rig(config=config, backend=Unreachable)
+    backend = rig.backend
+    assert isinstance(backend, Unreachable)
+    l3 = rig.cache.l3
+    assert l3 is not None
+    backend.unreachable = True
+    rig.insert(TOKENS)  # fails (spending its retries) and takes the link down
+    rig.settle()
+    assert l3.link.state is Health.DOWN
+    abandoned = rig.counters.backup_abandoned_pages
+    outage = [t + 500 for t in TOKENS]
+    rig.insert(outage)
+    rig.settle()
+    assert l3.backup.deferred, "the backup waits for the store"
+    backend.unreachable = False
+    rig.backend.fail_next(4, status=PutStatus.FULL, op="put")  # more than backup_retries + 1
+    rig.clock.now = 1.0  # the probe's back-off is over
+    rig.settle()
+    assert l3.link.state is Health.HEALTHY and l3.link.recoveries == 1
+    assert rig.counters.backup_pages["full"] >= 4 * 4
+    assert rig.counters.backup_abandoned_pages == abandoned
+    assert rig.backend.exists(rig.cache.namespace_of(None), chain_page_hashes(outage, PAGE)) == 4
+    # the grace is over: "full" spends retries again
+    rig.clock.now = 7.0
+    rig.backend.fail_next(2, status=PutStatus.FULL, op="put")
+    later = [t + 1000 for t in TOKENS]
+    rig.insert(later)
+    rig.settle()
+    assert rig.counters.backup_abandoned_pages == abandoned + 4
+    assert all(node.backup_pins == 0 for node in rig.cache.nodes())
 
 
 def test_backup_waits_for_back_off() -> None:
