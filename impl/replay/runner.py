@@ -81,10 +81,11 @@ def _cache(
     io = (
         None
         if store is None
-        else Lanes(  # reads, backups and probes apart: a prefetch never waits behind a backup
+        else Lanes(  # fetches, backups, probes and queries apart (model/l3/health.py)
             signalling_executor(progress, "kvstrata-l3-read"),
             signalling_executor(progress, "kvstrata-l3-write"),
             signalling_executor(progress, "kvstrata-l3-probe"),
+            signalling_executor(progress, "kvstrata-l3-query"),
         )
     )
     try:

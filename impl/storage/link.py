@@ -1,9 +1,10 @@
 """The store link: lanes, deadlines and the store's health (issue 17; model:
 ``kvstrata.model.l3.health``, table ``STORE_HEALTH``).
 
-Every store call of one cache goes through one :class:`StoreLink`. It runs on three lanes, each its
-own executor (a worker thread by default): ``READ`` (prefetch queries and fetches), ``WRITE``
-(backups) and ``PROBE`` (health probes), so a prefetch never queues behind a backup. The link keeps a
+Every store call of one cache goes through one :class:`StoreLink`. It runs on four lanes, each its
+own executor (a worker thread by default): ``QUERY`` (prefetch queries), ``READ`` (prefetch
+fetches), ``WRITE`` (backups) and ``PROBE`` (health probes), so a prefetch never queues behind a
+backup and a query never behind a fetch. The link keeps a
 record per call (when its lane began it, when it returned, whether it showed a sign of an outage) and
 judges each call once, on the scheduler thread, in :meth:`StoreLink.poll`: a returned call by its
 outcome and duration, a running call as soon as it is past its deadline. The judgements advance the
@@ -113,11 +114,14 @@ class _Job:
 
 @attrs.frozen
 class Lanes:
-    """One executor per lane (tests pass stepped executors; one executor may serve several)."""
+    """One executor per lane (tests pass stepped executors; one executor may serve several).
+    ``query`` left out: the read lane's executor runs the queries too (each lane keeps its own
+    order; a query may then wait behind a fetch)."""
 
     read: Executor
     write: Executor
     probe: Executor
+    query: Executor | None = None
 
     @classmethod
     def threads(cls) -> Lanes:
@@ -125,21 +129,30 @@ class Lanes:
             ThreadExecutor("kvstrata-l3-read"),
             ThreadExecutor("kvstrata-l3-write"),
             ThreadExecutor("kvstrata-l3-probe"),
+            ThreadExecutor("kvstrata-l3-query"),
         )
 
     @classmethod
     def shared(cls, executor: Executor) -> Lanes:
-        return cls(executor, executor, executor)
+        return cls(executor, executor, executor, executor)
 
     def of(self, lane: Lane) -> Executor:
+        if lane is Lane.QUERY:
+            return self.read if self.query is None else self.query
         return {Lane.READ: self.read, Lane.WRITE: self.write, Lane.PROBE: self.probe}[lane]
 
+    def executors(self) -> list[Executor]:
+        """Every distinct executor, each once, in lane order."""
+        found: list[Executor] = []
+        for lane in Lane:
+            executor = self.of(lane)
+            if all(executor is not seen for seen in found):
+                found.append(executor)
+        return found
+
     def close(self) -> None:
-        seen: set[int] = set()
-        for executor in (self.read, self.write, self.probe):
-            if id(executor) not in seen:
-                seen.add(id(executor))
-                executor.close()
+        for executor in self.executors():
+            executor.close()
 
 
 class StoreLink:

@@ -6,10 +6,12 @@ clock); nothing here sleeps, reads a clock or does I/O. The implementation
 threads; ``tests/stateful/test_store_health_differential.py`` holds the two together.
 
 Lanes
-    Every store call runs on one of three lanes (:data:`LANE_OF`): ``READ`` (prefetch queries and
-    fetches), ``WRITE`` (backups), ``PROBE`` (health probes). A lane runs its calls one at a time in
-    submission order; lanes are independent, so a read never queues behind a backup and a probe never
-    queues behind either.
+    Every store call runs on one of four lanes (:data:`LANE_OF`): ``QUERY`` (prefetch queries),
+    ``READ`` (prefetch fetches), ``WRITE`` (backups), ``PROBE`` (health probes). A lane runs its
+    calls one at a time in submission order; lanes are independent, so a read never queues behind a
+    backup, a probe never queues behind any other call, and a query never queues behind a fetch: a
+    new request learns its L3 hit while earlier fetches still run, and the first fetch of a burst
+    of prefetches starts when its own query returns, not after every query of the burst.
 
 Skipping
     A call a lane begins while the store is not serving (queued before the outage) is *skipped*: it
@@ -64,6 +66,7 @@ __all__ = [
 
 
 class Lane(enum.Enum):
+    QUERY = "query"
     READ = "read"
     WRITE = "write"
     PROBE = "probe"
@@ -77,7 +80,7 @@ class CallKind(enum.Enum):
 
 
 LANE_OF: dict[CallKind, Lane] = {
-    CallKind.QUERY: Lane.READ,
+    CallKind.QUERY: Lane.QUERY,
     CallKind.FETCH: Lane.READ,
     CallKind.BACKUP: Lane.WRITE,
     CallKind.PROBE: Lane.PROBE,

@@ -2,7 +2,7 @@
 
 The implementation is a whole :class:`HierarchicalRadixCache` with an L3 store that can go down
 (every call raises ``StoreUnavailable``), hang (a call its lane began and has not finished), and come
-back empty (its contents lost). Its three lanes are stepped executors (a rule begins a lane's oldest
+back empty (its contents lost). Its four lanes are stepped executors (a rule begins a lane's oldest
 call and leaves it running; another finishes it) and its clock is a fake one the machine advances.
 
 The model follows through two spies on the implementation's link: every ``submit`` the cache makes is
@@ -131,7 +131,10 @@ class StoreHealthMachine(RuleBasedStateMachine):
             storage=self.backend,
             storage_config=config,
             storage_executor=Lanes(
-                self.lanes[Lane.READ], self.lanes[Lane.WRITE], self.lanes[Lane.PROBE]
+                self.lanes[Lane.READ],
+                self.lanes[Lane.WRITE],
+                self.lanes[Lane.PROBE],
+                self.lanes[Lane.QUERY],
             ),
         )
         l3 = self.cache.l3
@@ -234,8 +237,8 @@ class StoreHealthMachine(RuleBasedStateMachine):
         if op_id is None:
             return
         self.open[op_id] = self.now
-        if self.lane_busy(Lane.READ):
-            self.finish_call(Lane.READ)  # the query; its hit starts the fetch
+        if self.lane_busy(Lane.QUERY):
+            self.finish_call(Lane.QUERY)  # the query; its hit starts the fetch
         op = self.l3.prefetches.get(op_id)
         if op is None or op.state is not PrefetchState.LOADING or not self.lane_busy(Lane.READ):
             return

@@ -30,7 +30,7 @@ def workers(cache: HierarchicalRadixCache) -> list[ThreadExecutor]:
         found.append(cache.transfer.executor)
     if cache.l3 is not None:
         lanes = cache.l3.link.lanes
-        for executor in (lanes.read, lanes.write, lanes.probe):
+        for executor in lanes.executors():
             if isinstance(executor, ThreadExecutor) and executor not in found:
                 found.append(executor)
     return found

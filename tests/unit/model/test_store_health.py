@@ -48,7 +48,7 @@ def test_down_answers_reads_at_once_defers_backups_and_backs_off() -> None:
     link.poll(0.0)
     assert link.state is Health.DOWN and link.probe_at == pytest.approx(0.1)
     assert not link.submit(CallKind.QUERY, 2, 4, now=0.0)
-    assert link.answered_nothing == 1 and not link.lanes[Lane.READ]
+    assert link.answered_nothing == 1 and not link.lanes[Lane.QUERY]
     assert not link.submit(CallKind.BACKUP, 3, 5, now=0.0)
     assert not link.submit(CallKind.BACKUP, 4, 5, now=0.0)  # 10 pages > 8: the oldest is dropped
     assert link.deferred == [(4, 5)] and link.dropped_pages == 5
@@ -82,8 +82,8 @@ def test_a_hung_call_is_judged_once_at_its_deadline() -> None:
 def test_a_slow_return_is_a_fault_even_when_it_succeeded() -> None:
     link = StoreLinkModel(CONFIG)
     link.submit(CallKind.QUERY, 1, 1, now=0.0)
-    link.begin(Lane.READ, 0.0)
-    link.finish(Lane.READ, 3.0, fault=False)
+    link.begin(Lane.QUERY, 0.0)
+    link.finish(Lane.QUERY, 3.0, fault=False)
     link.poll(3.0)
     assert link.state is Health.SUSPECT
 
@@ -141,3 +141,18 @@ def test_every_policy_stops_waiting_at_the_deadline(policy: PrefetchPolicy) -> N
     assert wait_over(policy, loading=False, waited=0.0, limit=5.0, deadline=1.0)
     unbounded = wait_over(policy, loading=True, waited=100.0, limit=5.0)
     assert unbounded is (policy is not PrefetchPolicy.WAIT_COMPLETE)
+
+
+def test_a_query_does_not_queue_behind_a_fetch() -> None:
+    """Queries have their own lane: a new request's query runs while an earlier fetch still does."""
+    link = StoreLinkModel(CONFIG)
+    assert link.submit(CallKind.FETCH, 1, 64, now=0.0)
+    link.begin(Lane.READ, 0.0)
+    assert link.submit(CallKind.QUERY, 2, 64, now=0.1)
+    assert [call.op_id for call in link.lanes[Lane.QUERY]] == [2]
+    link.begin(Lane.QUERY, 0.1)
+    link.finish(Lane.QUERY, 0.2, fault=False)
+    link.poll(0.2)
+    assert [call.op_id for call in link.lanes[Lane.READ]] == [1]
+    assert link.state is Health.HEALTHY
+    link.check()

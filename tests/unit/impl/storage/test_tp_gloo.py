@@ -87,7 +87,7 @@ cache = HierarchicalRadixCache.build(
     storage_config=StorageConfig(
         prefetch_threshold=PAGE, prefetch_policy="wait_complete", backup_backoff_s=0.0
     ),
-    storage_executor=Lanes(*(signalling_executor(progress, n) for n in ("read", "write", "probe"))),
+    storage_executor=Lanes(*(signalling_executor(progress, n) for n in ("read", "write", "probe", "query"))),
     tp_group=TorchTpGroup(timeout_s=spec["timeout"]),
 )
 kv = KVSynth(shape, seed=1000 + rank)  # each rank's shard of the KV differs
