@@ -116,8 +116,10 @@ class CachePort:
     ) -> tuple[int, Node | None]:
         """The model's ``_commit_pages``: pages the tree already has give their slot back; the rest
         become one host-only leaf if its parent is host-claimed or a root (I3), else are given
-        back."""
+        back. Nothing arrived: the tree is not touched (no split where the prefix ends)."""
         arrived = len(host)
+        if not arrived:
+            return 0, None
         root, path, matched, fps = self._index.walk_split(tokens, namespace)
         last = path[-1] if path else root
         have = max(0, min(arrived, matched - prefix_pages))

@@ -284,9 +284,12 @@ class Prefetch:
     def _commit_pages(self, op: PrefetchOp) -> int:
         """Attach the arrived pages under the node the prefix ends at. Pages that are already in the
         tree give their slot back; the rest become one host-only leaf if its parent has a host copy
-        (I3), else they are given back too."""
+        (I3), else they are given back too. Nothing arrived: the tree is not touched (no split
+        where the prefix ends: a commit that adds nothing changes nothing)."""
         size = self.config.page_size
         arrived = op.arrived
+        if not arrived:
+            return 0
         tokens = op.prefix_tokens + tuple(t for page in op.page_tokens[:arrived] for t in page)
         walk = self.tree.walk(tokens, op.namespace, split=True)
         have = min(arrived, walk.matched_pages - len(op.prefix_tokens) // size)

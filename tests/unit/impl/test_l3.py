@@ -426,3 +426,27 @@ def test_long_nodes_are_cut_into_batches_and_splits_keep_pins_exact() -> None:
     rig.settle()
     assert all(n.backup_pins == 0 for n in rig.cache.nodes())
     assert rig.counters.backup_pages["stored"] == 4
+
+
+def test_a_prefetch_that_found_nothing_leaves_the_tree_as_it_is() -> None:
+    """A prefetch whose query found nothing commits nothing, and touches nothing: it does not
+    split the node that a later request inserted over its prefix (found by the L3 differential
+    machine: the model never splits there)."""
+    rig = Rig(config=StorageConfig(prefetch_threshold=PAGE, backup_backoff_s=0))
+    prefix = TOKENS[: 2 * PAGE]
+    rig.insert(prefix)
+    rig.settle()
+    longer = [*prefix, *range(900, 900 + PAGE)]  # its third page is in no store
+    op = rig.cache.prefetch(longer)
+    assert op is not None
+    rig.settle()
+    assert rig.cache.prefetch_ready(op)
+    rig.cache.evict(10**6)
+    rig.cache.evict_host(10**6)
+    assert rig.cache.residency(prefix) == ()
+    rig.insert(longer)  # one new node of three pages
+    rig.settle()
+    assert rig.cache.residency(prefix) == (), "the three pages are one node"
+    assert rig.cache.prefetch_commit(op) == 0
+    assert rig.cache.residency(prefix) == (), "a commit of nothing split the node"
+    assert len(rig.cache.residency(longer)) == 3
