@@ -41,7 +41,12 @@ Rows of the throughput table (per cell; ``time.perf_counter`` around the store c
    own backend on the same client) calling ``prefetch`` for the same requests (``wait_complete``)
    until every op is ready and committed (an ``exists`` query plus a ``get`` per request). Its ratio
    is against a raw put/get of the same bytes run right before or after it in each repetition
-   (the ``cache_raw`` row).
+   (the ``cache_raw`` row);
+6. ``cache_l2`` (informative): the same, except that cache A's write lane holds its backups until
+   every write-through copy has landed on L2, and *backup* is timed from then: the cache's store
+   path alone. On a CPU-only machine the L1 -> L2 copy is a memcpy of the same bytes on the same
+   cores as the store's TCP transfer, so the ``cache`` row's backup shares the CPU with it (a GPU's
+   copy engine would not); *prefetch* is measured again as in ``cache``.
 
 Method. Rows 1-4 (with ``exists_first``) are interleaved call by call: for each batch the five paths
 issue their call in an order that rotates from batch to batch, so that a burst of load from other
@@ -67,7 +72,8 @@ Exit status: 0 when everything ran; 1 when a store call failed, bytes came back 
 not complete (one line on stderr, no traceback); 2 when the cluster cannot be started here.
 
 Usage: python benchmarks/l3_throughput.py [--quick] [--repeats N] [--sizes 64,256,1024,4096]
-       [--segment-mib M] [--threads 1] [--skip-cache] [--skip-exists] [--json PATH]
+       [--segment-mib M] [--threads 1] [--skip-cache] [--skip-exists] [--cache-schema 1|2]
+       [--query-on-read-lane] [--json PATH]
 """
 
 from __future__ import annotations
@@ -97,7 +103,9 @@ from kvstrata.impl.config import RadixCacheConfig, StorageConfig
 from kvstrata.impl.errors import KvStrataError, StoreUnavailable
 from kvstrata.impl.pools import DeviceKVPool, HostKVPool, HostLayout, KVShape
 from kvstrata.impl.storage.base import GetStatus, PutStatus
+from kvstrata.impl.storage.link import Lanes
 from kvstrata.impl.storage.mooncake import LocalCluster, MooncakeBackend, MooncakeClient
+from kvstrata.impl.transfer import Executor, ThreadExecutor
 from kvstrata.model.keys import KeySpace, KVKind, ModelIdentity, Namespace, PageHash, StoreKey
 
 KIB = 1 << 10
@@ -133,6 +141,7 @@ PATH_NAMES = {
     "staged": "backend, page_first (staged)",
     "cache_raw": "raw, run next to each cache run",
     "cache": "cache backup / prefetch",
+    "cache_l2": "cache backup once on L2 (write-through landed first) / prefetch",
 }
 
 
@@ -505,18 +514,51 @@ def settle(cache: HierarchicalRadixCache, done: Callable[[], bool], what: str) -
         time.sleep(POLL_S)
 
 
+class Gate:
+    """An executor that holds its jobs while ``holding`` and hands them to ``inner`` in order when
+    :meth:`release` runs (cache A's write lane in the ``cache_l2`` row). A held store call has not
+    begun, so no deadline runs for it."""
+
+    def __init__(self, inner: Executor) -> None:
+        self.inner = inner
+        self.held: list[Callable[[], None]] = []
+        self.holding = False
+
+    def submit(self, job: Callable[[], None]) -> None:
+        if self.holding:
+            self.held.append(job)
+        else:
+            self.inner.submit(job)
+
+    def release(self) -> None:
+        self.holding = False
+        held, self.held = self.held, []
+        for job in held:
+            self.inner.submit(job)
+
+    def close(self) -> None:
+        self.release()
+        self.inner.close()
+
+
 class CachePath:
     """Cache A (a device pool, the direct host pool and its backend) backs up; cache B (its own direct
     host pool, its own backend on the same client) prefetches what A backed up."""
 
     def __init__(
-        self, client: MooncakeClient, cell: Cell, host_a: HostKVPool, backend_a: MooncakeBackend
+        self,
+        client: MooncakeClient,
+        cell: Cell,
+        host_a: HostKVPool,
+        backend_a: MooncakeBackend,
+        query_lane: bool = True,
     ) -> None:
         shape, schema = shape_of(cell), backend_a.keyspace.schema
         self.cell = cell
         self.device = DeviceKVPool(shape, cell.pages, "cpu")
         fill(self.device, 7 << 40)
         config = RadixCacheConfig(page_size=cell.tokens)
+        self.gate = Gate(ThreadExecutor("bench-l3-write"))
         self.a = HierarchicalRadixCache.build(
             config,
             self.device,
@@ -524,6 +566,12 @@ class CachePath:
             storage=backend_a,
             storage_config=StorageConfig(
                 prefetch_threshold=cell.tokens, backup_batch_pages=cell.batch
+            ),
+            storage_executor=Lanes(
+                ThreadExecutor("bench-l3-read"),
+                self.gate,
+                ThreadExecutor("bench-l3-probe"),
+                ThreadExecutor("bench-l3-query"),
             ),
         )
         layout = HostLayout.PAGE_MAJOR if schema == 2 else HostLayout.PAGE_FIRST_DIRECT
@@ -539,6 +587,12 @@ class CachePath:
                 prefetch_policy="wait_complete",
                 prefetch_reserve_fraction=1.0,
             ),
+            storage_executor=Lanes(
+                ThreadExecutor("bench-l3-read"),
+                ThreadExecutor("bench-l3-write"),
+                ThreadExecutor("bench-l3-probe"),
+                ThreadExecutor("bench-l3-query") if query_lane else None,
+            ),
         )
         self.next_token = 1
 
@@ -551,17 +605,24 @@ class CachePath:
             self.next_token += span
         return out
 
-    def run(self) -> tuple[float, float, int]:
-        """Seconds of the backup and of the prefetch of one cell's bytes, and backup retries."""
+    def run(self, from_l2: bool = False) -> tuple[float, float, int]:
+        """Seconds of the backup and of the prefetch of one cell's bytes, and backup retries.
+        ``from_l2``: the backups wait until every write-through copy landed, and are timed from
+        then (the ``cache_l2`` row)."""
         a, b, cell = self.a, self.b, self.cell
         tier_a, tier_b = a.l3, b.l3
         assert tier_a is not None and tier_b is not None
         requests = self._requests()
         counters = tier_a.counters
         stored, retries = counters.backup_pages["stored"], counters.backup_retries
+        self.gate.holding = from_l2
         start = time.perf_counter()
         for tokens in requests:
             a.insert(tokens, a.alloc_device(cell.batch))
+        if from_l2:  # one backup op per request (backup_batch_pages = batch)
+            settle(a, lambda: len(self.gate.held) == cell.calls, "the write-through copies")
+            start = time.perf_counter()
+            self.gate.release()
         settle(a, a.idle, "cache backup")
         backup_s = time.perf_counter() - start
         stored = counters.backup_pages["stored"] - stored
@@ -602,6 +663,7 @@ def run_cell(
     with_cache: bool,
     *,
     cache_schema: int = 1,
+    query_lane: bool = True,
 ) -> dict[str, Any]:
     """Every row of one cell (see the module docstring)."""
     started = time.perf_counter()
@@ -621,7 +683,7 @@ def run_cell(
         "direct_one_object": MooncakeBackend(client, one_object),
         "one_object_parts": MooncakeBackend(client, one_object),
     }
-    samples = {name: Samples() for name in (*INTERLEAVED, "cache_raw", "cache")}
+    samples = {name: Samples() for name in (*INTERLEAVED, "cache_raw", "cache", "cache_l2")}
     retries = 0
     try:
         backends["direct"].attach(direct)
@@ -664,6 +726,7 @@ def run_cell(
                     backend=backends[cached],
                     repeats=repeats,
                     samples=samples,
+                    query_lane=query_lane,
                 )
     finally:
         for backend in backends.values():
@@ -713,15 +776,18 @@ def run_cache(
     backend: MooncakeBackend,
     repeats: int,
     samples: dict[str, Samples],
+    query_lane: bool = True,
 ) -> int:
-    """Cache rows: each repetition runs the cache and, right before or after it (alternating), the
-    raw put/get of the same bytes that its ratio is taken against. Returns backup retries seen."""
-    cache = CachePath(client, cell, direct, backend)
+    """Cache rows: each repetition runs the raw put/get of the same bytes that their ratios are
+    taken against, the cache, and the cache from L2, in an order that rotates from repetition to
+    repetition. Returns backup retries seen."""
+    cache = CachePath(client, cell, direct, backend, query_lane)
     raw = raw_path.raw
     retries = 0
     try:
+        paths = ("raw", "cache", "cache_l2")
         for rep in range(-1, repeats):  # -1: warm-up, not recorded
-            order = ("raw", "cache") if rep % 2 else ("cache", "raw")
+            order = paths[rep % 3 :] + paths[: rep % 3]
             for what in order:
                 if what == "raw":
                     put_s, get_s = run_alone(
@@ -729,9 +795,9 @@ def run_cache(
                     )
                     into = samples["cache_raw"]
                 else:
-                    put_s, get_s, retried = cache.run()
+                    put_s, get_s, retried = cache.run(from_l2=what == "cache_l2")
                     retries += retried if rep >= 0 else 0
-                    into = samples["cache"]
+                    into = samples[what]
                 clear(client, raw)
                 if rep >= 0:
                     into.put.append(put_s)
@@ -881,6 +947,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="the cache rows' key schema: 1 (page_first_direct pools) or 2 (page_major pools)",
     )
     parser.add_argument("--skip-exists", action="store_true", help="no exists latency table")
+    parser.add_argument(
+        "--query-on-read-lane",
+        action="store_true",
+        help="cache B's prefetch queries share the fetches' lane (as before issue 20's query lane)",
+    )
     parser.add_argument("--json", type=Path, default=None, help="write every number here")
     args = parser.parse_args(argv)
     table = QUICK if args.quick else FULL
@@ -929,6 +1000,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "segment_bytes": args.segment_mib * MIB,
             "threads": args.threads,
             "cache_schema": args.cache_schema,
+            "query_on_read_lane": args.query_on_read_lane,
             "cpus": os.cpu_count(),
             "python": platform.python_version(),
             "torch": torch.__version__,
@@ -953,6 +1025,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     args.repeats,
                     not args.skip_cache,
                     cache_schema=args.cache_schema,
+                    query_lane=not args.query_on_read_lane,
                 )
             )
             gc.collect()
