@@ -595,6 +595,7 @@ class CachePath:
             ),
         )
         self.next_token = 1
+        self.query_waits: list[float] = []  # query_behind_fetches, one per run
 
     def _requests(self) -> list[npt.NDArray[np.uint32]]:
         """Token ids no earlier request used: fresh page hashes, so fresh keys."""
@@ -645,9 +646,33 @@ class CachePath:
         if added != cell.pages:
             raise BenchError(f"cache prefetch: {added} of {cell.pages} pages committed")
         settle(b, tier_b.idle, "cache prefetch drain")
+        b.reset()
+        self.query_waits.append(self.query_behind_fetches(requests))
         a.reset()
         b.reset()
         return backup_s, prefetch_s, counters.backup_retries - retries
+
+    def query_behind_fetches(self, requests: list[npt.NDArray[np.uint32]]) -> float:
+        """Seconds until a new request's prefetch query is answered while the fetches of every
+        other request are queued or running (cache B, its tree empty, the store holding them)."""
+        b = self.b
+        tier = b.l3
+        assert tier is not None
+        ops = [b.prefetch(tokens) for tokens in requests[:-1]]
+        if any(op is None for op in ops):
+            raise BenchError("query wait: prefetch() declined a request")
+        settle(b, lambda: all(tier.prefetches[op].state is not None for op in ops), "queries")
+        start = time.perf_counter()
+        last = b.prefetch(requests[-1])
+        if last is None:
+            raise BenchError("query wait: prefetch() declined the last request")
+        settle(b, lambda: tier.prefetches[last].state is not None, "the last query")
+        waited = time.perf_counter() - start
+        settle(b, lambda: all(b.prefetch_ready(op) for op in [*ops, last]), "query wait fetches")
+        for op in [*ops, last]:
+            b.prefetch_commit(op)
+        settle(b, tier.idle, "query wait drain")
+        return waited
 
     def close(self) -> None:
         self.b.close()
@@ -684,6 +709,7 @@ def run_cell(
         "one_object_parts": MooncakeBackend(client, one_object),
     }
     samples = {name: Samples() for name in (*INTERLEAVED, "cache_raw", "cache", "cache_l2")}
+    query_waits: list[float] = []
     retries = 0
     try:
         backends["direct"].attach(direct)
@@ -726,6 +752,7 @@ def run_cell(
                     backend=backends[cached],
                     repeats=repeats,
                     samples=samples,
+                    query_waits=query_waits,
                     query_lane=query_lane,
                 )
     finally:
@@ -762,6 +789,7 @@ def run_cell(
         "total_bytes": cell.total,
         "object_bytes": cell.page_bytes // shape.planes,
         "cache_backup_retries": retries,
+        "query_wait_us": [wait * 1e6 for wait in query_waits],
         "seconds": time.perf_counter() - started,
         "rows": rows,
     }
@@ -776,12 +804,14 @@ def run_cache(
     backend: MooncakeBackend,
     repeats: int,
     samples: dict[str, Samples],
+    query_waits: list[float],
     query_lane: bool = True,
 ) -> int:
     """Cache rows: each repetition runs the raw put/get of the same bytes that their ratios are
     taken against, the cache, and the cache from L2, in an order that rotates from repetition to
     repetition. Returns backup retries seen."""
     cache = CachePath(client, cell, direct, backend, query_lane)
+    waits = cache.query_waits
     raw = raw_path.raw
     retries = 0
     try:
@@ -804,6 +834,8 @@ def run_cache(
                     into.get.append(get_s)
     finally:
         cache.close()  # closes the direct backend and cache B's backend too
+    del waits[:2]  # the warm-up repetition's two runs
+    query_waits.extend(waits)
     return retries
 
 
@@ -1085,6 +1117,12 @@ def print_tables(result: dict[str, Any]) -> None:
                     f"{what} {row[f'{what}_ratio_one_object']:.2f}" for what in ("put", "get")
                 )
             print(f"{cell['page_bytes'] // KIB} KiB {row['path']}: {verdict}")
+        if cell["query_wait_us"]:
+            waits = cell["query_wait_us"]
+            print(
+                f"{cell['page_bytes'] // KIB} KiB query behind fetches: median "
+                f"{statistics.median(waits):.0f} µs, max {max(waits):.0f} µs ({len(waits)} runs)"
+            )
         if cell["cache_backup_retries"]:
             print(f"{cell['page_bytes'] // KIB} KiB cache: {cell['cache_backup_retries']} retries")
 
