@@ -40,8 +40,8 @@ Rows of the throughput table (per cell; ``time.perf_counter`` around the store c
    store I/O on the storage thread, and polling every 0.5 ms); *prefetch* is cache B (own host pool,
    own backend on the same client) calling ``prefetch`` for the same requests (``wait_complete``)
    until every op is ready and committed (an ``exists`` query plus a ``get`` per request). Its ratio
-   is against a raw put/get of the same bytes run right before or after it in each repetition
-   (the ``cache_raw`` row);
+   is against a raw put/get of the same bytes run in the same repetition (raw, ``cache`` and
+   ``cache_l2`` in an order that rotates from repetition to repetition: the ``cache_raw`` row);
 6. ``cache_l2`` (informative): the same, except that cache A's write lane holds its backups until
    every write-through copy has landed on L2, and *backup* is timed from then: the cache's store
    path alone. On a CPU-only machine the L1 -> L2 copy is a memcpy of the same bytes on the same
@@ -139,7 +139,7 @@ PATH_NAMES = {
     "exists_first": "direct with `exists_before_put` (before issue 20)",
     "prefix": "what-if: direct with prefix-cached keys",
     "staged": "backend, page_first (staged)",
-    "cache_raw": "raw, run next to each cache run",
+    "cache_raw": "raw, run in each cache repetition",
     "cache": "cache backup / prefetch",
     "cache_l2": "cache backup once on L2 (write-through landed first) / prefetch",
 }
@@ -658,9 +658,12 @@ class CachePath:
         b = self.b
         tier = b.l3
         assert tier is not None
-        ops = [b.prefetch(tokens) for tokens in requests[:-1]]
-        if any(op is None for op in ops):
-            raise BenchError("query wait: prefetch() declined a request")
+        ops: list[int] = []
+        for tokens in requests[:-1]:
+            op = b.prefetch(tokens)
+            if op is None:
+                raise BenchError("query wait: prefetch() declined a request")
+            ops.append(op)
         settle(b, lambda: all(tier.prefetches[op].state is not None for op in ops), "queries")
         start = time.perf_counter()
         last = b.prefetch(requests[-1])

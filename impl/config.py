@@ -172,7 +172,8 @@ class StorageConfig:
     failed probe (or a second fault) makes it down: reads answer nothing at once, backups wait in a
     queue of at most ``backup_deferred_pages`` pages (the oldest are dropped and counted), and
     probes retry after ``probe_backoff_s``, doubling up to ``probe_backoff_cap_s``. For
-    ``remount_grace_s`` after the store came back, a backup refused only as full spends no retry
+    ``remount_grace_s`` after the store came back from down (or empty), a backup refused only as
+    full spends no retry
     (a restarted master refuses puts until its clients remount their segments: about 1 s).
     """
 
@@ -213,5 +214,5 @@ class StorageConfig:
 
     def backoff(self, attempt: int) -> float:
         """Seconds to wait before retry ``attempt`` (1-based) of a failed backup batch."""
-        delay = float(self.backup_backoff_s) * 2.0 ** max(attempt - 1, 0)
+        delay = float(self.backup_backoff_s) * 2.0 ** min(max(attempt - 1, 0), 64)
         return min(delay, float(self.backup_backoff_cap_s))

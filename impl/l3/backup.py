@@ -21,11 +21,11 @@ kept, in a queue bounded by ``backup_deferred_pages`` pages; when a new one woul
 oldest are dropped (unpinned, counted in ``backup_dropped_pages``). :meth:`Backups.resume` issues
 them again, in order, once the store is back; :meth:`Backups.republish` backs up every L2 node again
 after the store came back empty. For ``StorageConfig.remount_grace_s`` after the store came back
-(:meth:`Backups.recovered`), a batch whose only failures are "full" spends no retry: a restarted
-Mooncake master refuses puts until its clients have remounted their segments (MOONCAKE.md §5.3,
-about 1 s), and abandoning the re-published L2 then would lose what the recovery is for. Its
-back-off still grows (``BackupOp.waits``), and the grace ends, so a store really full is abandoned
-as before.
+from down or empty (:meth:`Backups.recovered`; under TP on every rank once the re-publish is
+agreed), a batch whose only failures are "full" spends no retry: a restarted Mooncake master
+refuses puts until its clients have remounted their segments (MOONCAKE.md §5.3, about 1 s), and
+abandoning the re-published L2 then would lose what the recovery is for. Its back-off still grows
+(``BackupOp.waits``), and the grace ends, so a store really full is abandoned as before.
 """
 
 from __future__ import annotations
@@ -111,23 +111,31 @@ class Backups:
         self.agreed = False
         self._deferred_pages = 0  # sum of the deferred ops' pages (kept, not recounted)
         self._grace_until = float("-inf")  # "full" spends no retry before this (remounting)
+        #: per op id, the result last judged and whether it spent an attempt (judged once: the TP
+        #: verdict and the later apply must not read the clock apart)
+        self._judged: dict[int, tuple[BackupResult, bool]] = {}
 
     def recovered(self) -> None:
-        """The store came back: for ``remount_grace_s``, a batch refused only as full spends no
-        retry (its clients may not have remounted their segments yet)."""
+        """The store came back after an outage or empty (a re-publish): for ``remount_grace_s``, a
+        batch refused only as full spends no retry (its clients may not have remounted their
+        segments yet)."""
         self._grace_until = self._now() + self.config.remount_grace_s
 
     def _spends_attempt(self, result: BackupResult) -> bool:
         """Whether ``result`` counts against its op's retries: not when it was never tried (the
-        store went down), nor when its only failures are "full" within the remount grace."""
-        if result.skipped:
-            return False
-        if self._now() >= self._grace_until:
-            return True
+        store went down), nor when its only failures are "full" within the remount grace. Decided
+        once per result."""
+        judged = self._judged.get(result.op_id)
+        if judged is not None and judged[0] is result:
+            return judged[1]
         statuses = [*result.statuses, *result.states]
-        return not statuses or any(
-            not status.ok and status is not PutStatus.FULL for status in statuses
+        spends = not result.skipped and (
+            self._now() >= self._grace_until
+            or not statuses
+            or any(not status.ok and status is not PutStatus.FULL for status in statuses)
         )
+        self._judged[result.op_id] = (result, spends)
+        return spends
 
     def enqueue(
         self, namespace: Namespace, nodes: list[Node], state_node: Node | None = None
@@ -279,13 +287,16 @@ class Backups:
         ``agreed`` (TP): the ranks' verdict decides instead, for the whole op."""
         op = self.ops.get(result.op_id)
         if op is None:
+            self._judged.pop(result.op_id, None)
             return
         failed, states_failed = self._failures(op, result)
         if agreed is not None and agreed is not BackupFact.STORED:
             failed, states_failed = [True] * len(failed), [True] * len(states_failed)
         counters = self._counters
         waited = False
-        if not self._spends_attempt(result):  # never tried, or full while remounting
+        spends = self._spends_attempt(result)
+        del self._judged[result.op_id]
+        if not spends:  # never tried, or full while remounting
             op.attempts -= 1
             waited = not result.skipped
         for status in result.statuses if not result.skipped else ():

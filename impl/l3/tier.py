@@ -79,10 +79,11 @@ class L3Tier:
         assert self.reports is not None
         results, recovery = self.worker.poll()
         self.last_applied = results
+        if recovery is not None and recovery.republish:
+            self.backup.recovered()  # before this poll's results are judged
         for result in results:
             self.reports.hold(result)
         if recovery is not None:
-            self.backup.recovered()
             self.backup.resume()
             self.reports.republish |= recovery.republish
         self.backup.resubmit_due()
@@ -94,6 +95,7 @@ class L3Tier:
     def apply_agreed(self, layout: Layout, agreed: list[int]) -> None:
         assert self.reports is not None
         if self.reports.apply(layout, agreed, self.backup, self.prefetch):
+            self.backup.recovered()  # every rank, also one whose own link never went down
             self.backup.republish(self._tree.host_nodes())
         self.backup.resubmit_due()
 
@@ -113,6 +115,8 @@ class L3Tier:
         resume deferred backups (and re-publish L2 if it came back empty); resubmit due retries."""
         results, recovery = self.worker.poll()
         self.last_applied = results
+        if recovery is not None and recovery.republish:
+            self.backup.recovered()  # before this poll's results are judged
         for result in results:
             if isinstance(result, BackupResult):
                 self.backup.apply(result)
@@ -121,7 +125,6 @@ class L3Tier:
             else:
                 self.prefetch.apply_fetch(result)
         if recovery is not None:
-            self.backup.recovered()
             self.backup.resume()
             if recovery.republish:
                 self.backup.republish(self._tree.host_nodes())

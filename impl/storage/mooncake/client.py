@@ -20,7 +20,7 @@ wherever a pointer points. This wrapper makes those impossible:
   through this client; keys must be :class:`~kvstrata.model.keys.StoreKey` values (made only by the
   key schema).
 - **A gate** around every native call: data calls (``batch_*``, ``health``) run side by side (the
-  cache's read, write and probe lanes share one client, as sglang's prefetch and backup threads
+  cache's query, read, write and probe lanes share one client, as sglang's prefetch and backup threads
   share one native store; the GIL is released inside the calls), while setup, close and buffer
   (un)registration run alone, after every running data call returned: a slow call against a dead
   master never turns into a call on a closed native object.

@@ -450,3 +450,10 @@ def test_a_prefetch_that_found_nothing_leaves_the_tree_as_it_is() -> None:
     assert rig.cache.prefetch_commit(op) == 0
     assert rig.cache.residency(prefix) == (), "a commit of nothing split the node"
     assert len(rig.cache.residency(longer)) == 3
+
+
+def test_back_off_of_many_retries_stays_finite() -> None:
+    """A long remount grace can count thousands of waits with ``backup_backoff_s=0``: the back-off
+    stays a number (2.0 ** 1024 would raise OverflowError on the scheduler thread)."""
+    assert StorageConfig(backup_backoff_s=0).backoff(5000) == 0.0
+    assert StorageConfig().backoff(10**6) == StorageConfig().backup_backoff_cap_s
