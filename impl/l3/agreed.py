@@ -102,8 +102,12 @@ class L3Reports:
                 most = -by_slot.get((FactKind.READ_MAX, op_id), -value)
                 state = read_state_agreed(value - 1, most - 1)
                 prefetches.apply_fetch(fetch, agreed=value - 1, state_agreed=state)
-        self.republish = False  # asked for; every rank re-publishes if any rank asked
-        return by_slot[(FactKind.REPUBLISH, 0)] == 0
+        republish = by_slot[(FactKind.REPUBLISH, 0)] == 0
+        if republish:  # every rank re-publishes now: that covers every recovery seen so far
+            self.republish = False
+        # else keep a request made after this report (``hold_results`` runs before the previous
+        # agreement is applied): clearing it here lost every re-publish under TP
+        return republish
 
     def _apply_backup(self, backups: Backups, op_id: int, verdict: BackupFact) -> None:
         op = backups.ops[op_id]

@@ -16,10 +16,12 @@ from kvstrata.impl.cache import HierarchicalRadixCache
 from kvstrata.impl.config import RadixCacheConfig, StorageConfig
 from kvstrata.impl.errors import CacheClosed, ConfigError, TpAgreementError
 from kvstrata.impl.pools import DeviceKVPool, HostKVPool, HostLayout, KVShape
+from kvstrata.impl.storage.base import PutStatus
 from kvstrata.impl.storage.memory import MemoryBackend, MemoryStore
 from kvstrata.impl.tp import TorchTpGroup
 from kvstrata.impl.transfer import ManualExecutor
 from kvstrata.model.keys import KeySpace, KVKind, ModelIdentity, Shard
+from kvstrata.model.lifecycles import Health
 
 PAGE = 2
 SHAPE = KVShape(KVKind.MHA, layers=1, heads=1, head_dim=2, dtype=torch.float16, page_size=PAGE)
@@ -194,3 +196,85 @@ def test_close_after_a_failed_agreement_still_stops_the_workers() -> None:
     assert closed == [True]
     group.tp.on_rank(1, group.caches[1].close)
     group.tp.close()
+
+
+class _Unreachable(MemoryBackend):
+    """Raises on every call while ``unreachable`` (a store its link judges down)."""
+
+    unreachable = False
+
+    def put(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        if self.unreachable:
+            raise ConnectionError("store unreachable")
+        return super().put(*args, **kwargs)
+
+    def exists(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        if self.unreachable:
+            raise ConnectionError("store unreachable")
+        return super().exists(*args, **kwargs)
+
+
+def test_the_remount_grace_holds_on_every_rank_once_the_republish_is_agreed() -> None:
+    """Only rank 0's link goes down and comes back; the agreed re-publish starts the remount grace
+    on rank 1 too, so "full" answers right after it (a restarted master remounting) spend no retry
+    on either rank, and nothing is abandoned (rank 1 alone would vote to give up)."""
+    clock = [0.0]
+    group = Ranks(2)
+    try:
+        group.tp.on_each(lambda r: group.caches[r].close())  # rebuilt below on fresh backends
+        store = MemoryStore()
+        group.backends = [
+            kind(backend.keyspace, store=store)
+            for kind, backend in zip((_Unreachable, MemoryBackend), group.backends, strict=True)
+        ]
+        config = StorageConfig(
+            prefetch_threshold=PAGE, backup_backoff_s=0.0, backup_retries=0, remount_grace_s=5.0
+        )
+
+        def build(rank: int) -> HierarchicalRadixCache:
+            cache = HierarchicalRadixCache.build(
+                RadixCacheConfig(page_size=PAGE, write_through_threshold=1),
+                DeviceKVPool(SHAPE, 16),
+                HostKVPool(SHAPE, 16, HostLayout.PAGE_FIRST),
+                group.copies[rank],
+                storage=group.backends[rank],
+                storage_config=config,
+                storage_executor=group.io[rank],
+                tp_group=group.tp.group(rank),
+            )
+            assert cache.l3 is not None
+            cache.l3._now = lambda: clock[0]
+            return cache
+
+        group.caches = group.tp.on_each(build)
+        unreachable = group.backends[0]
+        assert isinstance(unreachable, _Unreachable)
+
+        def run_all(rounds: int = 4) -> None:
+            for _ in range(rounds):
+                for executor in (*group.copies, *group.io):
+                    executor.run_all()
+                group.agree()
+
+        unreachable.unreachable = True
+        group.insert([1, 2, 3, 4])
+        run_all()
+        links = [cache.l3.link for cache in group.caches if cache.l3 is not None]
+        assert links[0].state is Health.DOWN and links[1].state is Health.HEALTHY
+        abandoned = [cache.l3.counters.backup_abandoned_pages for cache in group.caches if cache.l3]
+        unreachable.unreachable = False
+        for backend in group.backends:  # the re-published puts meet a master still remounting
+            backend.fail_next(1, status=PutStatus.FULL, op="put")
+        clock[0] = 1.0  # the probe's back-off is over
+        run_all(8)
+        assert links[0].state is Health.HEALTHY and links[0].recoveries == 1
+        counters = [cache.l3.counters for cache in group.caches if cache.l3 is not None]
+        assert [c.republished_pages for c in counters] == [2, 2]
+        assert [c.backup_pages["full"] for c in counters] == [2, 2]
+        assert [c.backup_abandoned_pages for c in counters] == abandoned
+        for rank, backend in enumerate(group.backends):
+            namespace = group.caches[rank].namespace_of(None)
+            pages = group.caches[rank].page_hashes([1, 2, 3, 4])
+            assert backend.exists(namespace, list(pages)) == 2, f"rank {rank}"
+    finally:
+        group.close()
