@@ -173,8 +173,8 @@ class StorageConfig:
     queue of at most ``backup_deferred_pages`` pages (the oldest are dropped and counted), and
     probes retry after ``probe_backoff_s``, doubling up to ``probe_backoff_cap_s``. For
     ``remount_grace_s`` after the store came back from down (or empty), a backup refused only as
-    full spends no retry
-    (a restarted master refuses puts until its clients remount their segments: about 1 s).
+    full spends no retry (a restarted master refuses puts until its clients remount their
+    segments: about 1 s).
     """
 
     prefetch_threshold: int = attrs.field(default=256, validator=_non_negative)

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 from prometheus_client import generate_latest
+from support.unreachable import UnreachableBackend
 
 from kvstrata.impl.cache import HierarchicalRadixCache
 from kvstrata.impl.config import RadixCacheConfig, StorageConfig
@@ -148,31 +149,15 @@ def test_store_full_is_a_counted_miss_and_succeeds_on_retry() -> None:
     assert rig.backend.exists(rig.cache.namespace_of(None), chain_page_hashes(TOKENS, PAGE)) == 4
 
 
-class Unreachable(MemoryBackend):
-    """Raises on every call while ``unreachable``: a store the link judges down."""
-
-    unreachable = False
-
-    def put(self, *args, **kwargs):  # type: ignore[no-untyped-def]
-        if self.unreachable:
-            raise ConnectionError("store unreachable")
-        return super().put(*args, **kwargs)
-
-    def exists(self, *args, **kwargs):  # type: ignore[no-untyped-def]
-        if self.unreachable:
-            raise ConnectionError("store unreachable")
-        return super().exists(*args, **kwargs)
-
-
 def test_full_right_after_the_store_came_back_spends_no_retry() -> None:
     """A restarted Mooncake master answers puts "full" until its clients have remounted their
     segments (MOONCAKE.md §5.3). Within ``remount_grace_s`` of a recovery such answers spend no
     retry, so the backups deferred while the store was down land; after the grace they count again,
     and a store really full is abandoned as before."""
     config = StorageConfig(backup_retries=1, backup_backoff_s=0, remount_grace_s=5.0)
-    rig = Rig(config=config, backend=Unreachable)
+    rig = Rig(config=config, backend=UnreachableBackend)
     backend = rig.backend
-    assert isinstance(backend, Unreachable)
+    assert isinstance(backend, UnreachableBackend)
     l3 = rig.cache.l3
     assert l3 is not None
     backend.unreachable = True

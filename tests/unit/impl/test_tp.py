@@ -11,6 +11,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 from support.tp import InProcessTp
+from support.unreachable import UnreachableBackend
 
 from kvstrata.impl.cache import HierarchicalRadixCache
 from kvstrata.impl.config import RadixCacheConfig, StorageConfig
@@ -198,22 +199,6 @@ def test_close_after_a_failed_agreement_still_stops_the_workers() -> None:
     group.tp.close()
 
 
-class _Unreachable(MemoryBackend):
-    """Raises on every call while ``unreachable`` (a store its link judges down)."""
-
-    unreachable = False
-
-    def put(self, *args, **kwargs):  # type: ignore[no-untyped-def]
-        if self.unreachable:
-            raise ConnectionError("store unreachable")
-        return super().put(*args, **kwargs)
-
-    def exists(self, *args, **kwargs):  # type: ignore[no-untyped-def]
-        if self.unreachable:
-            raise ConnectionError("store unreachable")
-        return super().exists(*args, **kwargs)
-
-
 def test_the_remount_grace_holds_on_every_rank_once_the_republish_is_agreed() -> None:
     """Only rank 0's link goes down and comes back; the agreed re-publish starts the remount grace
     on rank 1 too, so "full" answers right after it (a restarted master remounting) spend no retry
@@ -225,7 +210,9 @@ def test_the_remount_grace_holds_on_every_rank_once_the_republish_is_agreed() ->
         store = MemoryStore()
         group.backends = [
             kind(backend.keyspace, store=store)
-            for kind, backend in zip((_Unreachable, MemoryBackend), group.backends, strict=True)
+            for kind, backend in zip(
+                (UnreachableBackend, MemoryBackend), group.backends, strict=True
+            )
         ]
         config = StorageConfig(
             prefetch_threshold=PAGE, backup_backoff_s=0.0, backup_retries=0, remount_grace_s=5.0
@@ -248,7 +235,7 @@ def test_the_remount_grace_holds_on_every_rank_once_the_republish_is_agreed() ->
 
         group.caches = group.tp.on_each(build)
         unreachable = group.backends[0]
-        assert isinstance(unreachable, _Unreachable)
+        assert isinstance(unreachable, UnreachableBackend)
 
         def run_all(rounds: int = 4) -> None:
             for _ in range(rounds):
