@@ -9,7 +9,11 @@ median over the calls of a round of 1920 items, the lowest of 5 rounds (this is 
 the quietest round is the least disturbed by the rest of a shared machine). Run it from any tree to
 compare versions (the module path is printed on stderr).
 
-Usage: python benchmarks/embedding_overhead.py [--batches 1,32]
+``--pool-units`` sizes both pools (default: one batch); a larger pool is filled first, untimed, so
+every timed call plans its room in a full pool of that many entries (each call evicts the LRU
+ones): the cost of planning room must not grow with the pool.
+
+Usage: python benchmarks/embedding_overhead.py [--batches 1,32] [--pool-units 0,1024,8192]
 """
 
 from __future__ import annotations
@@ -53,16 +57,18 @@ class NullStore:
         return [ExtentStatus.DONE] * len(extents)
 
 
-def per_item(batch: int) -> dict[str, float]:
+def per_item(batch: int, pool_units: int = 0) -> dict[str, float]:
     model = ModelIdentity(name="overhead", dtype="float16", kind=KVKind.EMBEDDING, dim=1024)
     keyspace = KeySpace(model, shard=Shard.replicated())
-    shape = PoolShape(batch, 64, 1024, torch.float16)
+    units = max(batch, pool_units)
+    shape = PoolShape(units, 64, 1024, torch.float16)
     io_a, io_b = ManualExecutor(), ManualExecutor()
     a = EmbeddingCache(EmbeddingPool(shape), NullStore(False), keyspace, executor=io_a)
     b = EmbeddingCache(EmbeddingPool(shape), NullStore(True), keyspace, executor=io_b)
     tensors = [torch.randn(64, 1024).to(torch.float16) for _ in range(batch)]
     seconds: dict[str, list[float]] = {"insert": [], "prefetch+get": []}
-    for call in range(ITEMS // batch):
+    fill = -(-units // batch) if units > batch else 0
+    for call in range(-fill, ITEMS // batch):
         media = [content_hash(f"{call}/{i}".encode()) for i in range(batch)]
         start = time.perf_counter()
         a.insert_batch(media, tensors)
@@ -75,6 +81,8 @@ def per_item(batch: int) -> dict[str, float]:
         b.get(media)
         end = time.perf_counter()
         b.release(f"r{call}")
+        if call < 0:
+            continue
         seconds["insert"].append(middle - start)
         seconds["prefetch+get"].append(end - middle)
     return {name: statistics.median(values) * 1e6 / batch for name, values in seconds.items()}
@@ -83,15 +91,21 @@ def per_item(batch: int) -> dict[str, float]:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--batches", default="1,32", help="items per call")
+    parser.add_argument(
+        "--pool-units", default="0", help="units per pool, comma-separated (0: one batch)"
+    )
     args = parser.parse_args(argv)
     print(f"module: {embedding.__file__}", file=sys.stderr)
-    for batch in (int(b) for b in args.batches.split(",")):
-        rounds = [per_item(batch) for _ in range(ROUNDS)]
-        cost = {name: min(r[name] for r in rounds) for name in rounds[0]}
-        print(
-            f"batch {batch}: insert {cost['insert']:.0f} us/item, "
-            f"prefetch+get {cost['prefetch+get']:.0f} us/item"
-        )
+    pools = [int(u) for u in args.pool_units.split(",")]
+    for pool_units in pools:
+        for batch in (int(b) for b in args.batches.split(",")):
+            rounds = [per_item(batch, pool_units) for _ in range(ROUNDS)]
+            cost = {name: min(r[name] for r in rounds) for name in rounds[0]}
+            units = max(batch, pool_units)
+            print(
+                f"pool {units} units, batch {batch}: insert {cost['insert']:.0f} us/item, "
+                f"prefetch+get {cost['prefetch+get']:.0f} us/item"
+            )
     return 0
 
 

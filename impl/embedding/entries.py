@@ -3,7 +3,9 @@
 over the :class:`~kvstrata.impl.embedding.pool.EmbeddingPool`.
 
 Owned here: every live :class:`Entry` (by media hash), the LRU stamps and the generation counter;
-the units come from the pool. This is the only module of the implementation that advances
+the units come from the pool. The table is kept in stamp order (an entry whose stamp changes moves
+to its end), so the LRU victims are found from its front without sorting: planning room costs
+the victims it takes, not the size of the pool. This is the only module of the implementation that advances
 :data:`~kvstrata.model.lifecycles.EMBEDDING_ENTRY`, with the model's guard sets (derived from that
 table in :mod:`kvstrata.model.embedding.entries`).
 
@@ -106,37 +108,48 @@ class Entries:
 
     def lru(self, protect: frozenset[PageHash]) -> list[Entry]:
         """Evictable entries (READY, unpinned, not borrowed, not protected), LRU first."""
-        return sorted(
-            (
-                e
-                for e in self._table.values()
-                if e.state in EVICTABLE and not e.readers and e.media not in protect
-            ),
-            key=lambda entry: entry.stamp,
-        )
+        return list(self._evictable(protect))
+
+    def _evictable(self, protect: frozenset[PageHash]) -> Iterator[Entry]:
+        """:meth:`lru`, lazily: the table is in stamp order (see the module docstring)."""
+        for entry in self._table.values():
+            if entry.state in EVICTABLE and not entry.readers and entry.media not in protect:
+                yield entry
 
     def plan_room(
         self, needs: Sequence[tuple[PageHash, int]], protect: frozenset[PageHash]
     ) -> tuple[list[Entry], list[tuple[PageHash, int]], int]:
         """The victims (LRU first), the needs (media, tokens) that fit (in order) and how many did
-        not; changes nothing."""
-        candidates = self.lru(protect)
-        spare = sum(len(entry.units) for entry in candidates)
+        not; changes nothing. A need fits when the free units and the evictable ones not yet taken
+        hold it; its victims are then the next LRU candidates. Candidates are pulled from the
+        front of the LRU order only as far as a need requires (all of them only when one does
+        not fit)."""
+        candidates = self._evictable(protect)
+        # candidates seen so far, LRU first; the first ``taken`` of them are victims
+        pulled: list[Entry] = []
+        taken = 0
+        spare = 0  # units of pulled[taken:]
         free = self.pool.free_count
-        victims: list[Entry] = []
         fits: list[tuple[PageHash, int]] = []
+        units_for = self.pool.shape.units_for
         for media, tokens in needs:
-            size = self.pool.shape.units_for(tokens)
-            if size > free + spare:
+            size = units_for(tokens)
+            while free + spare < size:
+                more = next(candidates, None)
+                if more is None:
+                    break
+                pulled.append(more)
+                spare += len(more.units)
+            if free + spare < size:
                 continue
             while free < size:
-                victim = candidates[len(victims)]
-                victims.append(victim)
+                victim = pulled[taken]
+                taken += 1
                 free += len(victim.units)
                 spare -= len(victim.units)
             free -= size
             fits.append((media, tokens))
-        return victims, fits, len(needs) - len(fits)
+        return pulled[:taken], fits, len(needs) - len(fits)
 
     # ----------------------------------------------------------------------------- lifecycle
 
@@ -159,7 +172,8 @@ class Entries:
         stored. One step of the table each, as :meth:`step` would take them."""
         ready = EMBEDDING_ENTRY.next(entry.state, EntryEvent.FILLED)
         pushing = EMBEDDING_ENTRY.next(ready, EntryEvent.PUSH)
-        self._table[entry.media] = entry = _with(entry, state=pushing, stamp=self._tick())
+        entry = _with(entry, state=pushing, stamp=self._tick())
+        self.put(entry)
         return entry
 
     def lend(self, media: PageHash, delta: int) -> None:
@@ -190,7 +204,13 @@ class Entries:
         return _with(entry, state=EMBEDDING_ENTRY.next(entry.state, event))
 
     def put(self, entry: Entry) -> None:
-        self._table[entry.media] = entry
+        """Store ``entry``; one whose stamp changed (always to the newest) moves to the end, which
+        keeps the table in stamp order."""
+        table = self._table
+        old = table.get(entry.media)
+        if old is not None and old.stamp != entry.stamp:
+            del table[entry.media]
+        table[entry.media] = entry
 
     def touch(self, media: PageHash) -> None:
         self.put(self.stamp(self._table[media]))
