@@ -14,7 +14,12 @@ Checked after every step:
 * bytes: every L1 page a match returns, and every page a prefetch commits, holds exactly that
   rank's shard of the page's KV (MLA, in half the examples: the replicated KV, written to the store
   by rank 0 alone, whose backups every rank then counts as stored, and read by every rank);
-* the same ``prefetch`` op ids and ``prefetch_ready`` answers on every rank.
+* the same ``prefetch`` op ids and ``prefetch_ready`` answers on every rank;
+* outages (issue 20): some ranks' store unreachable (every put and query raises), or the master
+  restarted (every object gone), then back; every rank reads one clock the test moves. After a
+  restart that a rank's link saw (it recovered since), the re-publish is agreed and done on every
+  rank: once everything settled, every page a rank holds in L2 is in the store under that rank's
+  keys (unless the store lost objects since).
 
 With a background result that differs per rank, a rank applying its own count instead of the
 agreed one diverges its tree; a rank that skips its collective leaves the others waiting
@@ -33,12 +38,13 @@ from hypothesis import event, settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 from support.differential import NAMESPACES, related_tokens
 from support.tp import InProcessTp
+from support.unreachable import UnreachableBackend
 
 from kvstrata.impl.cache import HierarchicalRadixCache
 from kvstrata.impl.config import RadixCacheConfig, StorageConfig
 from kvstrata.impl.errors import CapacityError
 from kvstrata.impl.pools import DeviceKVPool, HostKVPool, HostLayout, KVShape
-from kvstrata.impl.storage.memory import MemoryBackend, MemoryStore
+from kvstrata.impl.storage.memory import MemoryStore
 from kvstrata.impl.transfer import Direction, ManualExecutor
 from kvstrata.model.keys import (
     KeySpace,
@@ -50,6 +56,7 @@ from kvstrata.model.keys import (
     chain_page_hashes,
 )
 from kvstrata.model.l3.policy import PrefetchPolicy
+from kvstrata.model.lifecycles import HOST_VALID, Health
 
 
 def shard_kv(shape: KVShape, page: PageHash, rank: int) -> torch.Tensor:
@@ -89,7 +96,9 @@ def tree_view(cache: HierarchicalRadixCache) -> tuple[object, ...]:
         cache.device_free,
         cache.host_free,
         cache.held_pages().tolist(),
-        (pending.write, pending.load, pending.backup, pending.prefetch),
+        # a backup op deferred while this rank's store is down is still pending: the deferral
+        # is local (one rank's link may be down while the others' are not)
+        (pending.write, pending.load, pending.backup + pending.deferred, pending.prefetch),
         prefetches,
         sorted(() if l3 is None else l3.backups),
     )
@@ -146,7 +155,7 @@ class TpDifferential(RuleBasedStateMachine):
         self.store_workers = [ManualExecutor() for _ in range(size)]
         # MLA: the KV is replicated, one key space for every rank, rank 0 its single writer
         self.backends = [
-            MemoryBackend(
+            UnreachableBackend(
                 KeySpace(
                     identity,
                     shard=Shard.replicated() if mla else Shard(tp_rank=rank, tp_size=size),
@@ -178,6 +187,14 @@ class TpDifferential(RuleBasedStateMachine):
             )
 
         self.caches = tp.on_each(build)  # built on its scheduler thread, as in an engine
+        self.clock = [0.0]  # one clock every rank reads, moved by the test
+        for cache in self.caches:
+            assert cache.l3 is not None
+            cache.l3._now = lambda: self.clock[0]
+        self.restarted = False  # the master restarted and no check ran since
+        self.fresh = 0  # sequences made up while the store was away
+        self.lost_since_restart = False
+        self.recoveries_at_restart = [0] * size
         self.failing_copies = [False] * size
         for rank, cache in enumerate(self.caches):
             transfer = cache.transfer
@@ -230,7 +247,9 @@ class TpDifferential(RuleBasedStateMachine):
     # ------------------------------------------------------------ scheduler verbs (every rank)
     @rule(data=st.data())
     def request(self, data: st.DataObject) -> None:
-        tokens, ns = self.draw_tokens(data)
+        self.request_on_every_rank(*self.draw_tokens(data))
+
+    def request_on_every_rank(self, tokens: tuple[int, ...], ns: Namespace) -> None:
         pages = chain_page_hashes(tokens, self.page_size, ns)
 
         def one(rank: int) -> tuple[object, ...]:
@@ -360,7 +379,105 @@ class TpDifferential(RuleBasedStateMachine):
         if keys:
             key = data.draw(st.sampled_from(sorted(keys, key=str)), label="lost key")
             self.store.drop([key])
+            self.lost_since_restart = True
             event("the store lost an object of one shard")
+
+    def settle(self, rounds: int) -> None:
+        """``rounds`` times: every copy and store job runs, the clock moves past every back-off,
+        every rank checks events."""
+        for _ in range(rounds):
+            self.clock[0] += 1.0
+            for rank in range(self.size):
+                self.copy_workers[rank].run_all()
+                self.store_workers[rank].run_all()
+            self.each("check_events")
+
+    @rule(data=st.data(), restart=st.booleans(), settled=st.booleans())
+    def outage(self, data: st.DataObject, restart: bool, settled: bool) -> None:
+        """Some ranks' store becomes unreachable; with ``restart``, the master restarted: every
+        object is gone (with ``settled``, after every backup so far was stored)."""
+        if restart and settled:
+            self.settle(6)
+        for rank in self.ranks(data):
+            self.backends[rank].unreachable = True
+        if restart:
+            self.store.drop(list(self.store.visible_keys()))
+            self.restarted, self.lost_since_restart = True, False
+            self.recoveries_at_restart = [self.link(rank).recoveries for rank in range(self.size)]
+            event("the master restarted")
+
+    @precondition(
+        lambda self: (
+            self.tp is not None and not self.restarted and any(b.unreachable for b in self.backends)
+        )
+    )
+    @rule()
+    def outage_ends(self) -> None:
+        """Every rank's store is reachable again, and the probes' back-off has passed (a restart's
+        outage ends in :meth:`republished_after_restart`)."""
+        for backend in self.backends:
+            backend.unreachable = False
+        self.clock[0] += 1.0
+
+    def link(self, rank: int) -> Any:
+        l3 = self.caches[rank].l3
+        assert l3 is not None
+        return l3.link
+
+    def l2_pages(self, rank: int) -> list[tuple[Namespace, PageHash]]:
+        """Every page rank ``rank`` holds in L2, with its namespace."""
+        out = []
+        for node in self.caches[rank].nodes():
+            if node.state in HOST_VALID and node.host is not None:
+                digests = node.hashes
+                out += [
+                    (node.namespace, PageHash(digests[i * 32 : (i + 1) * 32]))
+                    for i in range(node.num_pages)
+                ]
+        return out
+
+    @precondition(lambda self: self.tp is not None and self.inserted)
+    @rule(data=st.data())
+    def master_restart(self, data: st.DataObject) -> None:
+        """The master restarts once every backup so far was stored, some ranks lose it for a
+        while, and the outage ends: :meth:`outage` and :meth:`republished_after_restart` in one
+        step (the case where only the re-publish can bring L2's pages back)."""
+        self.outage(data, restart=True, settled=True)
+        self.republished_after_restart(data)
+
+    @precondition(lambda self: self.tp is not None and self.restarted)
+    @rule(data=st.data())
+    def republished_after_restart(self, data: st.DataObject) -> None:
+        """A new request while the store is away (its backups meet the outage), then the outage ends
+        and everything settles. If a rank's link saw the restart (it recovered since), every page
+        in any rank's L2 is in the store again under that rank's keys: the re-publish was agreed
+        and done by every rank, also by ranks whose own link never noticed."""
+        if any(backend.unreachable for backend in self.backends):
+            # new pages (room made in L1: their L2 copies stay) whose backups meet the outage
+            self.fresh += 1
+            tokens = tuple(range(10_000 * self.fresh, 10_000 * self.fresh + 2 * self.page_size))
+            self.evict(32, host=False)
+            self.request_on_every_rank(tokens, data.draw(st.sampled_from(NAMESPACES)))
+            self.settle(2)
+            self.outage_ends()
+        self.settle(12)
+        self.restarted = False
+        links = [self.link(rank) for rank in range(self.size)]
+        assert all(link.state is Health.HEALTHY for link in links), [x.state for x in links]
+        seen = any(
+            link.recoveries > before
+            for link, before in zip(links, self.recoveries_at_restart, strict=True)
+        )
+        if not seen:
+            event("a restart no rank's link saw")
+            return
+        if self.lost_since_restart:
+            return
+        event("a restart seen: every rank's L2 is in the store again")
+        for rank in range(self.size):
+            for namespace, page in self.l2_pages(rank):
+                found = self.backends[rank].exists(namespace, [page])
+                assert found == 1, f"rank {rank}: an L2 page is not in the store after a restart"
 
     def agree_now(self) -> None:
         """Two ``check_events`` on every rank: the agreement the first starts, the second applies
