@@ -257,18 +257,20 @@ class PrefixKeySpace(KeySpace):
     """What-if (not the library): the same key strings, but everything before the page hash is
     rendered once per (namespace, pool) by the real ``KeySpace.page_keys`` and cached."""
 
-    _prefixes: dict[tuple[Namespace, str], tuple[str, ...]] = attrs.field(
+    # not ``_prefixes``: that name is KeySpace's own memo (one prefix per component), which
+    # ``KeySpace.key`` reads and writes with other keys
+    _page_prefixes: dict[tuple[Namespace, str], tuple[str, ...]] = attrs.field(
         factory=dict, init=False, eq=False, repr=False
     )
 
     def page_keys(
         self, namespace: Namespace, page_hash: PageHash, pool: str = "kv"
     ) -> tuple[StoreKey, ...]:
-        prefixes = self._prefixes.get((namespace, pool))
+        prefixes = self._page_prefixes.get((namespace, pool))
         if prefixes is None:
             probe = KeySpace.page_keys(self, namespace, PageHash(bytes(32)), pool)
             prefixes = tuple(key.text[: -len(bytes(32).hex())] for key in probe)
-            self._prefixes[(namespace, pool)] = prefixes
+            self._page_prefixes[(namespace, pool)] = prefixes
         tail = page_hash.digest.hex()
         return tuple(StoreKey(prefix + tail) for prefix in prefixes)
 
