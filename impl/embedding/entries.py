@@ -196,7 +196,8 @@ class Entries:
         return entry
 
     def stamp(self, entry: Entry) -> Entry:
-        """``entry`` touched for LRU (not stored: :meth:`put` it)."""
+        """``entry`` touched for LRU (not stored: :meth:`put` it before touching another entry, so
+        the table stays in stamp order)."""
         return _with(entry, stamp=self._tick())
 
     def step(self, entry: Entry, event: EntryEvent) -> Entry:
