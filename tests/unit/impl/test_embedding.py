@@ -4,6 +4,8 @@ Mooncake's per-key codes, and bad input (a typed error, nothing changed)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 import torch
 
@@ -15,6 +17,7 @@ from kvstrata.impl.embedding import (
     MemoryEmbeddingStore,
     PoolShape,
 )
+from kvstrata.impl.embedding.entries import Entry
 from kvstrata.impl.embedding.store import status_of_get, status_of_put
 from kvstrata.impl.errors import CapacityError, ConfigError, MisuseError
 from kvstrata.impl.storage.memory import MemoryStore
@@ -435,3 +438,38 @@ def test_the_documented_flow_runs_through_the_public_face() -> None:
     prefill.release("req-7")
     encoder.close()
     prefill.close()
+
+
+def test_room_is_planned_from_the_lru_end_without_walking_the_pool() -> None:
+    """In a full pool a new item evicts the least recently used entry (a touched one moved to the
+    back), and planning its room looks at no more candidates than it takes: the cost of an insert
+    does not grow with the pool (issue 20; the pool here holds 64 entries)."""
+    store = MemoryEmbeddingStore()
+    units = 64
+    cache = EmbeddingCache(
+        EmbeddingPool(PoolShape(units, 4, DIM, torch.bfloat16)),
+        store,
+        KEYSPACE,
+        executor=InlineExecutor(),
+    )
+    media = [content_hash(f"pool-{i}".encode()) for i in range(units)]
+    for item in media:
+        cache.insert_batch([item], [embedding(item, 4)])
+    cache.flush()
+    assert cache.used_units == units
+    assert cache.get([media[0]])[0] is not None  # touched: now the most recently used
+    entries = cache._entries
+    walk = entries._evictable
+    seen: list[PageHash] = []
+
+    def counted(protect: frozenset[PageHash]) -> Iterator[Entry]:
+        for entry in walk(protect):
+            seen.append(entry.media)
+            yield entry
+
+    entries._evictable = counted  # type: ignore[method-assign]  # counts what planning looks at
+    new = content_hash(b"pool-new")
+    report = cache.insert_batch([new], [embedding(new, 4)])
+    assert report.new == 1
+    assert seen == [media[1]], "the LRU victim, and nothing past it"
+    assert cache.entry(media[1]) is None and cache.entry(media[0]) is not None
