@@ -53,6 +53,10 @@ class Lifecycle(Generic[S, E]):
     initial: S
     table: Mapping[tuple[S, E], S] = attrs.field(converter=_freeze_table)
     final: frozenset[S] = attrs.field(factory=frozenset, converter=_freeze_states)
+    _moves: dict[tuple[int, int], S] = attrs.field(init=False, repr=False)
+    """``table`` keyed by the members' ``id``: an enum member is a singleton that lives as long as
+    its class, so the two keys name the same transitions, and this one is hashed in C (an enum's
+    own ``__hash__`` is Python code; :meth:`next` runs several times per page and per item)."""
 
     def __attrs_post_init__(self) -> None:
         for (state, _event), target in self.table.items():
@@ -60,11 +64,13 @@ class Lifecycle(Generic[S, E]):
                 raise ValueError(f"{self.name}: final state {state} has an outgoing transition")
             if type(target) is not type(self.initial):
                 raise TypeError(f"{self.name}: target {target!r} is not a {type(self.initial)}")
+        moves = {(id(state), id(event)): target for (state, event), target in self.table.items()}
+        object.__setattr__(self, "_moves", moves)
 
     def next(self, state: S, event: E) -> S:
         """The state after ``event`` in ``state``; raises :class:`IllegalTransition` if not allowed."""
         try:
-            return self.table[(state, event)]
+            return self._moves[(id(state), id(event))]
         except KeyError:
             raise IllegalTransition(self.name, state, event) from None
 

@@ -213,7 +213,7 @@ class EmbeddingCache:
 
     def is_ready(self, request_id: str) -> bool:
         """Whether the get that ``prefetch(request_id, ...)`` started was applied (or was empty)."""
-        self.poll()
+        self._ops.poll()  # already guarded: the verb itself checked the caller
         return not self._ops.is_pending(self._ops.request(request_id))
 
     def wait(self, request_id: str, timeout: float | None = None) -> bool:
@@ -228,7 +228,7 @@ class EmbeddingCache:
     ) -> InsertResult:
         """Insert freshly computed embeddings (one copy each into the pool) and push every READY
         one in one batch put: :meth:`reserve`, the copies, :meth:`commit`."""
-        self.poll()
+        self._ops.poll()  # already guarded: the verb itself checked the caller
         batch, first = check_insert(self._entries, hashes, tensors)
         reservation = self._reserve(batch)
         for media in reservation.new:
@@ -239,13 +239,13 @@ class EmbeddingCache:
         """The first half of an insert without a copy: FILLING entries for the new items that fit
         (LRU READY entries outside the batch evicted if needed), to be written in place (see
         :class:`Reservation`), then :meth:`commit` or :meth:`abort`."""
-        self.poll()
+        self._ops.poll()  # already guarded: the verb itself checked the caller
         return self._reserve(check_sizes(self._entries, hashes, tokens, merge=True))
 
     def commit(self, reservation: Reservation) -> InsertResult:
         """The second half of an insert: the reservation's entries are READY, and every READY
         entry of its batch the store may lack goes to one batch put (see the module docstring)."""
-        self.poll()
+        self._ops.poll()  # already guarded: the verb itself checked the caller
         return self._commit(reservation)
 
     def abort(self, reservation: Reservation) -> int:
@@ -259,7 +259,7 @@ class EmbeddingCache:
         """:meth:`get` without a copy: each READY entry's bytes in place in the pool (touched for
         LRU), kept from eviction until :meth:`give_back` or the end of ``with loan:``; ``None``
         for anything else."""
-        self.poll()
+        self._ops.poll()  # already guarded: the verb itself checked the caller
         asked = check_hashes(hashes)
         lent = [m for m in dict.fromkeys(asked) if self._readable(m)]
         views = {m: self._entries.view(self._entries[m]) for m in lent}
@@ -283,7 +283,7 @@ class EmbeddingCache:
         local is fetched, and one the store lacks after all fails its load and frees its room."""
         if not isinstance(probe, bool):
             raise MisuseError(f"prefetch: probe is a bool, got {probe!r}")
-        self.poll()
+        self._ops.poll()  # already guarded: the verb itself checked the caller
         self._ops.check_new_request(request_id)
         batch = check_sizes(self._entries, hashes, tokens, merge=True)
         local = [media for media, _tokens in batch if media in self._entries]
@@ -310,7 +310,7 @@ class EmbeddingCache:
 
     def get(self, hashes: Iterable[PageHash]) -> tuple[torch.Tensor | None, ...]:
         """A copy of each READY entry's embedding (touched for LRU); ``None`` for anything else."""
-        self.poll()
+        self._ops.poll()  # already guarded: the verb itself checked the caller
         out: list[torch.Tensor | None] = []
         for media in check_hashes(hashes):
             if not self._readable(media):
@@ -324,7 +324,7 @@ class EmbeddingCache:
         """Evict READY entries in LRU order until ``n_units`` units were freed; the units freed."""
         if isinstance(n_units, bool) or not isinstance(n_units, int) or n_units < 0:
             raise MisuseError(f"evict takes an int >= 0, got {n_units!r}")
-        self.poll()
+        self._ops.poll()  # already guarded: the verb itself checked the caller
         freed = 0
         for victim in self._entries.lru(frozenset()):
             if freed >= n_units:

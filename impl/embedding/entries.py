@@ -217,7 +217,8 @@ class Entries:
         self.put(self.stamp(self._table[media]))
 
     def advance(self, entry: Entry, event: EntryEvent) -> None:
-        self.put(self.step(entry, event))
+        """``entry`` (the stored value) after ``event``, stored in its place (no touch)."""
+        self._table[entry.media] = _with(entry, state=EMBEDDING_ENTRY.next(entry.state, event))
 
     def forget(self, entry: Entry, event: EntryEvent) -> None:
         """Take ``entry`` to FREE through ``event``: forgotten, its units freed."""

@@ -76,6 +76,7 @@ class Ops:
         self._requests: dict[str, int | None] = {}
         self._results: queue.SimpleQueue[tuple[int, list[ExtentStatus]]] = queue.SimpleQueue()
         self._next_op = 0
+        self._unit_labels: dict[int, tuple[str, ...]] = {}
 
     # ----------------------------------------------------------------------------- queries
 
@@ -84,10 +85,15 @@ class Ops:
 
     def object_keys(self, media: PageHash, tokens: int) -> tuple[StoreKey, ...]:
         """The store keys of the embedding of ``media`` with ``tokens`` rows, unit by unit."""
+        return self.keyspace.component_keys(self.namespace, POOL, self._labels(tokens), media)
+
+    def _labels(self, tokens: int) -> tuple[str, ...]:
+        """The key components of an embedding of ``tokens`` rows: ``u<i>of<n>``, unit by unit."""
         count = self.pool.shape.units_for(tokens)
-        return tuple(
-            self.keyspace.key(self.namespace, POOL, f"u{i}of{count}", media) for i in range(count)
-        )
+        labels = self._unit_labels.get(count)
+        if labels is None:
+            labels = self._unit_labels[count] = tuple(f"u{i}of{count}" for i in range(count))
+        return labels
 
     def visible(self, batch: Sequence[tuple[PageHash, int]]) -> list[bool]:
         """Per item: all its unit objects are visible in the store (one batch exists call)."""
@@ -122,14 +128,15 @@ class Ops:
 
     def item(self, entry: Entry) -> Item:
         """The extents of ``entry``'s current generation (it is pinned by the caller)."""
-        shape = self.pool.shape
-        keys = self.object_keys(entry.media, entry.tokens)
+        pool, tokens = self.pool, entry.tokens
+        keys = self.object_keys(entry.media, tokens)
+        if len(keys) == 1:  # the common case: one unit, every row from its start
+            (unit,) = entry.units
+            extent = Extent(keys[0], pool.unit_ptr(unit), tokens * pool.row_nbytes)
+            return Item(entry.media, entry.generation, (extent,))
+        rows = pool.shape.rows
         extents = tuple(
-            Extent(
-                key,
-                self.pool.unit_ptr(unit),
-                shape.rows(entry.tokens, i) * shape.dim * shape.itemsize,
-            )
+            Extent(key, pool.unit_ptr(unit), rows(tokens, i) * pool.row_nbytes)
             for i, (key, unit) in enumerate(zip(keys, entry.units, strict=True))
         )
         return Item(entry.media, entry.generation, extents)
@@ -156,13 +163,11 @@ class Ops:
     def poll(self) -> int:
         """Apply every I/O result queued so far (on this thread); how many ops completed."""
         count = 0
-        while True:
-            try:
-                result = self._results.get_nowait()
-            except queue.Empty:
-                return count
-            self._apply(*result)
+        results = self._results
+        while not results.empty():  # this thread is the only consumer: a result seen stays
+            self._apply(*results.get_nowait())
             count += 1
+        return count
 
     def wait(self, op_id: int | None, timeout: float | None) -> bool:
         """Apply results until op ``op_id`` was applied; ``False`` if ``timeout`` passed first."""

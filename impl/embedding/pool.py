@@ -74,10 +74,14 @@ class EmbeddingPool:
         # One byte per unit, FREE or USED: a run of free units is found by a C-speed search.
         self._map = bytearray(_FREE * shape.units)
         self._free_count = shape.units
+        self._ptr = int(self.buffer.data_ptr())  # the buffer is never replaced
+        self.row_nbytes = shape.dim * shape.itemsize
+        """The bytes of one row (one token's embedding)."""
+        self._unit_nbytes = shape.unit_nbytes
 
     @property
     def ptr(self) -> int:
-        return int(self.buffer.data_ptr())
+        return self._ptr
 
     @property
     def nbytes(self) -> int:
@@ -113,8 +117,9 @@ class EmbeddingPool:
         return units
 
     def free(self, units: tuple[int, ...]) -> None:
+        size, used = self.shape.units, _USED[0]
         if len(set(units)) != len(units) or any(
-            not 0 <= unit < self.shape.units or self._map[unit] != _USED[0] for unit in units
+            not 0 <= unit < size or self._map[unit] != used for unit in units
         ):
             raise MisuseError(f"embedding pool: freeing units {units} that are not allocated")
         for unit in units:
@@ -125,7 +130,9 @@ class EmbeddingPool:
         """The ``[tokens, dim]`` embedding held in ``units``, in place (no copy), when they are
         adjacent and in order; ``None`` otherwise (:meth:`segments`)."""
         first = units[0]
-        if units[-1] - first != len(units) - 1 or units != tuple(range(first, first + len(units))):
+        if len(units) > 1 and (
+            units[-1] - first != len(units) - 1 or units != tuple(range(first, first + len(units)))
+        ):
             return None
         row = first * self.shape.unit_tokens
         return self._rows[row : row + tokens]
@@ -137,7 +144,7 @@ class EmbeddingPool:
         )
 
     def unit_ptr(self, unit: int) -> int:
-        return self.ptr + unit * self.shape.unit_nbytes
+        return self._ptr + unit * self._unit_nbytes
 
     def write(self, units: tuple[int, ...], tensor: torch.Tensor) -> None:
         """Copy ``tensor`` (``[tokens, dim]``, the pool's dtype) into ``units``, row by row."""

@@ -807,6 +807,29 @@ def test_key_space_fast_path_equals_the_one_renderer(  # noqa: PLR0917
         assert parse_store_key(expected).page_hash == page
 
 
+@given(
+    digests=st.lists(st.binary(min_size=32, max_size=32), min_size=1, max_size=4),
+    components=st.lists(
+        st.from_regex(r"[a-z][a-z0-9_]{0,6}", fullmatch=True), min_size=1, max_size=4
+    ),
+    extra=st.sampled_from([None, "lora-1"]),
+    schema=st.sampled_from(SCHEMA_VERSIONS),
+)
+def test_component_keys_are_the_key_of_each_component(
+    digests: list[bytes], components: list[str], extra: str | None, schema: int
+) -> None:
+    """KeySpace.component_keys (one memo lookup for all of an embedding's unit objects) renders
+    what KeySpace.key renders for each component, in order, for every page it is asked about."""
+    space = KeySpace(EMB, tag="t", schema=schema)
+    namespace = Namespace(extra_key=extra)
+    for digest in digests:
+        page = PageHash(digest)
+        want = tuple(space.key(namespace, "emb", component, page) for component in components)
+        assert space.component_keys(namespace, "emb", tuple(components), page) == want
+    with pytest.raises(DoubleRenderError):
+        space.component_keys(namespace, "emb", tuple(components), want[0])  # type: ignore[arg-type]
+
+
 def test_key_space_memo_is_not_part_of_identity() -> None:
     model = ModelIdentity(name="m", dtype="bf16", kind=KVKind.MHA, page_size=4)
     warm, cold = KeySpace(model, tag="t"), KeySpace(model, tag="t")
