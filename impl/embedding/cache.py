@@ -230,7 +230,7 @@ class EmbeddingCache:
         one in one batch put: :meth:`reserve`, the copies, :meth:`commit`."""
         self._ops.poll()  # already guarded: the verb itself checked the caller
         batch, first = check_insert(self._entries, hashes, tensors)
-        reservation = self._reserve(batch)
+        reservation = self._reserve(batch, views=False)  # written here, never handed out
         for media in reservation.new:
             self.pool.write(self._entries[media].units, first[media])
         return self._commit(reservation)
@@ -354,7 +354,9 @@ class EmbeddingCache:
 
     # ----------------------------------------------------------------------------- helpers
 
-    def _reserve(self, batch: list[tuple[PageHash, int]]) -> Reservation:
+    def _reserve(self, batch: list[tuple[PageHash, int]], *, views: bool = True) -> Reservation:
+        """The reservation of ``batch``; ``views=False`` leaves :attr:`Reservation.views` empty
+        (for :meth:`insert_batch`, which writes through :meth:`EmbeddingPool.write` itself)."""
         protect = frozenset(media for media, _tokens in batch)
         hits = tuple(media for media, _tokens in batch if media in self._entries)
         misses = [(media, tokens) for media, tokens in batch if media not in self._entries]
@@ -370,7 +372,7 @@ class EmbeddingCache:
             self._holds.reserve(reserved),
             tuple(e.media for e in fresh),
             no_space,
-            views={e.media: self.pool.view(e.units, e.tokens) for e in fresh},
+            views={e.media: self.pool.view(e.units, e.tokens) for e in fresh} if views else {},
             places={e.media: (e.units, e.tokens) for e in fresh},
             pool=self.pool,
         )

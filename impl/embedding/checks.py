@@ -33,10 +33,14 @@ def check_insert(
     hashes, tensors = check_hashes(hashes), tuple(tensors)
     if len(hashes) != len(tensors):
         raise MisuseError(f"insert_batch: {len(hashes)} hashes but {len(tensors)} tensors")
+    shape = entries.pool.shape
     for tensor in tensors:
-        _check_tensor(entries.pool.shape, tensor)
+        _check_tensor(shape, tensor)
     batch = check_sizes(entries, hashes, [int(t.shape[0]) for t in tensors], merge=True)
-    return batch, {media: tensors[hashes.index(media)] for media, _tokens in batch}
+    first: dict[PageHash, torch.Tensor] = {}
+    for media, tensor in zip(hashes, tensors, strict=True):
+        first.setdefault(media, tensor)
+    return batch, first
 
 
 def _check_tensor(shape: PoolShape, tensor: object) -> None:
