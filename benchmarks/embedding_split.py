@@ -1,8 +1,9 @@
 """Where the time of one embedding insert goes, layer by layer, against a real store (issue 20).
 
 One ``LocalCluster`` (``embedding_throughput.py``'s setup, so every byte crosses TCP loopback), 128 KiB
-float16 embeddings ([64, 1024]). For each call, one after the other on fresh keys, the same batch is put
-seven ways, each adding one layer to the one before:
+float16 embeddings ([64, 1024]). For each call, one after the other on fresh keys (each way first in turn,
+so a burst of load from the rest of the machine falls on all alike), the same batch is put seven
+ways, each adding one layer to the one before:
 
 - ``raw``: the native ``batch_put_from`` from a registered buffer that holds the batch;
 - ``client``: :class:`~kvstrata.impl.storage.mooncake.MooncakeClient.batch_put_from` (the gate, the key
@@ -82,8 +83,11 @@ def split(batch: int, calls: int) -> dict[str, list[float]]:
                 groups = [media[i : i + batch] for i in range(0, len(media), batch)]
                 for call in range(calls):
                     mine = groups[call * len(LAYERS) : (call + 1) * len(LAYERS)]
-                    steps = _steps(sides, inline, adapter, client, mine)
-                    for name, step in zip(LAYERS, steps, strict=True):
+                    steps = list(
+                        zip(LAYERS, _steps(sides, inline, adapter, client, mine), strict=True)
+                    )
+                    turn = call % len(steps)  # each layer goes first in turn
+                    for name, step in steps[turn:] + steps[:turn]:
                         start = time.perf_counter()
                         step()
                         seconds[name].append(time.perf_counter() - start)

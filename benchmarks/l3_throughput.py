@@ -64,9 +64,10 @@ medians and every sample.
 
 Exists latency: 1024 pages of the first cell's size are stored, then ``MooncakeBackend.exists`` of the
 first 1, 64 and 1024 pages (2, 128 and 2048 keys) against the raw ``batch_is_exist`` of the same key
-strings, interleaved, for stored pages (hits; each grants a lease) and for pages never stored
-(misses): median microseconds, with the time ``KeySpace.rendered`` takes for those pages and the
-``prefix`` what-if's ``exists``.
+strings and against ``MooncakeClient.batch_is_exist`` of them (kvstrata's own client instance, the
+call ``exists`` makes), interleaved with each path first in turn, for stored pages (hits; each grants
+a lease) and for pages never stored (misses): median microseconds, with the time
+``KeySpace.rendered`` takes for those pages and the ``prefix`` what-if's ``exists``.
 
 Exit status: 0 when everything ran; 1 when a store call failed, bytes came back wrong or a cache op did
 not complete (one line on stderr, no traceback); 2 when the cluster cannot be started here.
@@ -845,6 +846,27 @@ def run_cache(
 
 
 # --------------------------------------------------------------------------------------------- exists
+def exists_paths(
+    native: Any,
+    client: MooncakeClient,
+    backends: tuple[MooncakeBackend, MooncakeBackend],
+    texts: list[str],
+    pages: Sequence[PageHash],
+) -> dict[str, Callable[[], object]]:
+    """The timed calls of one exists row, by name: ``backends`` are kvstrata's and the what-if's
+    (``keys``: what ``exists`` renders, issue 20)."""
+    backend, whatif = backends
+    keyspace = backend.keyspace
+    rendered = keyspace.rendered(NAMESPACE, pages)
+    return {
+        "raw": lambda: native.batch_is_exist(texts),
+        "client": lambda: client.batch_is_exist(rendered),
+        "kvstrata": lambda: backend.exists(NAMESPACE, pages),
+        "prefix": lambda: whatif.exists(NAMESPACE, pages),
+        "keys": lambda: keyspace.rendered(NAMESPACE, pages),
+    }
+
+
 def run_exists(
     cell: Cell, client: MooncakeClient, raw: RawStore, quick: bool
 ) -> list[dict[str, Any]]:
@@ -873,26 +895,24 @@ def run_exists(
                 texts = key_texts(keyspace, pages)
                 want_raw = [1 if kind == "hit" else 0] * len(texts)
                 want = n if kind == "hit" else 0
-                times: dict[str, list[float]] = {
-                    "raw": [],
-                    "kvstrata": [],
-                    "prefix": [],
-                    "keys": [],
-                }
-                for _ in range(reps):
-                    start = time.perf_counter()
-                    codes = native.batch_is_exist(texts)
-                    times["raw"].append(time.perf_counter() - start)
-                    start = time.perf_counter()
-                    found = backend.exists(NAMESPACE, pages)
-                    times["kvstrata"].append(time.perf_counter() - start)
-                    start = time.perf_counter()
-                    found_whatif = whatif.exists(NAMESPACE, pages)
-                    times["prefix"].append(time.perf_counter() - start)
-                    start = time.perf_counter()
-                    keyspace.rendered(NAMESPACE, pages)  # what exists renders (issue 20)
-                    times["keys"].append(time.perf_counter() - start)
-                    if list(codes) != want_raw or found != want or found_whatif != want:
+                calls = exists_paths(native, client, (backend, whatif), texts, pages)
+                times: dict[str, list[float]] = {name: [] for name in calls}
+                order = list(calls)
+                for rep in range(reps):
+                    answers: dict[str, object] = {}
+                    turn = rep % len(order)  # each path first in turn: no path always follows raw
+                    for name in order[turn:] + order[:turn]:
+                        start = time.perf_counter()
+                        answers[name] = calls[name]()
+                        times[name].append(time.perf_counter() - start)
+                    codes = list(answers["raw"])  # type: ignore[call-overload]
+                    found, found_whatif = answers["kvstrata"], answers["prefix"]
+                    if (
+                        codes != want_raw
+                        or answers["client"] != want_raw
+                        or found != want
+                        or found_whatif != want
+                    ):
                         raise BenchError(
                             f"exists of {n} pages ({kind}): raw {sorted(set(codes))}, "
                             f"kvstrata {found}, what-if {found_whatif}"
@@ -904,6 +924,7 @@ def run_exists(
                         "kind": kind,
                         "repeats": reps,
                         "raw_us": median_us(times["raw"]),
+                        "client_us": median_us(times["client"]),
                         "kvstrata_us": median_us(times["kvstrata"]),
                         "prefix_us": median_us(times["prefix"]),
                         "key_render_us": median_us(times["keys"]),
@@ -1096,14 +1117,16 @@ def print_tables(result: dict[str, Any]) -> None:
     if result["exists"]:
         print()
         print(
-            "| pages (keys) | lookup | raw `batch_is_exist` µs | kvstrata `exists` µs | ÷ raw "
-            "| key rendering µs | what-if prefix keys µs |"
+            "| pages (keys) | lookup | raw `batch_is_exist` µs | kvstrata's client µs "
+            "| kvstrata `exists` µs | ÷ raw | ÷ client | key rendering µs | what-if prefix keys µs |"
         )
-        print("|---|---|---:|---:|---:|---:|---:|")
+        print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
         for row in result["exists"]:
             print(
                 f"| {row['pages']} ({row['keys']}) | {row['kind']} | {row['raw_us']:.0f} | "
-                f"{row['kvstrata_us']:.0f} | {row['kvstrata_us'] / row['raw_us']:.1f} | "
+                f"{row['client_us']:.0f} | {row['kvstrata_us']:.0f} | "
+                f"{row['kvstrata_us'] / row['raw_us']:.2f} | "
+                f"{row['kvstrata_us'] / row['client_us']:.2f} | "
                 f"{row['key_render_us']:.0f} | {row['prefix_us']:.0f} |"
             )
     print()

@@ -129,17 +129,21 @@ class Gate:
         self._exclusive = False
         self._waiting = 0
 
-    @contextmanager
-    def shared(self) -> Iterator[None]:
+    def shared(self) -> _Shared:
+        """``with gate.shared():`` (a plain context object: every store call enters it)."""
+        return _Shared(self)
+
+    def enter_shared(self) -> None:
         with self._cond:
             while self._exclusive or self._waiting:
                 self._cond.wait()
             self._shared += 1
-        try:
-            yield
-        finally:
-            with self._cond:
-                self._shared -= 1
+
+    def leave_shared(self) -> None:
+        """The last shared holder out wakes the waiting exclusive ones (nobody else waits on it)."""
+        with self._cond:
+            self._shared -= 1
+            if not self._shared and self._waiting:
                 self._cond.notify_all()
 
     @contextmanager
@@ -156,3 +160,18 @@ class Gate:
             with self._cond:
                 self._exclusive = False
                 self._cond.notify_all()
+
+
+class _Shared:
+    """:meth:`Gate.shared` as an object (no generator frame per store call)."""
+
+    __slots__ = ("_gate",)
+
+    def __init__(self, gate: Gate) -> None:
+        self._gate = gate
+
+    def __enter__(self) -> None:
+        self._gate.enter_shared()
+
+    def __exit__(self, *exc: object) -> None:
+        self._gate.leave_shared()

@@ -58,6 +58,8 @@ class ErrorCounters:
 
     def success(self, operation: str) -> None:
         """End the open bursts of ``operation`` (and log their size)."""
+        if not self._bursts:  # the common case, read without the lock: a burst opened meanwhile
+            return  # by another thread is ended by the next success, its log line one call late
         with self._lock:
             ended = {key: n for key, n in self._bursts.items() if key[0] == operation}
             for key in ended:
