@@ -359,6 +359,28 @@ def test_next_follows_the_table() -> None:
         WRITE_OP.next(OpState.DONE, OpEvent.ACK)
 
 
+@pytest.mark.parametrize("lifecycle", ALL_LIFECYCLES, ids=lambda lc: lc.name.replace(" ", "-"))
+def test_next_is_the_table_for_every_state_and_event(lifecycle: Lifecycle) -> None:  # type: ignore[type-arg]
+    """``next`` (a lookup by member identity, for speed) answers exactly what ``table`` says for
+    every pair of the lifecycle's enums, and refuses members of other enums that share a name
+    or a value with the ones it knows."""
+    events = type(next(iter(lifecycle.table))[1])
+    for state in type(lifecycle.initial):
+        for event in events:
+            want = lifecycle.table.get((state, event))
+            if want is None:
+                with pytest.raises(IllegalTransition):
+                    lifecycle.next(state, event)
+            else:
+                assert lifecycle.next(state, event) is want
+    for (state, event), _target in lifecycle.table.items():
+        twin_state = enum.Enum("Twin", [(state.name, state.value)])[state.name]
+        twin_event = enum.Enum("TwinEvent", [(event.name, event.value)])[event.name]
+        for pair in ((twin_state, event), (state, twin_event), (state.name, event.name)):
+            with pytest.raises(IllegalTransition):
+                lifecycle.next(*pair)
+
+
 def _ids(lifecycle: Lifecycle) -> str:  # type: ignore[type-arg]
     return lifecycle.name.replace(" ", "-")
 

@@ -12,13 +12,14 @@ import subprocess
 import sys
 import textwrap
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 
 import pytest
 
 from kvstrata.impl.errors import StoreUnavailable
 from kvstrata.impl.storage.mooncake import LocalCluster, MooncakeConfig
-from kvstrata.impl.storage.mooncake.connect import probe_master
+from kvstrata.impl.storage.mooncake.connect import Gate, probe_master
 
 
 class Listener:
@@ -172,3 +173,48 @@ def test_ctrl_c_during_the_first_import_does_not_cut_it() -> None:
     assert done.returncode == 0, done.stderr
     # the Ctrl-C is raised once the import finished (not inside it), and a later call works
     assert done.stdout.splitlines() == ["interrupted True", "MooncakeDistributedStore"]
+
+
+# ----------------------------------------------------------------------------------------------
+# The client's gate: store calls share it, setup/close/registration hold it alone
+def test_gate_shares_waits_for_the_last_shared_holder_and_prefers_the_exclusive_one() -> None:
+    """Two shared holders at once; an exclusive holder waits until the *last* of them leaves
+    (the only wake-up a shared holder gives); a shared holder that arrives while the exclusive
+    one waits is let in only after it (writer preference)."""
+    gate = Gate()
+    events: list[str] = []
+    first, second = gate.shared(), gate.shared()
+    first.__enter__()
+    second.__enter__()  # shared: no wait
+
+    def exclusive() -> None:
+        with gate.exclusive():
+            events.append("exclusive in")
+        events.append("exclusive out")
+
+    def late_shared() -> None:
+        with gate.shared():
+            events.append("late shared in")
+
+    writer = threading.Thread(target=exclusive)
+    writer.start()
+    _wait_until(lambda: gate._waiting == 1)
+    reader = threading.Thread(target=late_shared)
+    reader.start()
+    reader.join(0.2)
+    assert reader.is_alive() and not events  # held back behind the waiting exclusive holder
+    first.__exit__(None, None, None)
+    writer.join(0.2)
+    assert writer.is_alive() and not events  # one shared holder is still in
+    second.__exit__(None, None, None)
+    writer.join(5)
+    reader.join(5)
+    assert not writer.is_alive() and not reader.is_alive()
+    assert events == ["exclusive in", "exclusive out", "late shared in"]
+
+
+def _wait_until(condition: Callable[[], bool], timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.001)
