@@ -819,15 +819,21 @@ def test_component_keys_are_the_key_of_each_component(
     digests: list[bytes], components: list[str], extra: str | None, schema: int
 ) -> None:
     """KeySpace.component_keys (one memo lookup for all of an embedding's unit objects) renders
-    what KeySpace.key renders for each component, in order, for every page it is asked about."""
+    what KeySpace.key renders for each component, in order, for every page it is asked about, with
+    one memo per namespace, pool and component list (two namespaces, two pools and a shorter
+    component list share the one key space here, interleaved)."""
     space = KeySpace(EMB, tag="t", schema=schema)
-    namespace = Namespace(extra_key=extra)
+    namespaces = (Namespace(extra_key=extra), Namespace(extra_key=f"{extra or ''}other"))
+    lists = (tuple(components), tuple(components[:1]))
     for digest in digests:
         page = PageHash(digest)
-        want = tuple(space.key(namespace, "emb", component, page) for component in components)
-        assert space.component_keys(namespace, "emb", tuple(components), page) == want
+        for namespace in namespaces:
+            for pool in ("emb", "emb2"):
+                for names in lists:
+                    want = tuple(space.key(namespace, pool, name, page) for name in names)
+                    assert space.component_keys(namespace, pool, names, page) == want
     with pytest.raises(DoubleRenderError):
-        space.component_keys(namespace, "emb", tuple(components), want[0])  # type: ignore[arg-type]
+        space.component_keys(namespaces[0], "emb", lists[0], want[0])  # type: ignore[arg-type]
 
 
 def test_key_space_memo_is_not_part_of_identity() -> None:
