@@ -322,6 +322,14 @@ class KeySpace:
     def key(self, namespace: Namespace, pool: str, component: str, page_hash: PageHash) -> StoreKey:
         if not isinstance(page_hash, PageHash):
             raise DoubleRenderError(f"page_hash is not a PageHash: {page_hash!r}")
+        prefix = self._prefixes.get((namespace, pool, component))  # inline: the hot path
+        if prefix is None:
+            prefix = self._prefix(namespace, pool, component)
+        return StoreKey(prefix + page_hash.digest.hex())
+
+    def _prefix(self, namespace: Namespace, pool: str, component: str) -> str:
+        """Every key of (namespace, pool, component) but its page hash's hex digits: rendered once
+        through :func:`render_store_key` with an all-zero page hash, then memoised."""
         slot = (namespace, pool, component)
         prefix = self._prefixes.get(slot)
         if prefix is None:
@@ -337,9 +345,9 @@ class KeySpace:
                     version=self.schema,
                 )
             ).text
-            prefix = template[: -len(_ZERO_HASH.hex())]
+            prefix = template[: -len(_ZERO_HEX)]
             self._prefixes[slot] = prefix
-        return StoreKey(prefix + page_hash.digest.hex())
+        return prefix
 
     def component_keys(
         self, namespace: Namespace, pool: str, components: tuple[str, ...], page_hash: PageHash
@@ -351,10 +359,7 @@ class KeySpace:
         slot = (namespace, pool, components)
         prefixes = self._component_prefixes.get(slot)
         if prefixes is None:
-            prefixes = tuple(
-                self.key(namespace, pool, component, _ZERO_HASH).text[: -len(_ZERO_HEX)]
-                for component in components
-            )
+            prefixes = tuple(self._prefix(namespace, pool, name) for name in components)
             self._component_prefixes[slot] = prefixes
         hex_ = page_hash.digest.hex()
         return tuple(StoreKey(prefix + hex_) for prefix in prefixes)
@@ -384,10 +389,7 @@ class KeySpace:
         :meth:`page_keys`; a page that is not a :class:`PageHash` is a :class:`DoubleRenderError`."""
         prefixes = self._batch_prefixes.get((namespace, pool))
         if prefixes is None:
-            prefixes = tuple(
-                self.key(namespace, pool, component, _ZERO_HASH).text[: -len(_ZERO_HEX)]
-                for component in self.components
-            )
+            prefixes = tuple(self._prefix(namespace, pool, name) for name in self.components)
             self._batch_prefixes[(namespace, pool)] = prefixes
         for page in pages:
             if not isinstance(page, PageHash):
