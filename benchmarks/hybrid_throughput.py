@@ -43,6 +43,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import attrs
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -85,13 +86,16 @@ EXISTS_SIZES = (1, 32, 256)
 
 
 class Node:
-    """kvstrata's side: the KV host pool, the side buffers and their HybridStorage."""
+    """kvstrata's side: the KV host pool, the side buffers and their HybridStorage, in ``space``
+    (key schema 1: one object per KV plane and per side-pool component; 2: one per KV page and per
+    side-pool entry)."""
 
-    def __init__(self, client: MooncakeClient, pages: int) -> None:
+    def __init__(self, client: MooncakeClient, pages: int, space: KeySpace = SPACE) -> None:
         self.host = HostKVPool(SHAPE, pages, HostLayout.PAGE_FIRST_DIRECT, pin_memory=False)
         self.indexer = SideBuffer(INDEXER, pages, host=True)
         self.mamba = SideBuffer(MAMBA, 1, host=True)
-        self.storage = HybridStorage(MooncakeBackend(client, SPACE), [self.indexer, self.mamba])
+        self.space = space
+        self.storage = HybridStorage(MooncakeBackend(client, space), [self.indexer, self.mamba])
         self.storage.attach(self.host)
         start = 1
         for tensor in (self.host.buffer, *self.indexer.tensors, *self.mamba.tensors):
@@ -100,8 +104,9 @@ class Node:
             start += 7
 
     def objects(self, pages: Sequence[PageHash]) -> tuple[list[str], list[int], list[int]]:
-        """Every object of a page set, as raw ``(keys, pointers, sizes)``: the same strings and
-        memory kvstrata moves."""
+        """Every object of a page set under key schema 1 (one per KV plane and per side-pool
+        component), as raw ``(keys, pointers, sizes)``: the memory kvstrata moves, and under schema 1
+        the same strings."""
         keys: list[str] = []
         ptrs: list[int] = []
         sizes: list[int] = []
@@ -129,6 +134,19 @@ class Node:
             sizes.append(region.nbytes)
         return keys, ptrs, sizes
 
+    def keys(self, pages: Sequence[PageHash]) -> list[str]:
+        """Every store key kvstrata holds for a page set in its own key space (the state's for the
+        last page)."""
+        texts = [
+            key.text
+            for page in pages
+            for key in (
+                *self.space.page_keys(NS, page),
+                *side_page_keys(self.space, NS, INDEXER.pool, page),
+            )
+        ]
+        return texts + [key.text for key in side_page_keys(self.space, NS, MAMBA.pool, pages[-1])]
+
     def snapshot(self) -> list[bytes]:
         return [
             t.view(-1).view(torch.uint8).numpy().tobytes()
@@ -144,9 +162,15 @@ class Node:
 
 
 def run_cell(
-    pages: int, calls: int, repeats: int, client: MooncakeClient, raw: RawStore
+    pages: int,
+    calls: int,
+    repeats: int,
+    client: MooncakeClient,
+    raw: RawStore,
+    *,
+    schema: int = 1,
 ) -> dict[str, Any]:
-    node = Node(client, pages)
+    node = Node(client, pages, attrs.evolve(SPACE, schema=schema))
     buffers = [node.host.buffer, *node.indexer.tensors, *node.mamba.tensors]
     for tensor in buffers:
         raw.register(tensor.data_ptr(), tensor.numel() * tensor.element_size())
@@ -160,7 +184,10 @@ def run_cell(
     try:
         for repetition in range(repeats + 1):  # the first is a warm-up that checks bytes
             sets = {
-                side: [fresh_pages(f"{side}/{pages}/{repetition}/{c}", pages) for c in range(calls)]
+                side: [
+                    fresh_pages(f"{side}/{schema}/{pages}/{repetition}/{c}", pages)
+                    for c in range(calls)
+                ]
                 for side in ("raw", "kvstrata")
             }
             texts = [node.objects(s) for s in sets["raw"]]
@@ -221,10 +248,14 @@ def run_cell(
         node.close()
     moved = nbytes * calls
     return {
+        "schema": schema,
         "pages": pages,
         "calls": calls,
         "bytes_per_call": nbytes,
-        "objects_per_call": 3 * pages + len(MAMBA.components),
+        "raw_objects_per_call": 3 * pages + len(MAMBA.components),
+        "kvstrata_objects_per_call": 3 * pages + len(MAMBA.components)
+        if schema == 1
+        else 2 * pages + 1,
         **{
             f"{side}_{op}_gbps": moved / statistics.median(seconds[side][op]) / 1e9
             for side in seconds
@@ -236,14 +267,17 @@ def run_cell(
     }
 
 
-def run_exists(client: MooncakeClient, raw: RawStore, quick: bool) -> list[dict[str, Any]]:
+def run_exists(
+    client: MooncakeClient, raw: RawStore, quick: bool, *, schema: int = 1
+) -> list[dict[str, Any]]:
+    space = attrs.evolve(SPACE, schema=schema)
     count = max(EXISTS_SIZES)
-    node = Node(client, count)
-    kv_only = MooncakeBackend(client, SPACE)
+    node = Node(client, count, space)
+    kv_only = MooncakeBackend(client, space)
     kv_only.attach(node.host)
     rows = []
     try:
-        pages = fresh_pages("exists", count)
+        pages = fresh_pages(f"exists/{schema}", count)
         stored = node.storage.put(NS, pages, list(range(count)), {"mamba": {count - 1: 0}})
         if not all(s is PutStatus.STORED for s in stored.pages):
             raise BenchError("exists: could not store the pages to query")
@@ -251,7 +285,7 @@ def run_exists(client: MooncakeClient, raw: RawStore, quick: bool) -> list[dict[
             subset = pages[:n]
             # the state of the set's last page, so the whole set is usable
             node.storage.put(NS, subset, list(range(n)), {"mamba": {n - 1: 0}})
-            texts = node.objects(subset)[0]
+            texts = node.keys(subset)  # the objects kvstrata holds: raw asks the same keys
             reps = 20 if quick else 200
             times: dict[str, list[float]] = {"raw": [], "kv": [], "hybrid": []}
             for _ in range(reps):
@@ -268,6 +302,7 @@ def run_exists(client: MooncakeClient, raw: RawStore, quick: bool) -> list[dict[
                     raise BenchError(f"exists of {n}: raw {set(codes)}, kv {kv}, hybrid {hit}")
             rows.append(
                 {
+                    "schema": schema,
                     "pages": n,
                     "keys": len(texts),
                     "raw_us": median_us(times["raw"]),
@@ -288,12 +323,16 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=None, help="repetitions (7; 2 quick)")
     parser.add_argument("--pages", default="8,32", help="pages per call, comma-separated")
     parser.add_argument("--calls", type=int, default=None, help="calls per repetition (8; 2 quick)")
+    parser.add_argument(
+        "--schemas", default="1,2", help="kvstrata's key schema versions, comma-separated"
+    )
     parser.add_argument("--segment-mib", type=int, default=1024, help="storage node segment")
     parser.add_argument("--json", type=Path, default=None, help="write every number here")
     args = parser.parse_args(argv)
     args.repeats = args.repeats or (2 if args.quick else 7)
     args.calls = args.calls or (2 if args.quick else 8)
     args.page_counts = [int(p) for p in args.pages.split(",")]
+    args.schema_list = [int(v) for v in args.schemas.split(",")]
     return args
 
 
@@ -314,36 +353,47 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "cells": [],
     }
     with bench_store(args.segment_mib * MIB) as (client, raw):
-        for pages in args.page_counts:
-            print(f"cell {pages} pages x {args.calls} calls ...", file=sys.stderr, flush=True)
-            result["cells"].append(run_cell(pages, args.calls, args.repeats, client, raw))
-        print("exists latency ...", file=sys.stderr, flush=True)
-        result["exists"] = run_exists(client, raw, args.quick)
+        for schema in args.schema_list:
+            for pages in args.page_counts:
+                print(
+                    f"cell schema {schema}, {pages} pages x {args.calls} calls ...",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                result["cells"].append(
+                    run_cell(pages, args.calls, args.repeats, client, raw, schema=schema)
+                )
+        result["exists"] = []
+        for schema in args.schema_list:
+            print(f"exists latency, schema {schema} ...", file=sys.stderr, flush=True)
+            result["exists"] += run_exists(client, raw, args.quick, schema=schema)
     result["seconds"] = time.perf_counter() - started
     return result
 
 
 def print_tables(result: dict[str, Any]) -> None:
     print(
-        "| pages/call | MiB/call | raw put GB/s | kvstrata put GB/s | put ratio | raw get GB/s "
-        "| kvstrata get GB/s | get ratio |"
+        "| schema | pages/call | MiB/call | objects raw / kvstrata | raw put GB/s "
+        "| kvstrata put GB/s | put ratio | raw get GB/s | kvstrata get GB/s | get ratio |"
     )
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for c in result["cells"]:
         print(
-            f"| {c['pages']} | {c['bytes_per_call'] / MIB:.1f} | {c['raw_put_gbps']:.2f} "
+            f"| {c['schema']} | {c['pages']} | {c['bytes_per_call'] / MIB:.1f} "
+            f"| {c['raw_objects_per_call']} / {c['kvstrata_objects_per_call']} "
+            f"| {c['raw_put_gbps']:.2f} "
             f"| {c['kvstrata_put_gbps']:.2f} | **{c['ratio_put']:.2f}** | {c['raw_get_gbps']:.2f} "
             f"| {c['kvstrata_get_gbps']:.2f} | **{c['ratio_get']:.2f}** |"
         )
     print()
     print(
-        "| pages | keys | raw batch_is_exist µs | KV-only exists µs | hybrid exists µs "
-        "| side pools add |"
+        "| schema | pages | raw keys | raw batch_is_exist µs | KV-only exists µs "
+        "| hybrid exists µs | side pools add |"
     )
-    print("|---:|---:|---:|---:|---:|---:|")
+    print("|---:|---:|---:|---:|---:|---:|---:|")
     for row in result["exists"]:
         print(
-            f"| {row['pages']} | {row['keys']} | {row['raw_us']:.0f} | {row['kv_us']:.0f} "
+            f"| {row['schema']} | {row['pages']} | {row['keys']} | {row['raw_us']:.0f} | {row['kv_us']:.0f} "
             f"| {row['hybrid_us']:.0f} | {row['hybrid_us'] / row['kv_us']:.2f}x |"
         )
     print(f"\n{result['seconds']:.1f} s")

@@ -54,7 +54,14 @@ from collections.abc import Callable, Hashable, Iterable, Sequence
 import attrs
 
 from kvstrata.model.errors import InvariantViolation, MisuseError
-from kvstrata.model.keys import KeySpace, Namespace, PageHash, StoreKey
+from kvstrata.model.keys import (
+    PAGE_COMPONENT,
+    KeySpace,
+    Namespace,
+    PageHash,
+    RenderedKeys,
+    StoreKey,
+)
 from kvstrata.model.store import StoreModel
 
 __all__ = [
@@ -67,7 +74,9 @@ __all__ = [
     "hybrid_exists",
     "is_usable",
     "pool_boundary",
+    "side_components",
     "side_page_keys",
+    "side_rendered",
     "state_content",
     "state_page",
     "usable_prefix",
@@ -209,17 +218,37 @@ def usable_prefix(kv_hit: int, pools_and_probes: Iterable[tuple[HitPolicy, Probe
     return cap
 
 
+def side_components(keys: KeySpace, pool: SidePool) -> tuple[str, ...]:
+    """The store objects one entry of ``pool`` is under ``keys``' schema version.
+
+    Schema 1: one object per component of the pool (``pool.components``, in order). Schema 2 (one
+    object per page, issue 20): the single object ``page`` (:data:`~kvstrata.model.keys.PAGE_COMPONENT`)
+    holding every component's bytes of the entry, concatenated in ``pool.components`` order. A
+    one-component pool holds the same bytes under either version; only its key differs.
+    """
+    if keys.schema == 1:
+        return pool.components
+    return (PAGE_COMPONENT,)
+
+
 def side_page_keys(
     keys: KeySpace, namespace: Namespace, pool: SidePool, page_hash: PageHash
 ) -> tuple[StoreKey, ...]:
-    """The store keys of every component object of ``pool`` for one page, rendered by ``keys``.
+    """The store keys of every object of ``pool``'s entry for one page (:func:`side_components`
+    of the key space's schema, in that order), rendered by ``keys``.
 
     For a ``TRAILING_PAGES`` pool, ``page_hash`` is the hash of the last page of the prefix the
     state belongs to.
     """
-    return tuple(
-        keys.key(namespace, pool.name, component, page_hash) for component in pool.components
-    )
+    return keys.component_keys(namespace, pool.name, side_components(keys, pool), page_hash)
+
+
+def side_rendered(
+    keys: KeySpace, namespace: Namespace, pool: SidePool, pages: Sequence[PageHash]
+) -> RenderedKeys:
+    """:func:`side_page_keys` of every page of ``pages``, page-major, as one batch of text (what a
+    store call on many entries sends; issue 20: no object per key)."""
+    return keys.rendered(namespace, pages, pool.name, side_components(keys, pool))
 
 
 def check_side_pools(side_pools: Sequence[SidePool]) -> None:

@@ -13,7 +13,7 @@ from collections.abc import Callable, Collection, Hashable, Iterable, Mapping, S
 from typing import TYPE_CHECKING, NoReturn, Protocol
 
 from kvstrata.model.errors import InvariantViolation, KeyParseError
-from kvstrata.model.hybrid import KV_POOL
+from kvstrata.model.hybrid import KV_POOL, side_components
 from kvstrata.model.keys import PageHash, parse_store_key, render_store_key
 from kvstrata.model.lifecycles import (
     DEVICE_CLAIMED,
@@ -102,9 +102,16 @@ def _fail(invariant: str, detail: str) -> NoReturn:
 
 def check_i1_keys(cache: CacheView) -> None:
     """I1: every key in the store was built by the one schema function and parses back (prevents
-    the double tag: a key tagged twice never parses, and every lookup of it would miss)."""
+    the double tag: a key tagged twice never parses, and every lookup of it would miss), and lies
+    in this cache's key space: its model, shard, tag and schema version, and a pool of this cache
+    with one of the objects that pool's entry is under that version (the KV components, or a side
+    pool's :func:`~kvstrata.model.hybrid.side_components`)."""
     keys = cache.config.keys
     store = cache.store
+    # the objects each pool's entry is stored as under the key space's schema version
+    objects = {} if keys is None else {KV_POOL: keys.components}
+    if keys is not None:
+        objects.update({pool.name: side_components(keys, pool) for pool in cache.config.side_pools})
     for key in [
         *(k for k, _ in store.visible_items()),
         *store.writing_keys(),
@@ -121,7 +128,7 @@ def check_i1_keys(cache: CacheView) -> None:
             or parts.shard != keys.shard
             or parts.tag != keys.tag
             or parts.version != keys.schema
-            or (parts.pool == KV_POOL and parts.component not in keys.components)
+            or parts.component not in objects.get(parts.pool, ())
         ):
             _fail("I1", f"key outside this cache's key space: {key.text!r}")
 

@@ -16,8 +16,10 @@ Schema versions (:data:`SCHEMA_VERSIONS`; the version is the key's first segment
 versions never answer each other's lookups)
     1. one store object per plane of a KV page: components ``k`` and ``v`` (MHA) or ``latent`` (MLA);
     2. one store object per KV page (issue 20): component ``page``, every plane of the page in
-       canonical order ``[planes, layers, page_size, heads, head_dim]`` (K then V). Side pools and
-       embeddings keep their components; only the version segment differs.
+       canonical order ``[planes, layers, page_size, heads, head_dim]`` (K then V). A side pool's
+       entry is likewise one ``page`` object (its components concatenated in order:
+       :func:`kvstrata.model.hybrid.side_components`); an embedding is one ``emb`` object under
+       either version, where only the version segment differs.
 
     A :class:`KeySpace` picks one (``schema``, default :data:`SCHEMA_VERSION`); every instance that
     shares a key space shares that choice.
@@ -382,15 +384,29 @@ class KeySpace:
         return (PAGE_COMPONENT,)
 
     def rendered(
-        self, namespace: Namespace, pages: Sequence[PageHash], pool: str = "kv"
+        self,
+        namespace: Namespace,
+        pages: Sequence[PageHash],
+        pool: str = "kv",
+        components: tuple[str, ...] | None = None,
     ) -> RenderedKeys:
         """Every component key of every page of ``pool``, page-major, as one batch of text (issue
-        20: a store call on many pages makes one object, not one per key). The same strings as
-        :meth:`page_keys`; a page that is not a :class:`PageHash` is a :class:`DoubleRenderError`."""
-        prefixes = self._batch_prefixes.get((namespace, pool))
-        if prefixes is None:
-            prefixes = tuple(self._prefix(namespace, pool, name) for name in self.components)
-            self._batch_prefixes[(namespace, pool)] = prefixes
+        20: a store call on many pages makes one object, not one per key). ``components``: the
+        key space's own (:attr:`components`, the KV pool's) unless given (a side pool's, as
+        :func:`kvstrata.model.hybrid.side_rendered` passes them). The same strings as
+        :meth:`page_keys` / :meth:`component_keys`; a page that is not a :class:`PageHash` is a
+        :class:`DoubleRenderError`."""
+        if components is None:
+            prefixes = self._batch_prefixes.get((namespace, pool))
+            if prefixes is None:
+                prefixes = tuple(self._prefix(namespace, pool, name) for name in self.components)
+                self._batch_prefixes[(namespace, pool)] = prefixes
+        else:
+            slot = (namespace, pool, components)
+            prefixes = self._component_prefixes.get(slot)
+            if prefixes is None:
+                prefixes = tuple(self._prefix(namespace, pool, name) for name in components)
+                self._component_prefixes[slot] = prefixes
         for page in pages:
             if not isinstance(page, PageHash):
                 raise DoubleRenderError(f"page_hash is not a PageHash: {page!r}")
@@ -418,3 +434,13 @@ class RenderedKeys:
         """The keys at ``positions``, in that order."""
         texts = self.texts
         return RenderedKeys([texts[i] for i in positions])
+
+    @staticmethod
+    def join(batches: Iterable[RenderedKeys]) -> RenderedKeys:
+        """One batch of every key of ``batches``, in order (several pools asked in one call)."""
+        texts: list[str] = []
+        for batch in batches:
+            if not isinstance(batch, RenderedKeys):
+                raise MisuseError(f"RenderedKeys.join takes RenderedKeys, got {batch!r}")
+            texts += batch.texts
+        return RenderedKeys(texts)

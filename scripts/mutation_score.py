@@ -126,17 +126,15 @@ EQUIVALENT: tuple[tuple[str, str, str, str], ...] = (
     ),
     (
         "page_objects",
-        "out += tuple(zip(pool.components, side_page_keys(keys, namespace, pool, page), "
-        "strict=True))",
+        "out += tuple(zip(components, side_page_keys(keys, namespace, pool, page), strict=True))",
         _ZIP_LAX.replace("$", r"\)$"),
-        "side_page_keys renders one key per component of pool.components: the lengths always match",
+        "side_page_keys renders one key per object of side_components: the lengths always match",
     ),
     (
         "state_objects",
-        "out += tuple(zip(pool.components, side_page_keys(keys, namespace, pool, page), "
-        "strict=True))",
+        "out += tuple(zip(components, side_page_keys(keys, namespace, pool, page), strict=True))",
         _ZIP_LAX.replace("$", r"\)$"),
-        "side_page_keys renders one key per component of pool.components: the lengths always match",
+        "side_page_keys renders one key per object of side_components: the lengths always match",
     ),
 )
 

@@ -5,7 +5,9 @@ A hybrid page set is a run of KV pages (the anchor, through the backend's own ``
 (indexer keys, at the KV page's host index), and the states of chosen positions for a
 ``TRAILING_PAGES`` pool (a Mamba state, keyed by the hash of the last page of the prefix it
 ends, in a slot of its own). Every side key is rendered once by
-:func:`kvstrata.model.hybrid.side_page_keys` (never derived from another key: the "tagged twice" bug).
+:func:`kvstrata.model.hybrid.side_page_keys`, or for a presence batch by its batch twin
+:func:`~kvstrata.model.hybrid.side_rendered` (never derived from another key: the "tagged twice"
+bug).
 
 ``exists`` answers the **usable prefix** the model's :func:`~kvstrata.model.hybrid.hybrid_exists`
 defines, with the same policy code (:func:`~kvstrata.model.hybrid.usable_prefix`): the KV hit first
@@ -108,7 +110,7 @@ class HybridStorage:
         self.backend.attach(host)
         for name, buffer in self.side.items():
             if name not in self._io:
-                self._io[name] = side_io(self.backend, buffer)
+                self._io[name] = side_io(self.backend, buffer, self.keyspace)
 
     def close(self) -> None:
         """Release the side registrations and close the backend. Idempotent."""
@@ -160,9 +162,7 @@ class HybridStorage:
             return HybridHit(kv_hit, kv_hit)
         below = pages[:kv_hit]
         names = [*self._paged(), *self._trailing()]  # ALL_PAGES first, as usable_prefix takes them
-        found = present_all(
-            [(self._side_io(name), self._keys(namespace, name, below)) for name in names]
-        )
+        found = present_all([(self._side_io(name), namespace, below) for name in names])
         probes: list[tuple[HitPolicy, Probe]] = [
             (self.side[name].spec.policy, answers.__getitem__)
             for name, answers in zip(names, found, strict=True)
@@ -272,7 +272,7 @@ class HybridStorage:
             return upto if not names else 0
         below = pages[:upto]
         self.side[names[0]].indices([slot], "state slot")
-        found = present_all([(self._side_io(n), self._keys(namespace, n, below)) for n in names])
+        found = present_all([(self._side_io(n), namespace, below) for n in names])
         candidates = [i for i in range(upto) if all(answers[i] for answers in found)]
         for position in reversed(candidates):
             page = [below[position]]

@@ -1,15 +1,24 @@
 """Moving a side pool's objects (indexer pages, Mamba states) between a host
 :class:`~kvstrata.impl.pools.side.SideBuffer` and a store (SPEC §5).
 
-One *entry* of a side pool (the indexer keys of one KV page, or one Mamba state) is one store object
-per component of its :class:`~kvstrata.model.hybrid.SidePool`, keyed by
-:func:`kvstrata.model.hybrid.side_page_keys` (the caller renders the keys; this module never builds a
-key) and holding exactly the bytes of that component's entry in the host buffer
-(:meth:`SideBuffer.describe`). The rules are the KV pages' (:mod:`kvstrata.impl.storage.base`):
+One *entry* of a side pool (the indexer keys of one KV page, or one Mamba state) is stored as the
+objects :func:`kvstrata.model.hybrid.side_components` names for the key space's schema version, keyed
+by :func:`kvstrata.model.hybrid.side_page_keys` (the caller renders the keys; this module never builds
+a key):
 
-- an entry *exists* only if every component object exists with its exact size;
+- key schema 1: one object per component, holding exactly that component's bytes of the entry in the
+  host buffer (:meth:`SideBuffer.describe`);
+- key schema 2 (*whole entries*): one object per entry, holding every component's bytes of the entry
+  concatenated in component order; it is moved straight from and into the buffer's component tensors
+  as several ranges of one object (Mooncake's multi-buffer calls), never through a staging copy.
+
+The rules are the KV pages' (:mod:`kvstrata.impl.storage.base`):
+
+- an entry *exists* only if every object of it exists with its exact size;
 - ``put`` is exists-then-put-missing per entry; ``STORED`` only once every object is visible;
-- ``get`` reports ``LOADED`` only when every component arrived whole; a missing one is ``MISSING``;
+- ``get`` reports ``LOADED`` only when every object arrived whole, and writes the buffer entry only
+  then (object layer) or leaves it unspecified but unused (a failed entry is never marked loaded);
+  a missing one is ``MISSING``;
 - store trouble never raises: it comes back as statuses (and ``False`` from ``present``).
 
 :func:`side_io` picks the mover for a backend: :class:`ObjectSideIO` over the object layer of the
@@ -34,21 +43,38 @@ from kvstrata.impl.storage.mooncake.backend import MooncakeBackend
 from kvstrata.impl.storage.mooncake.client import MooncakeClient
 from kvstrata.impl.storage.mooncake.slabs import RPC_FAIL
 from kvstrata.impl.storage.objects import ObjectBackend, Op
-from kvstrata.model.keys import StoreKey
+from kvstrata.model.hybrid import side_components, side_page_keys, side_rendered
+from kvstrata.model.keys import KeySpace, Namespace, PageHash, RenderedKeys, StoreKey
 
 __all__ = ["MooncakeSideIO", "ObjectSideIO", "SideIO", "present_all", "side_io"]
 
 EntryKeys = tuple[StoreKey, ...]
-"""The store keys of one entry's components, in component order."""
+"""The store keys of one entry's objects, in :func:`~kvstrata.model.hybrid.side_components` order."""
+
+
+def _object_sizes(buffer: SideBuffer, whole: bool) -> tuple[int, ...]:
+    """Bytes of each object of one entry: the components' sizes, or their sum for whole entries."""
+    sizes = buffer.spec.component_bytes()
+    return (sum(sizes),) if whole else sizes
 
 
 class SideIO(Protocol):
-    """One side pool's objects between its host buffer and one backend's store."""
+    """One side pool's objects between its host buffer and one backend's store.
+
+    Invariant: ``sizes`` has one entry per object of an entry (``len(sizes)`` keys per entry): the
+    components' sizes, or their sum when ``whole`` (key schema 2)."""
 
     buffer: SideBuffer
+    keys: KeySpace
+    whole: bool
+    sizes: tuple[int, ...]
 
     def present(self, keys: Sequence[EntryKeys]) -> list[bool]:
         """Per entry: does every component object exist with its size? ``False`` when unsure."""
+
+    def present_pages(self, namespace: Namespace, pages: Sequence[PageHash]) -> list[bool]:
+        """:meth:`present` of the entries of ``pages`` (keys rendered here, each once, through
+        the model's :func:`~kvstrata.model.hybrid.side_page_keys` or its batch twin)."""
 
     def put(self, keys: Sequence[EntryKeys], entries: Sequence[int]) -> list[PutStatus]:
         """Store each buffer entry under its keys (missing components only); one status each."""
@@ -60,8 +86,8 @@ class SideIO(Protocol):
         """Drop registrations (idempotent)."""
 
 
-def _check(buffer: SideBuffer, keys: Sequence[EntryKeys], entries: Sequence[int] | None) -> None:
-    width = len(buffer.spec.components)
+def _check(io: SideIO, keys: Sequence[EntryKeys], entries: Sequence[int] | None) -> None:
+    width, buffer = len(io.sizes), io.buffer
     for entry_keys in keys:
         if len(entry_keys) != width or not all(isinstance(k, StoreKey) for k in entry_keys):
             raise MisuseError(f"{buffer.name}: expected {width} StoreKey values per entry")
@@ -74,17 +100,38 @@ def _check(buffer: SideBuffer, keys: Sequence[EntryKeys], entries: Sequence[int]
 class ObjectSideIO:
     """Side objects through an :class:`ObjectBackend`'s object layer (in-memory, file store)."""
 
-    def __init__(self, backend: ObjectBackend, buffer: SideBuffer) -> None:
+    def __init__(self, backend: ObjectBackend, buffer: SideBuffer, keys: KeySpace) -> None:
         self.backend = backend
         self.buffer = buffer
-        self.sizes = buffer.spec.component_bytes()
+        self.keys = keys
+        self.whole = _whole(buffer, keys)
+        self.sizes = _object_sizes(buffer, self.whole)
 
     def _raw(self, component: int, entry: int) -> npt.NDArray[np.uint8]:
         """The bytes of one entry of one component: a writable view of the buffer, no copy."""
         return self.buffer.tensors[component][entry].reshape(-1).view(torch.uint8).numpy()
 
+    def _payload(self, number: int, entry: int) -> bytes:
+        """The bytes of object ``number`` of ``entry``: one component's, or all of them in order."""
+        if not self.whole:
+            return self._raw(number, entry).tobytes()
+        return b"".join(
+            self._raw(c, entry).tobytes() for c in range(len(self.buffer.spec.components))
+        )
+
+    def _fill(self, entry: int, payloads: Sequence[bytes | bytearray | memoryview]) -> None:
+        """Write every object of ``entry`` (each exactly its size) into the buffer's components."""
+        if not self.whole:
+            for component, payload in enumerate(payloads):
+                self._raw(component, entry)[...] = np.frombuffer(payload, dtype=np.uint8)
+            return
+        whole, offset = np.frombuffer(payloads[0], dtype=np.uint8), 0
+        for component, size in enumerate(self.buffer.spec.component_bytes()):
+            self._raw(component, entry)[...] = whole[offset : offset + size]
+            offset += size
+
     def present(self, keys: Sequence[EntryKeys]) -> list[bool]:
-        _check(self.buffer, keys, None)
+        _check(self, keys, None)
         answers = [True] * len(keys)
         for component, size in enumerate(self.sizes):
             found = self.backend._present([k[component] for k in keys], size)
@@ -93,8 +140,12 @@ class ObjectSideIO:
             answers = [a and f for a, f in zip(answers, found, strict=True)]
         return answers
 
+    def present_pages(self, namespace: Namespace, pages: Sequence[PageHash]) -> list[bool]:
+        pool = self.buffer.spec.pool
+        return self.present([side_page_keys(self.keys, namespace, pool, page) for page in pages])
+
     def put(self, keys: Sequence[EntryKeys], entries: Sequence[int]) -> list[PutStatus]:
-        _check(self.buffer, keys, entries)
+        _check(self, keys, entries)
         if not self.backend.writer:
             return [PutStatus.SKIPPED] * len(keys)
         admitted, refusal = self.backend._admit(Op.PUT, len(keys))
@@ -108,8 +159,8 @@ class ObjectSideIO:
                 statuses.append(PutStatus.FAILED)
                 continue
             missing = [
-                (key, self._raw(c, entry).tobytes())
-                for c, (key, here) in enumerate(zip(entry_keys, present, strict=True))
+                (key, self._payload(number, entry))
+                for number, (key, here) in enumerate(zip(entry_keys, present, strict=True))
                 if not (here and here[0])
             ]
             statuses.append(
@@ -118,7 +169,7 @@ class ObjectSideIO:
         return statuses + [refusal] * (len(keys) - admitted)
 
     def get(self, keys: Sequence[EntryKeys], entries: Sequence[int]) -> list[GetStatus]:
-        _check(self.buffer, keys, entries)
+        _check(self, keys, entries)
         admitted, _ = self.backend._admit(Op.GET, len(keys))
         statuses: list[GetStatus] = []
         for entry_keys, entry in zip(keys[:admitted], entries[:admitted], strict=True):
@@ -129,9 +180,8 @@ class ObjectSideIO:
                     status = loaded
                     break
                 payloads.append(loaded[0])
-            if status is GetStatus.LOADED:  # every component arrived whole: only now write
-                for component, payload in enumerate(payloads):
-                    self._raw(component, entry)[...] = np.frombuffer(payload, dtype=np.uint8)
+            if status is GetStatus.LOADED:  # every object arrived whole: only now write
+                self._fill(entry, payloads)
             statuses.append(status)
         return statuses + [GetStatus.FAILED] * (len(keys) - admitted)
 
@@ -141,12 +191,18 @@ class ObjectSideIO:
 
 class MooncakeSideIO:
     """Side objects through a :class:`MooncakeBackend`'s client, zero-copy: each component tensor of
-    the host buffer is registered once; an object is one entry's run of bytes in it."""
+    the host buffer is registered once; an object is one entry's run of bytes in one component, or
+    (``whole``) the entry's runs in every component, moved as the ranges of one object."""
 
-    def __init__(self, backend: MooncakeBackend, buffer: SideBuffer) -> None:
+    def __init__(self, backend: MooncakeBackend, buffer: SideBuffer, keys: KeySpace) -> None:
         self.backend = backend
         self.buffer = buffer
-        self.sizes = buffer.spec.component_bytes()
+        self.keys = keys
+        self.whole = _whole(buffer, keys)
+        self.sizes = _object_sizes(buffer, self.whole)
+        self._component_sizes = buffer.spec.component_bytes()
+        #: whole entries of several components go as several ranges per object
+        self._multi = self.whole and len(self._component_sizes) > 1
         bases: list[int] = []
         try:
             for region in buffer.buffers():
@@ -162,51 +218,79 @@ class MooncakeSideIO:
         return [key for entry_keys in keys for key in entry_keys]
 
     def _regions(self, entries: Sequence[int]) -> tuple[list[int], list[int]]:
+        """Each component's range of each entry, entry-major (one object each unless ``_multi``)."""
         ptrs = [
             base + entry * size
             for entry in entries
-            for base, size in zip(self._bases, self.sizes, strict=True)
+            for base, size in zip(self._bases, self._component_sizes, strict=True)
         ]
-        return ptrs, list(self.sizes) * len(entries)
+        return ptrs, list(self._component_sizes) * len(entries)
+
+    def _parts(self, entries: Sequence[int]) -> tuple[list[list[int]], list[list[int]]]:
+        """Per whole entry, its components' ranges in component order (the parts of one object)."""
+        ptrs, sizes = self._regions(entries)
+        width = len(self._component_sizes)
+        return (
+            [ptrs[i : i + width] for i in range(0, len(ptrs), width)],
+            [sizes[i : i + width] for i in range(0, len(sizes), width)],
+        )
 
     def present(self, keys: Sequence[EntryKeys]) -> list[bool]:
-        _check(self.buffer, keys, None)
+        _check(self, keys, None)
         if not keys:
             return []
-        width = len(self.sizes)
         codes = self.backend._is_exist(self._flat(keys))
         self.backend._count_errors("exists", codes)
-        return [
-            all(code == 1 for code in codes[i * width : (i + 1) * width]) for i in range(len(keys))
-        ]
+        return _entries_present(codes, len(self.sizes))
+
+    def present_pages(self, namespace: Namespace, pages: Sequence[PageHash]) -> list[bool]:
+        return present_all([(self, namespace, pages)])[0]
 
     def put(self, keys: Sequence[EntryKeys], entries: Sequence[int]) -> list[PutStatus]:
-        _check(self.buffer, keys, entries)
+        _check(self, keys, entries)
         if not self.backend.writer:
             return [PutStatus.SKIPPED] * len(keys)
         flat = self._flat(keys)
-        ptrs, sizes = self._regions(entries)
+        client = self.backend.client
+        if self._multi:
+            part_ptrs, part_sizes = self._parts(entries)
 
-        def write(todo: list[int]) -> list[int]:
-            try:
-                return self.backend.client.batch_put_from(
-                    [flat[i] for i in todo], [ptrs[i] for i in todo], [sizes[i] for i in todo]
-                )
-            except StoreUnavailable:
-                return [RPC_FAIL] * len(todo)
+            def write(todo: list[int]) -> list[int]:
+                try:
+                    return client.batch_put_parts(
+                        [flat[i] for i in todo],
+                        [part_ptrs[i] for i in todo],
+                        [part_sizes[i] for i in todo],
+                    )
+                except StoreUnavailable:
+                    return [RPC_FAIL] * len(todo)
+
+        else:
+            ptrs, sizes = self._regions(entries)
+
+            def write(todo: list[int]) -> list[int]:
+                try:
+                    return client.batch_put_from(
+                        [flat[i] for i in todo], [ptrs[i] for i in todo], [sizes[i] for i in todo]
+                    )
+                except StoreUnavailable:
+                    return [RPC_FAIL] * len(todo)
 
         statuses, _ = self.backend.put_objects(flat, len(self.sizes), write)
         return statuses
 
     def get(self, keys: Sequence[EntryKeys], entries: Sequence[int]) -> list[GetStatus]:
-        _check(self.buffer, keys, entries)
+        _check(self, keys, entries)
         if not keys:
             return []
-        ptrs, sizes = self._regions(entries)
+        flat = self._flat(keys)
         try:
-            codes = self.backend.client.batch_get_into(self._flat(keys), ptrs, sizes)
+            if self._multi:
+                codes = self.backend.client.batch_get_parts(flat, *self._parts(entries))
+            else:
+                codes = self.backend.client.batch_get_into(flat, *self._regions(entries))
         except StoreUnavailable:
-            codes = [RPC_FAIL] * len(ptrs)
+            codes = [RPC_FAIL] * len(flat)
         return self.backend.settle_gets(codes, self.sizes)
 
     def release(self) -> None:
@@ -219,45 +303,59 @@ def _release_all(client: MooncakeClient, bases: list[int]) -> None:
         client.release_buffer_later(bases.pop())
 
 
-def side_io(backend: object, buffer: SideBuffer) -> SideIO:
-    """The side-object mover of ``backend`` for ``buffer`` (a host buffer)."""
+def _whole(buffer: SideBuffer, keys: KeySpace) -> bool:
+    """Whether ``keys``' schema stores an entry of ``buffer`` as one object (the model's
+    :func:`~kvstrata.model.hybrid.side_components` names one object, not the pool's components)."""
+    return side_components(keys, buffer.spec.pool) != buffer.spec.pool.components
+
+
+def _entries_present(codes: Sequence[int], width: int) -> list[bool]:
+    """Per entry of ``width`` objects (entry-major ``batch_is_exist`` codes): all of them exist."""
+    if width == 1:
+        return [code == 1 for code in codes]
+    return [codes[i : i + width].count(1) == width for i in range(0, len(codes), width)]
+
+
+def side_io(backend: object, buffer: SideBuffer, keys: KeySpace) -> SideIO:
+    """The side-object mover of ``backend`` for ``buffer`` (a host buffer), storing each entry as
+    the objects ``keys``' schema version makes of it (:func:`~kvstrata.model.hybrid.side_components`:
+    one per component, or one whole entry)."""
     if buffer.device.type != "cpu":
         raise MisuseError(f"side_io: {buffer.name!r} is not a host buffer")
     if isinstance(backend, MooncakeBackend):
-        return MooncakeSideIO(backend, buffer)
+        return MooncakeSideIO(backend, buffer, keys)
     if isinstance(backend, ObjectBackend):
-        return ObjectSideIO(backend, buffer)
+        return ObjectSideIO(backend, buffer, keys)
     raise MisuseError(f"side_io: no side-object support for {type(backend).__name__}")
 
 
-def present_all(asks: Sequence[tuple[SideIO, Sequence[EntryKeys]]]) -> list[list[bool]]:
-    """:meth:`SideIO.present` for several pools at once: one answer list per ``(io, keys)``. Pools
-    on the same Mooncake backend are asked in **one** ``batch_is_exist`` (one round trip for every
-    side pool instead of one each); others pool by pool."""
+def present_all(asks: Sequence[tuple[SideIO, Namespace, Sequence[PageHash]]]) -> list[list[bool]]:
+    """:meth:`SideIO.present_pages` for several pools at once: one answer list per
+    ``(io, namespace, pages)``. Pools on the same Mooncake backend are asked in **one**
+    ``batch_is_exist`` of keys rendered as one text batch each
+    (:func:`~kvstrata.model.hybrid.side_rendered`: one round trip for every side pool, and no
+    object per key); others pool by pool."""
     answers: list[list[bool] | None] = [None] * len(asks)
     shared: dict[int, list[int]] = {}
-    for index, (io, _keys) in enumerate(asks):
+    for index, (io, namespace, pages) in enumerate(asks):
         if isinstance(io, MooncakeSideIO):
             shared.setdefault(id(io.backend), []).append(index)
         else:
-            answers[index] = io.present(asks[index][1])
+            answers[index] = io.present_pages(namespace, pages)
     for indices in shared.values():
-        flat: list[StoreKey] = []
+        batches = []
         for index in indices:
-            io, keys = asks[index]
-            _check(io.buffer, keys, None)
-            flat += [key for entry_keys in keys for key in entry_keys]
+            io, namespace, pages = asks[index]
+            batches.append(side_rendered(io.keys, namespace, io.buffer.spec.pool, pages))
         first = asks[indices[0]][0]
         assert isinstance(first, MooncakeSideIO)
-        codes = first.backend._is_exist(flat) if flat else []
+        flat = RenderedKeys.join(batches)
+        codes = first.backend._is_exist(flat) if len(flat) else []
         first.backend._count_errors("exists", codes)
         offset = 0
-        for index in indices:
-            io, keys = asks[index]
-            width = len(io.buffer.spec.components)
-            answers[index] = [
-                all(code == 1 for code in codes[offset + i * width : offset + (i + 1) * width])
-                for i in range(len(keys))
-            ]
-            offset += width * len(keys)
+        for index, batch in zip(indices, batches, strict=True):
+            answers[index] = _entries_present(
+                codes[offset : offset + len(batch)], len(asks[index][0].sizes)
+            )
+            offset += len(batch)
     return [answer if answer is not None else [] for answer in answers]

@@ -246,7 +246,9 @@ class HiCachePages:
         staging = SideBuffer(
             SideSpec(pool, [(entry_nbytes,)], torch.uint8), STAGING_ENTRIES, host=True
         )
-        self._side[name] = _Side(pool, staging, side_io(self.backend, staging), read, write)
+        self._side[name] = _Side(
+            pool, staging, side_io(self.backend, staging, self.keyspace), read, write
+        )
 
     def side(self, name: str) -> _Side:
         try:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from kvstrata.model.hybrid import hybrid_exists, side_page_keys
+from kvstrata.model.hybrid import hybrid_exists, side_components, side_page_keys
 from kvstrata.model.keys import Namespace, PageHash, StoreKey
 from kvstrata.model.store import StoreModel
 
@@ -25,23 +25,28 @@ Objects = tuple[tuple[str, StoreKey], ...]  # (component, key) of each store obj
 
 def page_objects(config: CacheConfig, namespace: Namespace, page: PageHash) -> Objects:
     """(component, key) of every store object of one page: the KV components, then every
-    ``ALL_PAGES`` side pool's, each key rendered once by the key space."""
+    ``ALL_PAGES`` side pool's (:func:`~kvstrata.model.hybrid.side_components`: one per component
+    under schema 1, the one ``page`` object under schema 2), each key rendered once by the key
+    space."""
     keys = config.keys
     assert keys is not None
     out = tuple(zip(keys.components, keys.page_keys(namespace, page), strict=True))
     for pool in config.all_pages_pools:
-        out += tuple(zip(pool.components, side_page_keys(keys, namespace, pool, page), strict=True))
+        components = side_components(keys, pool)
+        out += tuple(zip(components, side_page_keys(keys, namespace, pool, page), strict=True))
     return out
 
 
 def state_objects(config: CacheConfig, namespace: Namespace, page: PageHash) -> Objects:
     """(component, key) of every store object of the state at the end of ``page``'s prefix:
-    every component of every ``TRAILING_PAGES`` pool, keyed by that (last) page's hash."""
+    every object of every ``TRAILING_PAGES`` pool (as in :func:`page_objects`), keyed by that
+    (last) page's hash."""
     keys = config.keys
     assert keys is not None
     out: Objects = ()
     for pool in config.trailing_pools:
-        out += tuple(zip(pool.components, side_page_keys(keys, namespace, pool, page), strict=True))
+        components = side_components(keys, pool)
+        out += tuple(zip(components, side_page_keys(keys, namespace, pool, page), strict=True))
     return out
 
 

@@ -162,11 +162,19 @@ class HybridCacheMachine(RuleBasedStateMachine):
     def pages_of(self, tokens: tuple[int, ...], ns: Namespace) -> tuple[PageHash, ...]:
         return chain_page_hashes(tokens, self.page_size, ns)
 
+    def side_objects(self, *components: str) -> tuple[str, ...]:
+        """What a side entry is stored as, restated for the oracle: one object per component
+        under key schema 1, the one ``page`` object (every component's bytes) under schema 2."""
+        return components if self.keys.schema == 1 else ("page",)
+
     def kv_keys(self, ns: Namespace, page: PageHash) -> list[StoreKey]:
-        return [*self.keys.page_keys(ns, page), self.keys.key(ns, "indexer", "idx", page)]
+        return [
+            *self.keys.page_keys(ns, page),
+            *(self.keys.key(ns, "indexer", c, page) for c in self.side_objects("idx")),
+        ]
 
     def state_keys(self, ns: Namespace, page: PageHash) -> list[StoreKey]:
-        return [self.keys.key(ns, "mamba", c, page) for c in ("conv0", "temporal")]
+        return [self.keys.key(ns, "mamba", c, page) for c in self.side_objects("conv0", "temporal")]
 
     def present(self, keys: list[StoreKey]) -> bool:
         return all(self.store.contains(key) for key in keys)

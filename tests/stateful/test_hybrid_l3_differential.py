@@ -4,7 +4,8 @@ The model is :func:`kvstrata.model.hybrid.hybrid_exists` over a :class:`StoreMod
 implementation is :class:`kvstrata.impl.storage.hybrid.HybridStorage` over a real backend (the
 in-memory store, and in a smaller run a real Mooncake master and storage node), with a KV host pool,
 an indexer pool (``ALL_PAGES``) and a Mamba state pool (``TRAILING_PAGES``, two components) grouped
-in a :class:`~kvstrata.impl.pools.group.PoolGroup` per instance. Two instances share the store: a
+in a :class:`~kvstrata.impl.pools.group.PoolGroup` per instance, under a drawn key schema (1: one
+store object per side-pool component; 2: one per side-pool entry). Two instances share the store: a
 *writer* backs pages up, a *reader* prefetches them.
 
 Rules: back up a prefix of a page chain with states at chosen positions (host slots and state slots
@@ -22,6 +23,7 @@ from __future__ import annotations
 import random
 from collections.abc import Iterator, Sequence
 
+import attrs
 import pytest
 import torch
 from hypothesis import event, note, settings
@@ -39,6 +41,7 @@ from kvstrata.impl.storage.mooncake import LocalCluster, MooncakeBackend, Moonca
 from kvstrata.model.hybrid import KV_POOL, hybrid_exists, side_page_keys
 from kvstrata.model.keys import (
     DEFAULT_NAMESPACE,
+    SCHEMA_VERSIONS,
     KeySpace,
     KVKind,
     ModelIdentity,
@@ -131,7 +134,7 @@ class HybridL3Differential(RuleBasedStateMachine):
 
     # ---------------------------------------------------------------- store access (overridable)
     def new_backend(self) -> StorageBackend:
-        return MemoryBackend(SPACE, store=self.store)
+        return MemoryBackend(self.space, store=self.store)
 
     def drop(self, key: StoreKey) -> int:
         return self.store.drop([key])
@@ -147,10 +150,13 @@ class HybridL3Differential(RuleBasedStateMachine):
     @initialize(
         tokens=st.lists(st.integers(1, 2), min_size=12, max_size=12),
         namespace=st.sampled_from(NAMESPACES),
+        schema=st.sampled_from(SCHEMA_VERSIONS),
     )
-    def setup(self, tokens: list[int], namespace: Namespace) -> None:
+    def setup(self, tokens: list[int], namespace: Namespace, schema: int) -> None:
+        """Key schema 1 stores a side entry as one object per component, 2 as one object."""
         self.reset_store()
         self.namespace = namespace
+        self.space = attrs.evolve(SPACE, schema=schema)
         self.writer = Instance(self.new_backend())
         self.reader = Instance(self.new_backend())
         # two chains that share their first pages (so backups and evictions interact)
@@ -167,10 +173,10 @@ class HybridL3Differential(RuleBasedStateMachine):
         keys: dict[str, StoreKey] = {}
         for pages in self.chains.values():
             for page in pages:
-                for key in SPACE.page_keys(self.namespace, page):
+                for key in self.space.page_keys(self.namespace, page):
                     keys[key.text] = key
                 for pool in SIDE:
-                    for key in side_page_keys(SPACE, self.namespace, pool, page):
+                    for key in side_page_keys(self.space, self.namespace, pool, page):
                         keys[key.text] = key
         return [keys[text] for text in sorted(keys)]
 
@@ -198,13 +204,13 @@ class HybridL3Differential(RuleBasedStateMachine):
         assert all(s.ok for s in result.states["mamba"].values()), result
         for page in pages:  # the model: KV and indexer objects of every page
             for key in (
-                *SPACE.page_keys(self.namespace, page),
-                *side_page_keys(SPACE, self.namespace, INDEXER.pool, page),
+                *self.space.page_keys(self.namespace, page),
+                *side_page_keys(self.space, self.namespace, INDEXER.pool, page),
             ):
                 if self.model.begin_put(key):
                     self.model.end_put(key, key.text)
         for position in positions:
-            for key in side_page_keys(SPACE, self.namespace, MAMBA.pool, pages[position]):
+            for key in side_page_keys(self.space, self.namespace, MAMBA.pool, pages[position]):
                 if self.model.begin_put(key):
                     self.model.end_put(key, key.text)
         if positions:
@@ -222,9 +228,9 @@ class HybridL3Differential(RuleBasedStateMachine):
     @rule(chain=chain_ids, count=st.integers(0, HOST_PAGES))
     def exists(self, chain: int, count: int) -> None:
         pages = self.pages_of(chain)[:count]
-        expected = hybrid_exists(self.model, SPACE, self.namespace, pages, SIDE)
+        expected = hybrid_exists(self.model, self.space, self.namespace, pages, SIDE)
         hit = self.reader.storage.exists(self.namespace, pages)
-        kv = self.model.exists_pages(SPACE.page_keys(self.namespace, p) for p in pages)
+        kv = self.model.exists_pages(self.space.page_keys(self.namespace, p) for p in pages)
         assert (hit.kv, hit.usable) == (kv, expected)
         if expected < kv:
             event("exists: side pools cut the KV hit")
@@ -233,7 +239,7 @@ class HybridL3Differential(RuleBasedStateMachine):
     def prefetch(self, chain: int, count: int) -> None:
         pages = self.pages_of(chain)[:count]
         hit = self.reader.storage.exists(self.namespace, pages)
-        expected = hybrid_exists(self.model, SPACE, self.namespace, pages, SIDE)
+        expected = hybrid_exists(self.model, self.space, self.namespace, pages, SIDE)
         assert hit.usable == expected
         if not hit.usable:
             return
@@ -314,7 +320,7 @@ class MooncakeHybridL3(HybridL3Differential):
         return MooncakeHybridL3.client
 
     def new_backend(self) -> StorageBackend:
-        return MooncakeBackend(self._client(), SPACE)
+        return MooncakeBackend(self._client(), self.space)
 
     def drop(self, key: StoreKey) -> int:
         return sum(code == 0 for code in self._client().batch_remove([key], force=True))

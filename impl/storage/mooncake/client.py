@@ -234,7 +234,7 @@ class MooncakeClient:
             if not isinstance(result, list) or len(result) != count:
                 log.error("mooncake %s returned %r for %d keys", what, result, count)
                 return [INTERNAL_ERROR] * count
-            return [int(rc) for rc in result]
+            return list(map(int, result))
 
         return self._call(what, guarded, check)
 

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import attrs
 import pytest
 
 from kvstrata.model.cache import CacheConfig, CacheModel, InsertResult, WritePolicy
-from kvstrata.model.errors import CapacityError, MisuseError
+from kvstrata.model.errors import CapacityError, InvariantViolation, MisuseError
 from kvstrata.model.hybrid import HitPolicy, SidePool
+from kvstrata.model.invariants import check_i1_keys
 from kvstrata.model.keys import (
     DEFAULT_NAMESPACE,
     KeySpace,
@@ -427,6 +429,34 @@ def test_backup_writes_every_pool_and_a_missing_side_object_is_a_miss() -> None:
     assert cache.l3_exists((1, 2, 3, 4)) == 2  # usable only up to the state before the hole
     cache.store_evict(KEYS.key(DEFAULT_NAMESPACE, "mamba", "temporal", pages[1]))
     assert cache.l3_exists((1, 2, 3, 4)) == 0
+
+
+def test_schema_2_stores_each_side_entry_as_one_object() -> None:
+    """Under key schema 2 an indexer page and a Mamba state are one ``page`` object each (issue
+    20): nothing is written under the per-component keys, losing that one object is a miss, and
+    I1 refuses a side key naming a component the schema does not store."""
+    keys = attrs.evolve(KEYS, schema=2)
+    cache = make_hybrid(keys=keys)
+    hybrid_request(cache, (1, 2, 3, 4))
+    drain(cache)
+    pages = pages_of((1, 2, 3, 4))
+    for index, page in enumerate(pages):
+        assert cache.store.contains(keys.key(DEFAULT_NAMESPACE, "indexer", "page", page))
+        assert not cache.store.contains(keys.key(DEFAULT_NAMESPACE, "indexer", "idx", page))
+        for component in ("conv0", "temporal"):
+            key = keys.key(DEFAULT_NAMESPACE, "mamba", component, page)
+            assert not cache.store.contains(key)
+        state = keys.key(DEFAULT_NAMESPACE, "mamba", "page", page)
+        assert cache.store.contains(state) is (index == 3)
+    assert sum(1 for _ in cache.store.visible_items()) == 4 + 4 + 1  # KV, indexer, one state
+    assert cache.l3_exists((1, 2, 3, 4)) == 4
+    cache.store_evict(keys.key(DEFAULT_NAMESPACE, "mamba", "page", pages[3]))
+    assert cache.l3_exists((1, 2, 3, 4)) == 0
+    stray = keys.key(DEFAULT_NAMESPACE, "mamba", "temporal", pages[0])  # a schema-1 component
+    assert cache.store.begin_put(stray)
+    cache.store.end_put(stray, (pages[0], "temporal"))
+    with pytest.raises(InvariantViolation, match="I1"):
+        check_i1_keys(cache)
 
 
 def test_prefetch_reads_the_state_after_the_kv_range_and_commits_it_on_l2() -> None:

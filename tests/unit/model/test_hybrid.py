@@ -20,11 +20,14 @@ from kvstrata.model.hybrid import (
     hybrid_exists,
     is_usable,
     pool_boundary,
+    side_components,
     side_page_keys,
+    side_rendered,
     usable_prefix,
 )
 from kvstrata.model.keys import (
     DEFAULT_NAMESPACE,
+    SCHEMA_VERSIONS,
     KeySpace,
     KVKind,
     ModelIdentity,
@@ -280,6 +283,13 @@ class RecordingKeySpace(KeySpace):
         self.log.append(rendered)
         return rendered
 
+    def component_keys(
+        self, namespace: Namespace, pool: str, components: tuple[str, ...], page_hash: PageHash
+    ) -> tuple[StoreKey, ...]:
+        rendered = super().component_keys(namespace, pool, components, page_hash)
+        self.log.extend(rendered)
+        return rendered
+
 
 MODEL = ModelIdentity(name="org/hybrid", dtype="bf16", kind=KVKind.MHA, page_size=2)
 NS = Namespace(extra_key="lora-1")
@@ -334,6 +344,44 @@ def test_partial_mamba_state_is_a_miss() -> None:
     assert hybrid_exists(store, keys, NS, HASHES[:4], [MAMBA]) == 4
     store.evict(keys.key(NS, "mamba", "temporal", HASHES[3]))
     assert hybrid_exists(store, keys, NS, HASHES[:4], [MAMBA]) == 0
+
+
+def test_side_entries_are_one_object_under_schema_2() -> None:
+    """Schema 1 keys a side entry per component, schema 2 as the one ``page`` object; the two
+    versions' keys never meet, so a schema-1 store answers nothing to a schema-2 lookup."""
+    one, two = KeySpace(MODEL), KeySpace(MODEL, schema=2)
+    assert side_components(one, MAMBA) == ("conv0", "temporal")
+    assert side_components(two, MAMBA) == ("page",)
+    assert side_components(two, INDEXER) == ("page",)
+    assert side_page_keys(one, NS, MAMBA, HASHES[1]) == (
+        one.key(NS, "mamba", "conv0", HASHES[1]),
+        one.key(NS, "mamba", "temporal", HASHES[1]),
+    )
+    (whole,) = side_page_keys(two, NS, MAMBA, HASHES[1])
+    parts = parse_store_key(whole)
+    assert (parts.version, parts.pool, parts.component) == (2, "mamba", "page")
+    store = _store_with(one, kv=range(6), indexer=range(6), mamba=range(6))
+    assert hybrid_exists(store, one, NS, HASHES, [INDEXER, MAMBA]) == 6
+    assert hybrid_exists(store, two, NS, HASHES, [INDEXER, MAMBA]) == 0
+    store = _store_with(two, kv=range(6), indexer=range(6), mamba=[2])
+    assert hybrid_exists(store, two, NS, HASHES, [INDEXER, MAMBA]) == 3
+    store.evict(side_page_keys(two, NS, INDEXER, HASHES[1])[0])
+    assert hybrid_exists(store, two, NS, HASHES, [INDEXER]) == 1
+
+
+@given(
+    schema=st.sampled_from(SCHEMA_VERSIONS),
+    pool=st.sampled_from([INDEXER, MAMBA]),
+    pages=st.lists(st.integers(0, 5), max_size=6),
+)
+def test_side_rendered_is_side_page_keys_of_every_page(
+    schema: int, pool: SidePool, pages: list[int]
+) -> None:
+    """The batch twin renders exactly :func:`side_page_keys` page by page, page-major."""
+    keys = KeySpace(MODEL, schema=schema)
+    chosen = [HASHES[i] for i in pages]
+    want = [key.text for page in chosen for key in side_page_keys(keys, NS, pool, page)]
+    assert side_rendered(keys, NS, pool, chosen).texts == want
 
 
 def test_in_flight_objects_never_count() -> None:

@@ -880,6 +880,39 @@ def test_a_rendered_batch_slices_and_selects_into_rendered_batches() -> None:
         batch[0]  # type: ignore[call-overload]
 
 
+@given(
+    digests=st.lists(st.binary(min_size=32, max_size=32), max_size=5),
+    components=st.sampled_from([("idx",), ("conv0", "temporal"), ("page",)]),
+    order=st.permutations(range(4)),
+)
+def test_a_rendered_batch_of_given_components_is_their_keys(
+    digests: list[bytes], components: tuple[str, ...], order: list[int]
+) -> None:
+    """``rendered(..., components=...)`` (a side pool's batch) is :meth:`KeySpace.component_keys`
+    page by page, for every pool and namespace asked, in whatever order they are first asked (its
+    memo is keyed by all three, apart from the KV pool's own), and ``join`` concatenates."""
+    space = KeySpace(MHA)
+    pages = [PageHash(d) for d in digests]
+    asks = [
+        (ns, pool)
+        for ns in (DEFAULT_NAMESPACE, Namespace(extra_key="lora-1"))
+        for pool in ("indexer", "mamba")
+    ]
+    batches = []
+    for ns, pool in (asks[i] for i in order):
+        batch = space.rendered(ns, pages, pool, components)
+        want = [k.text for p in pages for k in space.component_keys(ns, pool, components, p)]
+        assert batch.texts == want
+        assert space.rendered(ns, pages, pool).texts == [  # the KV components' memo is apart
+            k.text for p in pages for k in space.page_keys(ns, p, pool)
+        ]
+        batches.append(batch)
+    joined = RenderedKeys.join(batches)
+    assert joined.texts == [text for batch in batches for text in batch.texts]
+    with pytest.raises(MisuseError):
+        RenderedKeys.join([batches[0], ["kvs1/not/a/batch"]])  # type: ignore[list-item]
+
+
 def test_a_rendered_batch_takes_page_hashes_only() -> None:
     space = KeySpace(MHA)
     with pytest.raises(DoubleRenderError):

@@ -1,10 +1,11 @@
 """KV pages with side pools through every backend (``kvstrata.impl.storage.hybrid``, SPEC §5, I6).
 
 One suite for the in-memory, the file and the real Mooncake backend (a ``mooncake_master`` on
-loopback, started by the session fixture). Pages are a chain of page hashes; the KV host slots, the
-indexer entries and the Mamba state slots hold random bit patterns, and every read is compared bit
-for bit. Side objects are evicted one by one as the store's own eviction would, and ``exists`` and
-``get`` must then report less, never a page whose side object is missing.
+loopback, started by the session fixture), each under key schema 1 (one object per side-pool
+component) and 2 (one object per side-pool entry, issue 20). Pages are a chain of page hashes; the
+KV host slots, the indexer entries and the Mamba state slots hold random bit patterns, and every
+read is compared bit for bit. Side objects are evicted one by one as the store's own eviction would,
+and ``exists`` and ``get`` must then report less, never a page whose side object is missing.
 """
 
 from __future__ import annotations
@@ -26,13 +27,13 @@ from kvstrata.impl.storage.file import FileBackend
 from kvstrata.impl.storage.hybrid import HybridStorage
 from kvstrata.impl.storage.memory import MemoryBackend, MemoryStore
 from kvstrata.impl.storage.mooncake import MooncakeBackend, MooncakeClient
-from kvstrata.model.hybrid import side_page_keys
+from kvstrata.model.hybrid import side_components, side_page_keys
 from kvstrata.model.keys import (
     KeySpace,
     KVKind,
     ModelIdentity,
     Namespace,
-    PageHash,
+    RenderedKeys,
     Shard,
     StoreKey,
     chain_page_hashes,
@@ -82,15 +83,19 @@ def entry_bits(buffer: SideBuffer, entry: int) -> bytes:
 @attrs.frozen
 class Backends:
     name: str
+    space: KeySpace
     new_store: Callable[[], object]
-    open: Callable[[object], StorageBackend]
+    #: a backend over a store, in a key space
+    open: Callable[[object, KeySpace], StorageBackend]
     drop: Callable[[StorageBackend, Sequence[StoreKey]], int]
+    #: the bytes the store holds under a key (``None``: no such object), read past kvstrata's movers
+    raw: Callable[[StorageBackend, StoreKey, int], bytes | None]
 
     def node(self, store: object, layout: HostLayout = HostLayout.PAGE_FIRST_DIRECT) -> Node:
         host = HostKVPool(SHAPE, SLOTS, layout, pin_memory=False)
         indexer = SideBuffer(INDEXER, SLOTS, host=True)
         mamba = SideBuffer(MAMBA, STATES, host=True)
-        storage = HybridStorage(self.open(store), [indexer, mamba])
+        storage = HybridStorage(self.open(store, self.space), [indexer, mamba])
         storage.attach(host)
         return Node(host, indexer, mamba, storage)
 
@@ -100,19 +105,40 @@ def _drop_object(backend: StorageBackend, keys: Sequence[StoreKey]) -> int:
     return backend.drop(keys)
 
 
-@pytest.fixture(scope="module", params=["memory", "file", "mooncake"])
+def _raw_object(backend: StorageBackend, key: StoreKey, size: int) -> bytes | None:
+    assert isinstance(backend, MemoryBackend | FileBackend)
+    loaded = backend._read([key], size)
+    return None if isinstance(loaded, GetStatus) else bytes(loaded[0])
+
+
+@pytest.fixture(
+    scope="module",
+    params=[(name, schema) for name in ("memory", "file", "mooncake") for schema in (1, 2)],
+    ids=lambda param: f"{param[0]}-schema{param[1]}",
+)
 def backends(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Backends]:
-    if request.param == "memory":
-        yield Backends("memory", MemoryStore, lambda s: MemoryBackend(SPACE, store=s), _drop_object)  # type: ignore[arg-type]
-    elif request.param == "file":
+    name, schema = request.param
+    space = attrs.evolve(SPACE, schema=schema)
+    if name == "memory":
+        yield Backends(
+            "memory",
+            space,
+            MemoryStore,
+            lambda s, k: MemoryBackend(k, store=s),  # type: ignore[arg-type]
+            _drop_object,
+            _raw_object,
+        )
+    elif name == "file":
         counter = itertools.count()
         yield Backends(
             "file",
+            space,
             lambda: tmp_path_factory.mktemp(f"hybrid-{next(counter)}"),
-            lambda s: FileBackend(SPACE, s),  # type: ignore[arg-type]
+            lambda s, k: FileBackend(k, s),  # type: ignore[arg-type]
             _drop_object,
+            _raw_object,
         )
     else:
         client: MooncakeClient = request.getfixturevalue("mooncake_client")
@@ -124,7 +150,18 @@ def backends(
         def drop(_backend: StorageBackend, keys: Sequence[StoreKey]) -> int:
             return sum(code == 0 for code in client.batch_remove(keys, force=True))
 
-        yield Backends("mooncake", new_store, lambda s: MooncakeBackend(client, SPACE), drop)
+        def raw(_backend: StorageBackend, key: StoreKey, size: int) -> bytes | None:
+            landing = torch.zeros(size + 64, dtype=torch.uint8)  # room to see an oversized object
+            client.register_buffer(landing.data_ptr(), landing.numel())
+            try:
+                code = client.batch_get_into([key], [landing.data_ptr()], [landing.numel()])[0]
+            finally:
+                client.unregister_buffer(landing.data_ptr())
+            return None if code < 0 else landing[:code].numpy().tobytes()
+
+        yield Backends(
+            "mooncake", space, new_store, lambda s, k: MooncakeBackend(client, k), drop, raw
+        )
 
 
 def back_up(node: Node, states: dict[int, int] | None = None) -> None:
@@ -159,12 +196,61 @@ def test_round_trip_bit_for_bit_across_instances(backends: Backends) -> None:
     assert again.states == {"mamba": {5: held}}
 
 
+def test_side_objects_hold_each_schemas_bytes(backends: Backends) -> None:
+    """What the store holds for a side entry, read past kvstrata's movers: under schema 1 one
+    object per component with exactly that component's bytes; under schema 2 one object per entry
+    (component ``page``) with every component's bytes concatenated in component order."""
+    store = backends.new_store()
+    node = backends.node(store)
+    node.fill(seed=11)
+    back_up(node, {4: 3})
+    backend = node.storage.backend
+    for pool, buffer, position, entry in (
+        (INDEXER.pool, node.indexer, 1, 1),
+        (INDEXER.pool, node.indexer, 5, 5),
+        (MAMBA.pool, node.mamba, 4, 3),
+    ):
+        keys = side_page_keys(backends.space, NS, pool, PAGES[position])
+        components = side_components(backends.space, pool)
+        assert [parse_store_key(key).component for key in keys] == list(components)
+        if backends.space.schema == 1:
+            expected = [
+                tensor[entry].reshape(-1).view(torch.uint8).numpy().tobytes()
+                for tensor in buffer.tensors
+            ]
+        else:
+            assert components == ("page",)
+            expected = [entry_bits(buffer, entry)]
+        for key, bits in zip(keys, expected, strict=True):
+            assert backends.raw(backend, key, len(bits)) == bits
+
+
+def test_the_other_schemas_side_objects_are_never_seen(backends: Backends) -> None:
+    """A writer under the other key schema stores the same pages' KV and side objects; this
+    instance sees none of them (the version is part of every key), and reads none of its bytes."""
+    store = backends.new_store()
+    other = attrs.evolve(
+        backends, space=attrs.evolve(backends.space, schema=3 - backends.space.schema)
+    )
+    stranger = other.node(store)
+    stranger.fill(seed=12)
+    back_up(stranger, {5: 1})
+    assert stranger.storage.exists(NS, PAGES).usable == 6
+    node = backends.node(store)
+    node.fill(seed=13)
+    before = entry_bits(node.mamba, 2)
+    assert node.storage.exists(NS, PAGES) == hybrid_module.HybridHit(kv=0, usable=0)
+    got = node.storage.get(NS, PAGES, list(range(6)), {"mamba": {5: 2}})
+    assert got.usable == 0 and got.states["mamba"][5] is not GetStatus.LOADED
+    assert entry_bits(node.mamba, 2) == before
+
+
 def test_missing_indexer_object_cuts_the_hit(backends: Backends) -> None:
     store = backends.new_store()
     node = backends.node(store)
     node.fill(seed=3)
     back_up(node, {5: 0, 1: 1})
-    indexer_key = side_page_keys(SPACE, NS, INDEXER.pool, PAGES[3])
+    indexer_key = side_page_keys(backends.space, NS, INDEXER.pool, PAGES[3])
     assert backends.drop(node.storage.backend, indexer_key) == 1
     hit = node.storage.exists(NS, PAGES)
     # KV holds all 6 pages; the indexer only 0..2; the deepest state at or below 3 ends page 1
@@ -180,12 +266,9 @@ def test_missing_state_reports_less_never_wrong(backends: Backends) -> None:
     node.fill(seed=4)
     back_up(node, {5: 0, 2: 1})
     assert node.storage.exists(NS, PAGES).usable == 6
-    for component in MAMBA.components:  # any one component missing makes the state missing
-        key = next(
-            k
-            for k in side_page_keys(SPACE, NS, MAMBA.pool, PAGES[5])
-            if parse_store_key(k).component == component
-        )
+    # any one object missing (one component under schema 1, the whole entry under 2) makes the
+    # state missing
+    for key in side_page_keys(backends.space, NS, MAMBA.pool, PAGES[5]):
         assert backends.drop(node.storage.backend, [key]) == 1
         assert node.storage.exists(NS, PAGES).usable == 3  # the state ending page 2
         node.storage.put(NS, PAGES, list(range(6)), {"mamba": {5: 0}})
@@ -193,7 +276,9 @@ def test_missing_state_reports_less_never_wrong(backends: Backends) -> None:
     got = node.storage.get(NS, PAGES, list(range(6)), {"mamba": {5: 3}})
     assert got.usable == 6
     node.storage.put(NS, PAGES[:1], [0])  # no state: nothing new
-    drop_all = [key for p in (2, 5) for key in side_page_keys(SPACE, NS, MAMBA.pool, PAGES[p])]
+    drop_all = [
+        key for p in (2, 5) for key in side_page_keys(backends.space, NS, MAMBA.pool, PAGES[p])
+    ]
     backends.drop(node.storage.backend, drop_all)
     assert node.storage.exists(NS, PAGES) == hybrid_module.HybridHit(kv=6, usable=0)
     got = node.storage.get(NS, PAGES, list(range(6)), {"mamba": {5: 3}})
@@ -203,36 +288,45 @@ def test_missing_state_reports_less_never_wrong(backends: Backends) -> None:
 def test_exists_renders_each_side_key_once_and_never_past_the_kv_hit(
     backends: Backends, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """Every side key ``exists`` asks the store about is asked once, parses back (rendered by the
+    schema, once), names a page below the KV hit and one of the objects the schema stores (on
+    Mooncake: one batch of text for every side pool, issue 20)."""
     store = backends.new_store()
     node = backends.node(store)
     node.fill(seed=5)
     back_up(node, {3: 0})
-    kv_key = SPACE.page_keys(NS, PAGES[4])[0]
+    kv_key = backends.space.page_keys(NS, PAGES[4])[0]
     assert backends.drop(node.storage.backend, [kv_key]) == 1  # KV hit is 4 pages
-    rendered: list[tuple[str, PageHash]] = []
+    asked: list[str] = []
+    backend = node.storage.backend
+    if isinstance(backend, MooncakeBackend):
+        is_exist = backend._is_exist
 
-    def counting(keys: KeySpace, ns: Namespace, pool: object, page: PageHash) -> object:
-        rendered.append((pool.name, page))  # type: ignore[attr-defined]
-        return side_page_keys(keys, ns, pool, page)  # type: ignore[arg-type]
+        def recording(keys: Sequence[StoreKey] | RenderedKeys) -> list[int]:
+            asked.extend(keys.texts if isinstance(keys, RenderedKeys) else [k.text for k in keys])
+            return is_exist(keys)
 
-    asked: list[StoreKey] = []
-    present_all = hybrid_module.present_all
+        monkeypatch.setattr(backend, "_is_exist", recording)
+    else:
+        assert isinstance(backend, MemoryBackend | FileBackend)
+        present = backend._present
 
-    def recording(asks: list[tuple[object, list[tuple[StoreKey, ...]]]]) -> list[list[bool]]:
-        asked.extend(key for _io, keys in asks for entry in keys for key in entry)
-        return present_all(asks)  # type: ignore[arg-type]
+        def recording_present(keys: Sequence[StoreKey], nbytes: int) -> list[bool] | None:
+            asked.extend(key.text for key in keys)
+            return present(keys, nbytes)
 
-    monkeypatch.setattr(hybrid_module, "present_all", recording)
-    monkeypatch.setattr(hybrid_module, "side_page_keys", counting)
+        monkeypatch.setattr(backend, "_present", recording_present)
     hit = node.storage.exists(NS, PAGES)
     assert (hit.kv, hit.usable) == (4, 4)
-    assert len(rendered) == len(set(rendered))  # every (pool, page) rendered once
-    assert {page for _, page in rendered} <= set(PAGES[:4])  # never at or past the KV hit
-    assert len(asked) == len(set(asked)) == 4 * (1 + len(MAMBA.components))
-    for key in asked:
+    side = [key for key in asked if parse_store_key(key).pool != "kv"]
+    objects = {
+        pool.name: side_components(backends.space, pool) for pool in (INDEXER.pool, MAMBA.pool)
+    }
+    assert len(side) == len(set(side)) == 4 * sum(len(names) for names in objects.values())
+    for key in side:
         parts = parse_store_key(key)  # every key parses back: rendered once, by the schema
-        assert parts.pool in ("indexer", "mamba")
-        assert parts.page_hash in PAGES[:4]
+        assert parts.component in objects[parts.pool]
+        assert parts.page_hash in PAGES[:4]  # never at or past the KV hit
 
 
 def test_misuse_raises_and_stores_nothing(backends: Backends) -> None:
@@ -248,8 +342,8 @@ def test_misuse_raises_and_stores_nothing(backends: Backends) -> None:
             node.storage.put(NS, PAGES, list(range(6)), bad)
     assert node.storage.exists(NS, PAGES).kv == 0
     with pytest.raises(MisuseError):
-        HybridStorage(backends.open(store), [node.indexer, node.indexer])
-    unattached = HybridStorage(backends.open(store), [node.indexer])
+        HybridStorage(backends.open(store, backends.space), [node.indexer, node.indexer])
+    unattached = HybridStorage(backends.open(store, backends.space), [node.indexer])
     with pytest.raises(MisuseError):
         unattached.put(NS, PAGES[:1], [0])
 
