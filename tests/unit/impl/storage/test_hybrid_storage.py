@@ -90,6 +90,8 @@ class Backends:
     drop: Callable[[StorageBackend, Sequence[StoreKey]], int]
     #: the bytes the store holds under a key (``None``: no such object), read past kvstrata's movers
     raw: Callable[[StorageBackend, StoreKey, int], bytes | None]
+    #: store these bytes under a key past kvstrata's movers (a foreign or broken writer)
+    plant: Callable[[StorageBackend, StoreKey, bytes], None]
 
     def node(self, store: object, layout: HostLayout = HostLayout.PAGE_FIRST_DIRECT) -> Node:
         host = HostKVPool(SHAPE, SLOTS, layout, pin_memory=False)
@@ -111,6 +113,11 @@ def _raw_object(backend: StorageBackend, key: StoreKey, size: int) -> bytes | No
     return None if isinstance(loaded, GetStatus) else bytes(loaded[0])
 
 
+def _plant_object(backend: StorageBackend, key: StoreKey, data: bytes) -> None:
+    assert isinstance(backend, MemoryBackend | FileBackend)
+    assert backend._write([(key, data)], [key]) is PutStatus.STORED
+
+
 @pytest.fixture(
     scope="module",
     params=[(name, schema) for name in ("memory", "file", "mooncake") for schema in (1, 2)],
@@ -129,6 +136,7 @@ def backends(
             lambda s, k: MemoryBackend(k, store=s),  # type: ignore[arg-type]
             _drop_object,
             _raw_object,
+            _plant_object,
         )
     elif name == "file":
         counter = itertools.count()
@@ -139,6 +147,7 @@ def backends(
             lambda s, k: FileBackend(k, s),  # type: ignore[arg-type]
             _drop_object,
             _raw_object,
+            _plant_object,
         )
     else:
         client: MooncakeClient = request.getfixturevalue("mooncake_client")
@@ -159,8 +168,16 @@ def backends(
                 client.unregister_buffer(landing.data_ptr())
             return None if code < 0 else landing[:code].numpy().tobytes()
 
+        def plant(_backend: StorageBackend, key: StoreKey, data: bytes) -> None:
+            source = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+            client.register_buffer(source.data_ptr(), source.numel())
+            try:
+                assert client.batch_put_from([key], [source.data_ptr()], [source.numel()]) == [0]
+            finally:
+                client.unregister_buffer(source.data_ptr())
+
         yield Backends(
-            "mooncake", space, new_store, lambda s, k: MooncakeBackend(client, k), drop, raw
+            "mooncake", space, new_store, lambda s, k: MooncakeBackend(client, k), drop, raw, plant
         )
 
 
@@ -243,6 +260,35 @@ def test_the_other_schemas_side_objects_are_never_seen(backends: Backends) -> No
     got = node.storage.get(NS, PAGES, list(range(6)), {"mamba": {5: 2}})
     assert got.usable == 0 and got.states["mamba"][5] is not GetStatus.LOADED
     assert entry_bits(node.mamba, 2) == before
+
+
+def test_a_wrong_sized_side_object_is_never_loaded(backends: Backends) -> None:
+    """A foreign writer left a Mamba state object one byte short under the state's key (one
+    component's object under schema 1, the whole entry under 2). ``exists`` may count it (Mooncake
+    does not check sizes) but no read of it is ``LOADED``, the usable prefix stops before it, and
+    the pages below keep their bytes."""
+    store = backends.new_store()
+    writer = backends.node(store)
+    writer.fill(seed=21)
+    back_up(writer, {5: 0, 2: 1})
+    key = side_page_keys(backends.space, NS, MAMBA.pool, PAGES[5])[-1]
+    whole = backends.space.schema == 2
+    size = MAMBA.bytes_per_entry if whole else MAMBA.component_bytes()[-1]
+    assert backends.raw(writer.storage.backend, key, size) is not None
+    assert backends.drop(writer.storage.backend, [key]) == 1
+    backends.plant(writer.storage.backend, key, b"\x5a" * (size - 1))
+    reader = backends.node(store)
+    reader.fill(seed=22)
+    got = reader.storage.get(NS, PAGES, list(range(6)), {"mamba": {5: 3, 2: 2}})
+    assert got.pages == [GetStatus.LOADED] * 6
+    assert got.states["mamba"][5] is not GetStatus.LOADED
+    assert got.states["mamba"][2] is GetStatus.LOADED and got.usable == 3
+    assert entry_bits(reader.mamba, 2) == entry_bits(writer.mamba, 1)
+    for slot in range(6):
+        assert kv_bits(reader.host, slot) == kv_bits(writer.host, slot)
+    # Mooncake's batch_is_exist answers for the key whatever its size; the object stores check it
+    assert reader.storage.exists(NS, PAGES).usable == (6 if backends.name == "mooncake" else 3)
+    assert reader.storage.read_state(NS, PAGES, 6, 3) == 3  # the deepest state that reads whole
 
 
 def test_missing_indexer_object_cuts_the_hit(backends: Backends) -> None:
