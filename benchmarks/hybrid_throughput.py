@@ -393,8 +393,9 @@ def print_tables(result: dict[str, Any]) -> None:
     print("|---:|---:|---:|---:|---:|---:|---:|")
     for row in result["exists"]:
         print(
-            f"| {row['schema']} | {row['pages']} | {row['keys']} | {row['raw_us']:.0f} | {row['kv_us']:.0f} "
-            f"| {row['hybrid_us']:.0f} | {row['hybrid_us'] / row['kv_us']:.2f}x |"
+            f"| {row['schema']} | {row['pages']} | {row['keys']} | {row['raw_us']:.0f} "
+            f"| {row['kv_us']:.0f} | {row['hybrid_us']:.0f} "
+            f"| {row['hybrid_us'] / row['kv_us']:.2f}x |"
         )
     print(f"\n{result['seconds']:.1f} s")
 

@@ -127,7 +127,8 @@ class SidePool:
 
     Invariants: ``name`` and every component match ``[a-z][a-z0-9_]*``; ``name`` is not the
     anchor pool ``"kv"``; ``components`` is non-empty and has no repeats. A page of the pool
-    exists only if *all* its component objects exist.
+    exists only if *all* the store objects of its entry exist (:func:`side_components`: one per
+    component under key schema 1, the one ``page`` object under schema 2).
     """
 
     name: str = attrs.field(validator=_check_pool_name)
@@ -287,9 +288,9 @@ def hybrid_exists(
 
     The KV hit is :meth:`StoreModel.exists_pages` over the anchor pool's component keys
     (:meth:`KeySpace.page_keys`), rendered page by page only as far as the first miss. Side pools
-    are then probed through :meth:`KeySpace.key` (each probed component key rendered once per
-    probe, never concatenated) and never beyond the KV hit. Objects still being written are
-    invisible (I2).
+    are then probed through :func:`side_page_keys` (each probed entry's keys rendered once per
+    probe by :meth:`KeySpace.component_keys`, never concatenated) and never beyond the KV hit.
+    Objects still being written are invisible (I2).
     """
     check_side_pools(side_pools)
     kv_hit = store.exists_pages(

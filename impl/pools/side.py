@@ -13,10 +13,12 @@ component names in store-key order):
   :class:`~kvstrata.impl.pools.allocator.PageAllocator`.
 
 Memory layout: component ``c`` of every entry is one contiguous tensor ``[entries, *shape_c]``, so one
-entry of one component is one contiguous run of bytes: the store object for that (entry, component)
-is that run, moved zero-copy. :meth:`SideBuffer.describe` gives, for each entry, the ``(pointer,
-bytes)`` regions of its components **in the order of the pool's component keys** (the order
-:func:`kvstrata.model.hybrid.side_page_keys` renders them in), which is the one fact a store needs.
+entry of one component is one contiguous run of bytes, moved zero-copy: under key schema 1 the store
+object for that (entry, component) is that run; under schema 2 the entry's one object is its runs of
+every component in order. :meth:`SideBuffer.describe` gives, for each entry, the ``(pointer, bytes)``
+regions of its components **in the pool's component order** (the order
+:func:`kvstrata.model.hybrid.side_page_keys` renders keys in under schema 1, and the order of the
+bytes of the one object under schema 2), which is the one fact a store needs.
 
 Layers: attention layers (KV, indexer) and state layers (Mamba) are different subsets of a model's
 layers. :class:`LayerMap` records both; a per-layer transfer walks their union (:meth:`LayerMap.steps`).
@@ -125,7 +127,8 @@ class SideSpec:
         return self.pool.components
 
     def component_bytes(self) -> tuple[int, ...]:
-        """Bytes of one entry of each component (the size of each store object)."""
+        """Bytes of one entry of each component (the size of each store object under key schema 1;
+        under schema 2 an entry's one object is their sum, :attr:`bytes_per_entry`)."""
         return tuple(
             math.prod(shape) * dtype.itemsize
             for shape, dtype in zip(self.shapes, self.dtypes, strict=True)

@@ -9,8 +9,9 @@ a key):
 - key schema 1: one object per component, holding exactly that component's bytes of the entry in the
   host buffer (:meth:`SideBuffer.describe`);
 - key schema 2 (*whole entries*): one object per entry, holding every component's bytes of the entry
-  concatenated in component order; it is moved straight from and into the buffer's component tensors
-  as several ranges of one object (Mooncake's multi-buffer calls), never through a staging copy.
+  concatenated in component order. On Mooncake it is moved straight from and into the buffer's
+  component tensors as several ranges of one object (the multi-buffer calls), never through a
+  staging copy; the object layer of the memory and file stores joins and splits bytes.
 
 The rules are the KV pages' (:mod:`kvstrata.impl.storage.base`):
 
@@ -70,14 +71,14 @@ class SideIO(Protocol):
     sizes: tuple[int, ...]
 
     def present(self, keys: Sequence[EntryKeys]) -> list[bool]:
-        """Per entry: does every component object exist with its size? ``False`` when unsure."""
+        """Per entry: does every object of it exist with its size? ``False`` when unsure."""
 
     def present_pages(self, namespace: Namespace, pages: Sequence[PageHash]) -> list[bool]:
         """:meth:`present` of the entries of ``pages`` (keys rendered here, each once, through
         the model's :func:`~kvstrata.model.hybrid.side_page_keys` or its batch twin)."""
 
     def put(self, keys: Sequence[EntryKeys], entries: Sequence[int]) -> list[PutStatus]:
-        """Store each buffer entry under its keys (missing components only); one status each."""
+        """Store each buffer entry under its keys (missing objects only); one status each."""
 
     def get(self, keys: Sequence[EntryKeys], entries: Sequence[int]) -> list[GetStatus]:
         """Read each entry's objects into the buffer entry; one status each."""

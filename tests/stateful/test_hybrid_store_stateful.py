@@ -61,6 +61,13 @@ class RecordingKeySpace(KeySpace):
         self.log.append((pool, component, page_hash))
         return super().key(namespace, pool, component, page_hash)
 
+    def component_keys(
+        self, namespace: Namespace, pool: str, components: tuple[str, ...], page_hash: PageHash
+    ) -> tuple[StoreKey, ...]:
+        """Every renderer of one key or of one entry's keys logs (side pools use this one)."""
+        self.log.extend((pool, component, page_hash) for component in components)
+        return super().component_keys(namespace, pool, components, page_hash)
+
 
 class HybridStoreMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
@@ -238,6 +245,7 @@ class HybridStoreMachine(RuleBasedStateMachine):
         # Side pools are never queried beyond the KV hit, and each side key is rendered once.
         kv_hit = self._kv_hit(prefix, self.visible)
         side = [entry for entry in self.keys.log if entry[0] != "kv"]
+        assert side or kv_hit == 0, "a KV hit probes the side pools: their keys must be logged"
         assert len(side) == len(set(side))
         page_of = {page_hash: page for page, page_hash in enumerate(hashes)}
         assert all(page_of[page_hash] < kv_hit for _pool, _component, page_hash in side)

@@ -888,9 +888,10 @@ def test_a_rendered_batch_slices_and_selects_into_rendered_batches() -> None:
 def test_a_rendered_batch_of_given_components_is_their_keys(
     digests: list[bytes], components: tuple[str, ...], order: list[int]
 ) -> None:
-    """``rendered(..., components=...)`` (a side pool's batch) is :meth:`KeySpace.component_keys`
-    page by page, for every pool and namespace asked, in whatever order they are first asked (its
-    memo is keyed by all three, apart from the KV pool's own), and ``join`` concatenates."""
+    """``rendered(..., components=...)`` (a side pool's batch) is :meth:`KeySpace.key` of a fresh
+    key space (no shared memo) per page and component, for every pool and namespace asked, in
+    whatever order they are first asked (its memo is keyed by all three, apart from the KV pool's
+    own), and ``join`` concatenates."""
     space = KeySpace(MHA)
     pages = [PageHash(d) for d in digests]
     asks = [
@@ -901,10 +902,10 @@ def test_a_rendered_batch_of_given_components_is_their_keys(
     batches = []
     for ns, pool in (asks[i] for i in order):
         batch = space.rendered(ns, pages, pool, components)
-        want = [k.text for p in pages for k in space.component_keys(ns, pool, components, p)]
+        want = [KeySpace(MHA).key(ns, pool, c, p).text for p in pages for c in components]
         assert batch.texts == want
         assert space.rendered(ns, pages, pool).texts == [  # the KV components' memo is apart
-            k.text for p in pages for k in space.page_keys(ns, p, pool)
+            KeySpace(MHA).key(ns, pool, c, p).text for p in pages for c in space.components
         ]
         batches.append(batch)
     joined = RenderedKeys.join(batches)

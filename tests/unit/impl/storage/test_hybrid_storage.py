@@ -262,8 +262,9 @@ def test_the_other_schemas_side_objects_are_never_seen(backends: Backends) -> No
     assert entry_bits(node.mamba, 2) == before
 
 
-def test_a_wrong_sized_side_object_is_never_loaded(backends: Backends) -> None:
-    """A foreign writer left a Mamba state object one byte short under the state's key (one
+@pytest.mark.parametrize("off_by", [-1, 1])
+def test_a_wrong_sized_side_object_is_never_loaded(backends: Backends, off_by: int) -> None:
+    """A foreign writer left a Mamba state object one byte short or long under the state's key (one
     component's object under schema 1, the whole entry under 2). ``exists`` may count it (Mooncake
     does not check sizes) but no read of it is ``LOADED``, the usable prefix stops before it, and
     the pages below keep their bytes."""
@@ -276,7 +277,7 @@ def test_a_wrong_sized_side_object_is_never_loaded(backends: Backends) -> None:
     size = MAMBA.bytes_per_entry if whole else MAMBA.component_bytes()[-1]
     assert backends.raw(writer.storage.backend, key, size) is not None
     assert backends.drop(writer.storage.backend, [key]) == 1
-    backends.plant(writer.storage.backend, key, b"\x5a" * (size - 1))
+    backends.plant(writer.storage.backend, key, b"\x5a" * (size + off_by))
     reader = backends.node(store)
     reader.fill(seed=22)
     got = reader.storage.get(NS, PAGES, list(range(6)), {"mamba": {5: 3, 2: 2}})
