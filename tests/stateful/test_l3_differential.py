@@ -102,6 +102,8 @@ SHARDS = {
     KVKind.MLA: (Shard.replicated(), Shard(tp_rank=1, tp_size=2)),
 }
 TAGS = (TAG, "prod.eu-1", None)
+#: The host layouts a peer instance may have: each moves a page's objects its own way (issue 20).
+PEER_LAYOUTS = (HostLayout.PAGE_FIRST, HostLayout.PAGE_FIRST_DIRECT, HostLayout.PAGE_MAJOR)
 #: A foreign namespace: another tenant's pages in the same store.
 FOREIGN = Namespace(extra_key="tenant-b", salt="b")
 
@@ -354,12 +356,19 @@ class L3Differential(DifferentialMachine):
                     lagging, self.store_model.hold_writes = self.store_model.hold_writes, False
                     self.store_model.end_put(key, (page, component))
                     self.store_model.hold_writes = lagging
-        scratch = HostKVPool(self.shape, len(pages), HostLayout.PAGE_FIRST)
+        # the writer's host layout, and another for a reader right after, cycle without a draw:
+        # every pair of page-first layouts writes and reads each other's objects (issue 20)
+        turn = self._peer_writes = getattr(self, "_peer_writes", -1) + 1
+        writer_layout = PEER_LAYOUTS[turn % len(PEER_LAYOUTS)]
+        scratch = HostKVPool(self.shape, len(pages), writer_layout)
         peer = self.peer()
         peer.attach(scratch)
         slots = list(range(len(pages)))
         scratch.write_pages(slots, torch.cat([kv_for(self.shape, p) for p in pages], dim=2))
-        statuses = peer.put(ns, list(pages), slots)
+        try:
+            statuses = peer.put(ns, list(pages), slots)
+        finally:
+            peer.close()
         held = self.store_model.lagging_keys()  # the peer's puts did not change them
         for page, status in zip(pages, statuses, strict=True):
             blocked = any(key in held for key in self.keyspace.page_keys(ns, page))
@@ -369,6 +378,48 @@ class L3Differential(DifferentialMachine):
             if blocked:
                 event("a peer's put met an object the store holds back")
         event("a peer backed up a sequence")
+        stored = [page for page, status in zip(pages, statuses, strict=True) if status.ok]
+        reader_layout = PEER_LAYOUTS[(turn + 1) % len(PEER_LAYOUTS)]
+        if self._read_as_peer(ns, stored, reader_layout):
+            event("a peer read another layout's fresh pages back whole")
+        self._shuttle(ns, list(pages), turn)
+
+    def _shuttle(self, ns: Namespace, pages: list[PageHash], turn: int) -> None:
+        """A deployment of the same model under key schema 2 and a tag of its own shares the store
+        (whatever schema this instance drew): one of its instances writes ``pages`` from one
+        page-first layout, another reads them into the next. Every page read ``LOADED`` is bit for
+        bit the page's KV: one object per page crosses host layouts whole (issue 20). This
+        instance never sees those keys (another tag)."""
+        space = attrs.evolve(self.keyspace, schema=2, tag="shuttle")
+        writer_layout = PEER_LAYOUTS[turn % len(PEER_LAYOUTS)]
+        reader_layout = PEER_LAYOUTS[(turn + 1) % len(PEER_LAYOUTS)]
+        slots = list(range(len(pages)))
+        source = HostKVPool(self.shape, len(pages), writer_layout)
+        source.write_pages(slots, torch.cat([kv_for(self.shape, p) for p in pages], dim=2))
+        writer = self.stranger_backend(space)
+        writer.attach(source)
+        try:
+            put = writer.put(ns, pages, slots)
+        finally:
+            writer.close()
+        for page in pages:
+            for key in space.page_keys(ns, page):
+                self.strangers[key.text] = space
+        target = HostKVPool(self.shape, len(pages), reader_layout)
+        reader = self.stranger_backend(space)
+        reader.attach(target)
+        try:
+            got = reader.get(ns, pages, slots)
+        finally:
+            reader.close()
+        for slot, (page, status) in enumerate(zip(pages, got, strict=True)):
+            if status is GetStatus.LOADED:
+                assert torch.equal(
+                    target.read_pages([slot]).view(torch.uint8),
+                    kv_for(self.shape, page).view(torch.uint8),
+                ), f"{writer_layout.value} wrote, {reader_layout.value} read other bytes"
+        if any(status.ok for status in put):
+            event(f"schema-2 pages crossed from {writer_layout.value} to {reader_layout.value}")
 
     def stranger_backend(self, space: KeySpace) -> StorageBackend:
         return MemoryBackend(space, store=self.shared)
@@ -437,23 +488,33 @@ class L3Differential(DifferentialMachine):
         ]
         if not whole:
             return
-        for layout in (HostLayout.PAGE_FIRST, HostLayout.PAGE_FIRST_DIRECT, HostLayout.PAGE_MAJOR):
-            scratch = HostKVPool(self.shape, len(whole), layout)
-            peer = self.peer()
-            peer.attach(scratch)
-            try:
-                statuses = peer.get(ns, whole, list(range(len(whole))))
-            finally:
-                peer.close()
-            for slot, (page, status) in enumerate(zip(whole, statuses, strict=True)):
-                if status is GetStatus.LOADED:
-                    got = scratch.read_pages([slot]).view(torch.uint8)
-                    assert torch.equal(got, kv_for(self.shape, page).view(torch.uint8)), (
-                        f"a peer ({layout.value}) read other bytes for {page!r}"
-                    )
+        for layout in PEER_LAYOUTS:
+            self._read_as_peer(ns, whole, layout)
         event(
             f"peers in every page-first layout read back whole pages (schema {self.keyspace.schema})"
         )
+
+    def _read_as_peer(self, ns: Namespace, pages: list[PageHash], layout: HostLayout) -> int:
+        """Another instance with a ``layout`` host pool gets ``pages``: every page it reports
+        ``LOADED`` must be bit for bit the page's KV. Returns how many were loaded."""
+        if not pages:
+            return 0
+        scratch = HostKVPool(self.shape, len(pages), layout)
+        peer = self.peer()
+        peer.attach(scratch)
+        try:
+            statuses = peer.get(ns, pages, list(range(len(pages))))
+        finally:
+            peer.close()
+        loaded = 0
+        for slot, (page, status) in enumerate(zip(pages, statuses, strict=True)):
+            if status is GetStatus.LOADED:
+                loaded += 1
+                got = scratch.read_pages([slot]).view(torch.uint8)
+                assert torch.equal(got, kv_for(self.shape, page).view(torch.uint8)), (
+                    f"a peer ({layout.value}) read other bytes for {page!r}"
+                )
+        return loaded
 
     @precondition(lambda self: self.ready and self.lists_keys and self.seen)
     @rule(data=st.data())
@@ -928,7 +989,8 @@ class HybridL3TierDifferential(HybridDifferentialMachine, L3Differential):
             for component, key in model._state_objects(ns, pages[position]):
                 if self.store_model.begin_put(key):
                     self.store_model.end_put(key, (pages[position], component))
-        scratch = HostKVPool(self.shape, len(pages), HostLayout.PAGE_FIRST)
+        turn = self._peer_writes = getattr(self, "_peer_writes", -1) + 1  # as the KV-only peer's
+        scratch = HostKVPool(self.shape, len(pages), PEER_LAYOUTS[turn % len(PEER_LAYOUTS)])
         indexer = SideBuffer(self.specs[0], len(pages), host=True)
         mamba = SideBuffer(self.specs[1], max(1, len(positions)), host=True)
         peer = HybridStorage(self.peer(), [indexer, mamba])
@@ -944,6 +1006,8 @@ class HybridL3TierDifferential(HybridDifferentialMachine, L3Differential):
         states = peer.put_states(ns, [pages[p] for p in positions], list(range(len(positions))))
         assert all(status.ok for status in states)
         event(f"a peer backed up a sequence with {len(positions)} state(s)")
+        if self._read_as_peer(ns, list(pages), PEER_LAYOUTS[(turn + 1) % len(PEER_LAYOUTS)]):
+            event("a peer read another layout's fresh pages back whole")
 
     @precondition(lambda self: self.ready and self.side_keys())
     @rule(data=st.data())
