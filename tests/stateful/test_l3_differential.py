@@ -405,19 +405,7 @@ class L3Differential(DifferentialMachine):
         for page in pages:
             for key in space.page_keys(ns, page):
                 self.strangers[key.text] = space
-        target = HostKVPool(self.shape, len(pages), reader_layout)
-        reader = self.stranger_backend(space)
-        reader.attach(target)
-        try:
-            got = reader.get(ns, pages, slots)
-        finally:
-            reader.close()
-        for slot, (page, status) in enumerate(zip(pages, got, strict=True)):
-            if status is GetStatus.LOADED:
-                assert torch.equal(
-                    target.read_pages([slot]).view(torch.uint8),
-                    kv_for(self.shape, page).view(torch.uint8),
-                ), f"{writer_layout.value} wrote, {reader_layout.value} read other bytes"
+        self._read_as_peer(ns, pages, reader_layout, self.stranger_backend(space))
         if any(status.ok for status in put):
             event(f"schema-2 pages crossed from {writer_layout.value} to {reader_layout.value}")
 
@@ -494,13 +482,21 @@ class L3Differential(DifferentialMachine):
             f"peers in every page-first layout read back whole pages (schema {self.keyspace.schema})"
         )
 
-    def _read_as_peer(self, ns: Namespace, pages: list[PageHash], layout: HostLayout) -> int:
-        """Another instance with a ``layout`` host pool gets ``pages``: every page it reports
-        ``LOADED`` must be bit for bit the page's KV. Returns how many were loaded."""
+    def _read_as_peer(
+        self,
+        ns: Namespace,
+        pages: list[PageHash],
+        layout: HostLayout,
+        peer: StorageBackend | None = None,
+    ) -> int:
+        """Another instance (``peer``, by default one in this key space) with a ``layout`` host
+        pool gets ``pages``: every page it reports ``LOADED`` must be bit for bit the page's KV.
+        Returns how many were loaded. The peer is closed afterwards."""
+        peer = self.peer() if peer is None else peer
         if not pages:
+            peer.close()
             return 0
         scratch = HostKVPool(self.shape, len(pages), layout)
-        peer = self.peer()
         peer.attach(scratch)
         try:
             statuses = peer.get(ns, pages, list(range(len(pages))))
