@@ -37,7 +37,9 @@ Rows of the throughput table (per cell; ``time.perf_counter`` around the store c
 5. ``cache`` (informative): *backup* is the time from the first ``insert`` of ``total / batch``
    new requests of ``batch`` pages each into cache A until ``check_events`` has applied every backup
    (it includes the L1 -> L2 write-through copy, which runs on the copy thread pipelined with the
-   store I/O on the storage thread, and polling every 0.5 ms); *prefetch* is cache B (own host pool,
+   store I/O on the storage thread, and polling every 0.5 ms; the write lane merges backups queued
+   behind a running one into one store call, as ``Lanes.threads()`` does, since 2026-11-27);
+   *prefetch* is cache B (own host pool,
    own backend on the same client) calling ``prefetch`` for the same requests (``wait_complete``)
    until every op is ready and committed (an ``exists`` query plus a ``get`` per request). Its ratio
    is against a raw put/get of the same bytes run in the same repetition (raw, ``cache`` and
@@ -506,7 +508,17 @@ def run_interleaved(
 
 
 # --------------------------------------------------------------------------------------- cache path
-def settle(cache: HierarchicalRadixCache, done: Callable[[], bool], what: str) -> None:
+def poll_pause() -> None:
+    """What the scheduler thread does between two ``check_events`` calls: sleep ``POLL_S``."""
+    time.sleep(POLL_S)
+
+
+def settle(
+    cache: HierarchicalRadixCache,
+    done: Callable[[], bool],
+    what: str,
+    pause: Callable[[], None] = poll_pause,
+) -> None:
     deadline = time.monotonic() + CACHE_TIMEOUT_S
     while True:
         cache.check_events()
@@ -514,7 +526,7 @@ def settle(cache: HierarchicalRadixCache, done: Callable[[], bool], what: str) -
             return
         if time.monotonic() > deadline:
             raise BenchError(f"{what} did not finish within {CACHE_TIMEOUT_S:.0f} s")
-        time.sleep(POLL_S)
+        pause()
 
 
 class Gate:
@@ -555,20 +567,26 @@ class CachePath:
         host_a: HostKVPool,
         backend_a: MooncakeBackend,
         query_lane: bool = True,
+        *,
+        merge_pages: int = StorageConfig().backup_merge_pages,
     ) -> None:
         shape, schema = shape_of(cell), backend_a.keyspace.schema
         self.cell = cell
+        #: Between two ``check_events`` while waiting (``gil_convoy.py`` makes it busy).
+        self.pause: Callable[[], None] = poll_pause
         self.device = DeviceKVPool(shape, cell.pages, "cpu")
         fill(self.device, 7 << 40)
         config = RadixCacheConfig(page_size=cell.tokens)
-        self.gate = Gate(ThreadExecutor("bench-l3-write"))
+        self.gate = Gate(ThreadExecutor("bench-l3-write", merge=True))  # as Lanes.threads()
         self.a = HierarchicalRadixCache.build(
             config,
             self.device,
             host_a,
             storage=backend_a,
             storage_config=StorageConfig(
-                prefetch_threshold=cell.tokens, backup_batch_pages=cell.batch
+                prefetch_threshold=cell.tokens,
+                backup_batch_pages=cell.batch,
+                backup_merge_pages=merge_pages,
             ),
             storage_executor=Lanes(
                 ThreadExecutor("bench-l3-read"),
@@ -624,10 +642,12 @@ class CachePath:
         for tokens in requests:
             a.insert(tokens, a.alloc_device(cell.batch))
         if from_l2:  # one backup op per request (backup_batch_pages = batch)
-            settle(a, lambda: len(self.gate.held) == cell.calls, "the write-through copies")
+            settle(
+                a, lambda: len(self.gate.held) == cell.calls, "the write-through copies", self.pause
+            )
             start = time.perf_counter()
             self.gate.release()
-        settle(a, a.idle, "cache backup")
+        settle(a, a.idle, "cache backup", self.pause)
         backup_s = time.perf_counter() - start
         stored = counters.backup_pages["stored"] - stored
         if stored != cell.pages or counters.backup_abandoned_pages:
@@ -643,7 +663,7 @@ class CachePath:
             if op is None:
                 raise BenchError("cache prefetch: prefetch() declined a request")
             ops.append(op)
-        settle(b, lambda: all(b.prefetch_ready(op) for op in ops), "cache prefetch")
+        settle(b, lambda: all(b.prefetch_ready(op) for op in ops), "cache prefetch", self.pause)
         added = sum(b.prefetch_commit(op) for op in ops)
         prefetch_s = time.perf_counter() - start
         if added != cell.pages:

@@ -16,8 +16,9 @@ indexed by KV page, follow through the same page arrays). They are merged per po
 copied by the injected ``side_copy`` in the same job, so a batch is acked only when every pool of it is
 copied, and fails as a whole if any pool's copy fails.
 
-The executor is injected: :class:`ThreadExecutor` (a single worker thread) or :class:`ManualExecutor`,
-with which a test decides when each batch runs, whole or a step at a time.
+The executor is injected (``kvstrata.impl.executors``, re-exported here): :class:`ThreadExecutor` (a
+single worker thread) or :class:`ManualExecutor`, with which a test decides when each batch runs, whole
+or a step at a time.
 
 A batch is a :class:`CopyJob` of steps: one *issue* per chunk of pages (``chunk_pages``; the whole batch
 by default) and per side pool, then *synchronize*, then *report*. Copies are issued on a
@@ -40,16 +41,21 @@ import enum
 import functools
 import logging
 import queue
-import threading
-from collections import deque
 from collections.abc import Callable, Iterator
-from typing import Protocol, TypeVar
 
 import attrs
 import numpy as np
 import torch
 
 from kvstrata.impl.errors import KvStrataError, MisuseError
+from kvstrata.impl.executors import (
+    Executor,
+    InlineExecutor,
+    ManualExecutor,
+    Mergeable,
+    ThreadExecutor,
+    drain,
+)
 from kvstrata.impl.streams import CopyStream, CudaStream, DeferredStream, ImmediateStream
 
 __all__ = [
@@ -63,6 +69,7 @@ __all__ = [
     "Executor",
     "InlineExecutor",
     "ManualExecutor",
+    "Mergeable",
     "PoolTransfer",
     "SideCopyFunction",
     "ThreadExecutor",
@@ -73,18 +80,6 @@ __all__ = [
 
 
 log = logging.getLogger("kvstrata.transfer")
-T = TypeVar("T")
-
-
-def drain(results: queue.SimpleQueue[T]) -> list[T]:
-    """Everything in ``results`` now, oldest first, without blocking (the scheduler thread's side
-    of a worker's result queue)."""
-    out: list[T] = []
-    while True:
-        try:
-            out.append(results.get_nowait())
-        except queue.Empty:
-            return out
 
 
 class TransferFailed(KvStrataError):
@@ -94,129 +89,6 @@ class TransferFailed(KvStrataError):
 class Direction(enum.Enum):
     WRITE = "write"  # L1 -> L2 (write-through)
     LOAD = "load"  # L2 -> L1 (load-back)
-
-
-class Executor(Protocol):
-    def submit(self, job: Callable[[], None]) -> None: ...
-
-    def close(self) -> None: ...
-
-
-class ThreadExecutor:
-    """One worker thread running jobs in submission order. ``after_job`` (if given) runs after each
-    job, also after one that raised: a raising job is logged and the worker keeps going (the cache's
-    jobs report their own failures as completions)."""
-
-    def __init__(
-        self, name: str = "kvstrata-transfer", after_job: Callable[[], None] | None = None
-    ) -> None:
-        self._after_job = after_job
-        self._jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
-        self._unfinished = 0  # jobs submitted and not finished (guarded by _drained)
-        self._drained = threading.Condition()
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while True:
-            job = self._jobs.get()
-            if job is None:
-                return
-            try:
-                job()
-            except Exception:
-                log.exception("kvstrata: background job raised")
-            if self._after_job is not None:
-                self._after_job()
-            with self._drained:
-                self._unfinished -= 1
-                self._drained.notify_all()
-
-    def submit(self, job: Callable[[], None]) -> None:
-        with self._drained:
-            self._unfinished += 1
-        self._jobs.put(job)
-
-    @property
-    def busy(self) -> bool:
-        """Whether a submitted job has not finished yet."""
-        with self._drained:
-            return self._unfinished > 0
-
-    def wait_drained(self, timeout: float | None = None) -> bool:
-        """Block until every job submitted so far has finished (an event, not a poll); ``False``
-        if ``timeout`` seconds passed first (a hang guard, for tests and shutdown)."""
-        with self._drained:
-            return self._drained.wait_for(lambda: self._unfinished == 0, timeout)
-
-    def close(self) -> None:
-        """Finish every submitted job, then stop the worker."""
-        if self._thread.is_alive():
-            self._jobs.put(None)
-            self._thread.join()
-
-
-class InlineExecutor:
-    """Runs every job at once, on the submitting thread, before ``submit`` returns (a raising job
-    is logged, as on a worker). For callers that wait for each result anyway (an encoder worker
-    pushing embeddings; a reader that needs them now): no thread hand-off, which costs about
-    0.1-0.3 ms per call on a 2-core machine (docs/benchmarks.md, issue 20)."""
-
-    def submit(self, job: Callable[[], None]) -> None:
-        try:
-            job()
-        except Exception:
-            log.exception("kvstrata: inline job raised")
-
-    def close(self) -> None:
-        """Nothing is ever pending."""
-
-
-class ManualExecutor:
-    """Runs nothing until told: ``run_next()`` runs the oldest submitted job. For tests."""
-
-    def __init__(self) -> None:
-        self.jobs: deque[Callable[[], None]] = deque()
-
-    def submit(self, job: Callable[[], None]) -> None:
-        self.jobs.append(job)
-
-    def run_next(self) -> bool:
-        if not self.jobs:
-            return False
-        self.jobs.popleft()()
-        return True
-
-    def step_next(self) -> bool:
-        """Advance the oldest job by one step (a :class:`CopyJob`; any other job runs whole); the
-        job leaves the queue once it finished. Whether a job was there to step."""
-        if not self.jobs:
-            return False
-        job = self.jobs[0]
-        if not isinstance(job, CopyJob) or job.step():
-            self.jobs.popleft()
-            if not isinstance(job, CopyJob):
-                job()
-        return True
-
-    def begin_next(self) -> bool:
-        """Begin the oldest job without finishing it (a call left hanging): its ``begin()`` runs
-        if it has one (the store link's calls note when they started); ``run_next`` finishes it."""
-        if not self.jobs:
-            return False
-        begin = getattr(self.jobs[0], "begin", None)
-        if begin is not None:
-            begin()
-        return True
-
-    def run_all(self) -> int:
-        count = 0
-        while self.run_next():
-            count += 1
-        return count
-
-    def close(self) -> None:
-        self.run_all()
 
 
 class CopyJob:

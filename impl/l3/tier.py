@@ -57,7 +57,13 @@ class L3Tier:
         states = self.hybrid is not None and tree.has_states
         self._now = clock  # read through now(): a test may swap the clock after construction
         self._tree = tree
-        self.worker = StorageWorker(backend, executor, health=config.health(), clock=self.now)
+        self.worker = StorageWorker(
+            backend,
+            executor,
+            health=config.health(),
+            clock=self.now,
+            merge_pages=config.backup_merge_pages,
+        )
         self.counters = L3Counters()
         context = L3Context(tree, self.worker, config, self.counters, states, self.now, page_nbytes)
         self.backup = Backups(context)

@@ -45,7 +45,7 @@ from kvstrata.impl.transfer import Executor, ThreadExecutor, drain
 from kvstrata.model.l3.health import LANE_OF, CallKind, HealthConfig, Lane, Recovery
 from kvstrata.model.lifecycles import PROBED, SERVING, STORE_HEALTH, Health, HealthEvent
 
-__all__ = ["Body", "Lanes", "LinkCall", "Skip", "StoreLink"]
+__all__ = ["Body", "Lanes", "LinkCall", "Merge", "Skip", "StoreLink"]
 
 log = logging.getLogger("kvstrata.storage")
 
@@ -74,6 +74,21 @@ Body = Callable[[], "tuple[Any, bool]"]
 Skip = Callable[[], Any]
 
 
+@attrs.frozen
+class Merge:
+    """How a call may share one store call with the calls queued right behind it on its lane
+    (issue 20: a backup lane with a backlog makes fewer, larger calls). Calls join while their
+    ``key`` is equal and their ``pages`` sum to at most the first's ``limit``; ``run`` takes the
+    ``part`` of every member that is not skipped, in order, and returns one outcome per part (each
+    what that call alone would have returned) and whether the shared call faulted."""
+
+    key: object
+    pages: int
+    limit: int
+    part: Any
+    run: Callable[[list[Any]], tuple[list[Any], bool]]
+
+
 class _Job:
     """What a lane's executor runs: ``begin`` marks the call started (a stepped test executor
     calls it alone to leave a call hanging) and decides whether it is skipped (the store is not
@@ -86,8 +101,14 @@ class _Job:
         body: Body,
         skip: Skip | None,
         link: StoreLink,
+        merge: Merge | None = None,
     ) -> None:
         self.call, self._body, self._skip, self._link = call, body, skip, link
+        self.merge = merge
+        # the executors' Mergeable protocol (a key of None is never merged)
+        self.merge_key = None if merge is None else merge.key
+        self.merge_pages = 0 if merge is None else merge.pages
+        self.merge_limit = 0 if merge is None else merge.limit
 
     def begin(self) -> None:
         call = self.call
@@ -111,6 +132,38 @@ class _Job:
         call.returned = call.started if call.skipped else self._link.now()
         self._link.finished(call)
 
+    def run_merged(self, others: list[_Job]) -> None:
+        """This call and ``others`` (queued right behind it, same merge key) as one store call:
+        each begins now (a call begun while the store is not serving is skipped as alone); the
+        members that are not skipped share one ``Merge.run``; each gets its own outcome, and all
+        of them the shared call's fault (every member's call failed with it). Records are handed
+        over in queue order."""
+        jobs = [self, *others]
+        for job in jobs:
+            job.begin()
+        live = [job for job in jobs if not job.call.skipped]
+        outcomes: list[Any] = [None] * len(live)
+        fault = True
+        if live:
+            assert self.merge is not None
+            try:
+                outcomes, fault = self.merge.run([job.merge.part for job in live if job.merge])
+            except Exception:  # as in __call__: a bug, counted as a fault of every member
+                log.exception("kvstrata: merged store call %s raised", self.call.kind.value)
+            if len(outcomes) != len(live):
+                log.error("kvstrata: a merged store call gave %d outcomes", len(outcomes))
+                outcomes, fault = [None] * len(live), True
+        results = iter(outcomes)
+        now = self._link.now()
+        for job in jobs:
+            call = job.call
+            if call.skipped:
+                assert job._skip is not None
+                call.outcome, call.fault, call.returned = job._skip(), False, call.started
+            else:
+                call.outcome, call.fault, call.returned = next(results), fault, now
+            self._link.finished(call)
+
 
 @attrs.frozen
 class Lanes:
@@ -127,7 +180,7 @@ class Lanes:
     def threads(cls) -> Lanes:
         return cls(
             ThreadExecutor("kvstrata-l3-read"),
-            ThreadExecutor("kvstrata-l3-write"),
+            ThreadExecutor("kvstrata-l3-write", merge=True),  # a backlog of backups merges
             ThreadExecutor("kvstrata-l3-probe"),
             ThreadExecutor("kvstrata-l3-query"),
         )
@@ -195,25 +248,43 @@ class StoreLink:
         """A lane thread hands a returned call over (judged at the next :meth:`poll`)."""
         self._done.put(call)
 
-    def submit(self, kind: CallKind, op_id: int, pages: int, body: Body, skip: Skip) -> bool:
+    def submit(
+        self,
+        kind: CallKind,
+        op_id: int,
+        pages: int,
+        body: Body,
+        skip: Skip,
+        *,
+        merge: Merge | None = None,
+    ) -> bool:
         """Issue ``body`` on ``kind``'s lane; ``False`` (nothing issued) unless the store is
         serving: the caller answers a read "nothing" or defers a backup. If the store stops serving
-        before the lane begins the call, ``skip()`` gives its outcome instead of the body."""
+        before the lane begins the call, ``skip()`` gives its outcome instead of the body. With
+        ``merge``, a lane executor that merges may run the call within one store call shared with
+        the calls queued right behind it (:class:`Merge`)."""
         if self.state not in SERVING:
             if kind is not CallKind.BACKUP:
                 self.answered_nothing += 1
             return False
-        self._issue(kind, op_id, pages, body, skip)
+        self._issue(kind, op_id, pages, body, skip, merge=merge)
         return True
 
     def _issue(
-        self, kind: CallKind, op_id: int, pages: int, body: Body, skip: Skip | None = None
+        self,
+        kind: CallKind,
+        op_id: int,
+        pages: int,
+        body: Body,
+        skip: Skip | None = None,
+        *,
+        merge: Merge | None = None,
     ) -> None:
         self._next_call += 1
         call = LinkCall(self._next_call, kind, op_id, pages)
         lane = LANE_OF[kind]
         self.calls[lane].append(call)
-        self.lanes.of(lane).submit(_Job(call, body, skip, self))
+        self.lanes.of(lane).submit(_Job(call, body, skip, self, merge))
 
     def poll(self) -> tuple[list[LinkCall], Recovery | None]:
         """Judge what returned (in return order) and what overran, issue a due probe. Returns the

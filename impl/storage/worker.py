@@ -40,7 +40,7 @@ import numpy.typing as npt
 from kvstrata.impl.errors import StoreError
 from kvstrata.impl.storage.base import GetStatus, PutStatus, StorageBackend
 from kvstrata.impl.storage.hybrid import HybridStorage
-from kvstrata.impl.storage.link import Body, Lanes, StoreLink
+from kvstrata.impl.storage.link import Body, Lanes, Merge, StoreLink
 from kvstrata.impl.transfer import Executor
 from kvstrata.model.keys import Namespace, PageHash
 from kvstrata.model.l3.health import CallKind, HealthConfig, Recovery
@@ -93,6 +93,18 @@ def _pages(digests: bytes) -> list[PageHash]:
     return [PageHash(digests[i : i + 32]) for i in range(0, len(digests), 32)]
 
 
+@attrs.frozen
+class _BackupPart:
+    """One backup op's share of a store call: what :meth:`StorageWorker.backup` was given."""
+
+    op_id: int
+    namespace: Namespace
+    pages: list[PageHash]
+    indices: list[int]
+    state_pages: list[PageHash]
+    slots: list[int]
+
+
 @attrs.define
 class _Trace:
     """Whether a backend call of one store call raised."""
@@ -113,7 +125,10 @@ class StorageWorker:
         *,
         health: HealthConfig | None = None,
         clock: Callable[[], float] = time.monotonic,
+        merge_pages: int = 0,
     ) -> None:
+        #: At most this many pages in one store call shared by queued backups (0: never shared).
+        self.merge_pages = merge_pages
         self.backend = backend
         self.hybrid = backend if isinstance(backend, HybridStorage) else None
         self.plain: StorageBackend | None = None if isinstance(backend, HybridStorage) else backend
@@ -145,11 +160,49 @@ class StorageWorker:
     ) -> bool:
         """Store the pages named by ``digests`` from ``host_indices`` (exists-then-put-missing),
         and (hybrid storage) the states at the end of the pages named by ``state_digests`` from
-        host state slots ``state_slots``. ``False``: the store is down, nothing was issued."""
-        pages = _pages(digests)
-        indices = [int(i) for i in host_indices]
-        state_pages = _pages(state_digests)
-        slots = [int(i) for i in state_slots]
+        host state slots ``state_slots``. ``False``: the store is down, nothing was issued. With
+        ``merge_pages``, a write lane that merges may make one store call for this backup and
+        the backups of ``namespace`` queued right behind it (at most ``merge_pages`` pages)."""
+        part = _BackupPart(
+            op_id,
+            namespace,
+            _pages(digests),
+            [int(i) for i in host_indices],
+            _pages(state_digests),
+            [int(i) for i in state_slots],
+        )
+
+        def skip() -> BackupResult:
+            failed = PutStatus.FAILED
+            count, states = len(part.pages), len(part.state_pages)
+            return BackupResult(op_id, (failed,) * count, (failed,) * states, skipped=True)
+
+        merge = None
+        if self.merge_pages:
+            merge = Merge(
+                (CallKind.BACKUP, namespace),
+                len(part.pages),
+                self.merge_pages,
+                part,
+                lambda parts: self._body(lambda trace: self._backups(parts, trace))(),
+            )
+        return self._submit(
+            CallKind.BACKUP,
+            op_id,
+            len(part.pages),
+            lambda trace: self._backups([part], trace)[0],
+            skip,
+            merge=merge,
+        )
+
+    def _backups(self, parts: list[_BackupPart], trace: _Trace) -> list[BackupResult]:
+        """One store call for the backups ``parts`` (one namespace): their pages in one put, their
+        states in one ``put_states``; each part's result is its own slice of the statuses."""
+        namespace = parts[0].namespace
+        pages = [page for part in parts for page in part.pages]
+        indices = [index for part in parts for index in part.indices]
+        state_pages = [page for part in parts for page in part.state_pages]
+        slots = [slot for part in parts for slot in part.slots]
         hybrid = self.hybrid
 
         def put() -> list[PutStatus]:
@@ -158,38 +211,34 @@ class StorageWorker:
                 return self.plain.put(namespace, pages, indices)
             return hybrid.put(namespace, pages, indices).pages if pages else []
 
-        def run(trace: _Trace) -> BackupResult:
-            statuses = self._statuses(
-                self._guard(put, [PutStatus.FAILED] * len(pages), "put", trace),
-                len(pages),
-                PutStatus.FAILED,
+        failed = PutStatus.FAILED
+        statuses = self._statuses(
+            self._guard(put, [failed] * len(pages), "put", trace), len(pages), failed, "put"
+        )
+        states: list[PutStatus] = []
+        if state_pages:
+            assert hybrid is not None, "states need a HybridStorage"
+            states = self._statuses(
+                self._guard(
+                    lambda: hybrid.put_states(namespace, state_pages, slots),
+                    [failed] * len(state_pages),
+                    "put",
+                    trace,
+                ),
+                len(state_pages),
+                failed,
                 "put",
             )
-            states: list[PutStatus] = []
-            if state_pages:
-                assert hybrid is not None, "states need a HybridStorage"
-                states = self._statuses(
-                    self._guard(
-                        lambda: hybrid.put_states(namespace, state_pages, slots),
-                        [PutStatus.FAILED] * len(state_pages),
-                        "put",
-                        trace,
-                    ),
-                    len(state_pages),
-                    PutStatus.FAILED,
-                    "put",
-                )
-            stored = [i for i, status in enumerate(statuses) if status.ok]
-            last = (namespace, pages[stored[-1]]) if stored else None
-            return BackupResult(op_id, tuple(statuses), tuple(states), last)
-
-        def skip() -> BackupResult:
-            failed = PutStatus.FAILED
-            return BackupResult(
-                op_id, (failed,) * len(pages), (failed,) * len(state_pages), skipped=True
-            )
-
-        return self._submit(CallKind.BACKUP, op_id, len(pages), run, skip)
+        results = []
+        page_at = state_at = 0
+        for part in parts:
+            mine = statuses[page_at : page_at + len(part.pages)]
+            theirs = states[state_at : state_at + len(part.state_pages)]
+            page_at, state_at = page_at + len(part.pages), state_at + len(part.state_pages)
+            stored = [i for i, status in enumerate(mine) if status.ok]
+            last = (namespace, part.pages[stored[-1]]) if stored else None
+            results.append(BackupResult(part.op_id, tuple(mine), tuple(theirs), last))
+        return results
 
     def query(
         self, op_id: int, namespace: Namespace, hasher: Callable[[], bytes], max_pages: int
@@ -294,8 +343,10 @@ class StorageWorker:
         pages: int,
         run: Callable[[_Trace], T],
         skip: Callable[[], T],
+        *,
+        merge: Merge | None = None,
     ) -> bool:
-        if not self.link.submit(kind, op_id, pages, self._body(run), skip):
+        if not self.link.submit(kind, op_id, pages, self._body(run), skip, merge=merge):
             return False
         self.submitted += 1
         return True

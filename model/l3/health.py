@@ -11,7 +11,9 @@ Lanes
     calls one at a time in submission order; lanes are independent, so a read never queues behind a
     backup, a probe never queues behind any other call, and a query never queues behind a fetch: a
     new request learns its L3 hit while earlier fetches still run, and the first fetch of a burst
-    of prefetches starts when its own query returns, not after every query of the burst.
+    of prefetches starts when its own query returns, not after every query of the burst. Backups
+    queued on the write lane may return as one store call (:meth:`StoreLinkModel.finish_merged`,
+    issue 20): each member is still judged as a call of its own.
 
 Skipping
     A call a lane begins while the store is not serving (queued before the outage) is *skipped*: it
@@ -216,6 +218,24 @@ class StoreLinkModel:
             call.returned = call.started  # it returned at once
         self.returned.append(call)
         return call
+
+    def finish_merged(
+        self, lane: Lane, began: float, now: float, count: int, *, fault: bool
+    ) -> list[Call]:
+        """``lane``'s ``count`` oldest calls, all backups, return as one store call (issue 20: a
+        write lane with a backlog): each that was not begun yet begins at ``began`` (skipped on
+        its own if the store is not serving then), and each returns at ``now``, in queue order,
+        with the shared call's ``fault``. One call is :meth:`finish`."""
+        calls = self.lanes[lane][:count]
+        if count < 1 or len(calls) < count:
+            raise MisuseError(f"the {lane.value} lane has fewer than {count} calls")
+        if count > 1 and any(call.kind is not CallKind.BACKUP for call in calls):
+            raise MisuseError("only backups share a store call")
+        for call in calls:
+            if call.started is None:
+                call.started = began
+                call.skipped = not self.serving
+        return [self.finish(lane, now, fault=fault) for _ in calls]
 
     def _head(self, lane: Lane) -> Call:
         if not self.lanes[lane]:

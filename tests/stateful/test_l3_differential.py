@@ -216,15 +216,22 @@ class L3Differential(DifferentialMachine):
         return MemoryBackend(self.keyspace, store=self.shared)
 
     # ------------------------------------------------------------ storage jobs, mirrored
-    def run_storage_job(self, fail: bool = False) -> list[object]:
+    def run_storage_job(self, fail: bool = False, *, merged: bool = False) -> list[object]:
         """Run the oldest storage job (a backup fails as a whole when ``fail``), apply its result
-        to the implementation and mirror it into the model. Returns the applied results."""
+        to the implementation and mirror it into the model. Returns the applied results.
+        ``merged``: the backups queued right behind it run with it as one store call (a write
+        lane with a backlog, issue 20); the model still sees one op after the other."""
         if not getattr(self, "_failures_installed", False):
             self.install_failures()
             self._failures_installed = True
         if fail:
             self.inject_put_failure()
-        self.storage_executor.run_next()
+        if merged:
+            ran = self.storage_executor.run_merged()
+            if ran > 1:
+                event("queued backups ran as one store call")
+        else:
+            self.storage_executor.run_next()
         self.failing = False
         self.impl.check_events()
         l3 = self.impl.l3
@@ -327,6 +334,15 @@ class L3Differential(DifferentialMachine):
     def storage_job(self, fail: bool) -> None:
         """The oldest storage job runs; a backup may fail as a whole (``fail``)."""
         for result in self.run_storage_job(fail):
+            assert not isinstance(result, QueryResult), "a query outlived its prefetch rule"
+
+    @precondition(lambda self: self.ready and len(self.storage_executor.jobs) > 1)
+    @rule(fail=st.sampled_from([False, False, True]))
+    def storage_jobs_merged(self, fail: bool) -> None:
+        """The oldest storage job runs together with the backups queued right behind it that
+        merge with it (one store call, as a write lane with a backlog makes it); that call may
+        fail as a whole (``fail``)."""
+        for result in self.run_storage_job(fail, merged=True):
             assert not isinstance(result, QueryResult), "a query outlived its prefetch rule"
 
     # ------------------------------------------------------------ the store's own life
@@ -654,8 +670,8 @@ class L3Differential(DifferentialMachine):
         (I4, seen from outside the tree through the backend)."""
         while self.executor.jobs:
             self.complete_copy_batch(fail=False)
-        for _ in range(len(self.storage_executor.jobs)):  # what is queued runs as the store is
-            self.run_storage_job()
+        for _ in range(len(self.storage_executor.jobs)):  # what is queued runs as the store is,
+            self.run_storage_job(merged=True)  # queued backups as one store call each
         self.set_lagging(False)
         lagging = self.lagging_keys()
         if lagging:  # the store settles first, or a backup of a lagging page never ends

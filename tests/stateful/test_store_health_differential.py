@@ -152,8 +152,10 @@ class StoreHealthMachine(RuleBasedStateMachine):
         real_submit, real_poll = link.submit, link.poll
         model = self.model
 
-        def submit(kind: CallKind, op_id: int, pages: int, body: Any, skip: Any) -> bool:
-            issued = real_submit(kind, op_id, pages, body, skip)
+        def submit(
+            kind: CallKind, op_id: int, pages: int, body: Any, skip: Any, *, merge: Any = None
+        ) -> bool:
+            issued = real_submit(kind, op_id, pages, body, skip, merge=merge)
             op = self.l3.backup.ops.get(op_id) if kind is CallKind.BACKUP else None
             last = (op.namespace, PageHash(op.digests[-32:])) if op and op.digests else None
             assert issued == model.submit(kind, op_id, pages, self.now, last), (kind, issued)
@@ -328,6 +330,22 @@ class StoreHealthMachine(RuleBasedStateMachine):
         if call.skipped:
             event("a call queued before the outage was skipped")
         event(f"a {lane.value} call returned" + (" against a down store" if down else ""))
+        self.check_events()
+
+    @precondition(lambda self: self.ready and len(self.lanes[Lane.WRITE].jobs) > 1)
+    @rule()
+    def finish_merged_backups(self) -> None:
+        """The write lane runs its oldest backup together with the backups queued right behind
+        it that merge with it: one store call (issue 20); the model's ``finish_merged``."""
+        if not self.lane_busy(Lane.WRITE):
+            return
+        down = self.backend.down
+        count = self.lanes[Lane.WRITE].run_merged()
+        calls = self.model.finish_merged(Lane.WRITE, self.now, self.now, count, fault=down)
+        if count > 1:
+            event("backups returned as one store call" + (" against a down store" if down else ""))
+        if any(call.skipped for call in calls):
+            event("a call queued before the outage was skipped")
         self.check_events()
 
     @precondition(lambda self: self.ready)

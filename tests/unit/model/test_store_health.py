@@ -156,3 +156,41 @@ def test_a_query_does_not_queue_behind_a_fetch() -> None:
     assert [call.op_id for call in link.lanes[Lane.READ]] == [1]
     assert link.state is Health.HEALTHY
     link.check()
+
+
+def test_backups_returning_as_one_store_call_are_judged_one_by_one() -> None:
+    link = StoreLinkModel(CONFIG)
+    for op_id in (1, 2, 3):
+        assert link.submit(CallKind.BACKUP, op_id, 2, now=0.0)
+    link.begin(Lane.WRITE, 0.0)  # the first began on its own, earlier
+    calls = link.finish_merged(Lane.WRITE, 1.0, 2.5, 2, fault=False)
+    assert [call.op_id for call in calls] == [1, 2] and len(link.lanes[Lane.WRITE]) == 1
+    assert [(call.started, call.returned) for call in calls] == [(0.0, 2.5), (1.0, 2.5)]
+    link.poll(2.5)
+    # the first ran 2.5 s (past the 2 s deadline: a fault), the second 1.5 s (OK)
+    assert link.faults == 1 and link.state is Health.SUSPECT  # the probe decides
+    (last,) = link.finish_merged(Lane.WRITE, 2.5, 2.5, 1, fault=True)
+    assert last.op_id == 3 and last.fault
+
+
+def test_a_shared_call_that_faulted_faults_every_member() -> None:
+    link = StoreLinkModel(CONFIG)
+    for op_id in (1, 2):
+        link.submit(CallKind.BACKUP, op_id, 1, now=0.0)
+    link.finish_merged(Lane.WRITE, 0.0, 0.1, 2, fault=True)
+    link.poll(0.1)
+    assert link.faults == 2 and link.state is Health.DOWN  # two faults, as two failed calls
+
+
+def test_only_queued_backups_share_a_call() -> None:
+    link = StoreLinkModel(CONFIG)
+    link.submit(CallKind.QUERY, 1, 1, now=0.0)
+    link.submit(CallKind.BACKUP, 2, 1, now=0.0)
+    with pytest.raises(MisuseError):
+        link.finish_merged(Lane.WRITE, 0.0, 0.0, 2, fault=False)  # one call on the lane
+    link.submit(CallKind.QUERY, 3, 1, now=0.0)
+    with pytest.raises(MisuseError):
+        link.finish_merged(Lane.QUERY, 0.0, 0.0, 2, fault=False)  # queries never share
+    with pytest.raises(MisuseError):
+        link.finish_merged(Lane.WRITE, 0.0, 0.0, 0, fault=False)
+    assert len(link.lanes[Lane.WRITE]) == 1 and len(link.lanes[Lane.QUERY]) == 2

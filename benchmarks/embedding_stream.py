@@ -1,0 +1,373 @@
+"""Embedding cache throughput when the caller streams (issue 20, item 5): calls issued back to back,
+one wait at the end, against the raw Mooncake client making the same calls one after the other.
+
+``embedding_throughput.py`` times each call until its store call was applied (``flush`` / ``wait``
+after every insert and prefetch), so the cache's Python per call adds to the store call's time. An
+encoder that inserts what it computed, or a scheduler that prefetches the embeddings of the requests
+in its queue, does not wait after each call: the cache's bookkeeping for call ``i + 1`` runs on the
+caller's thread while call ``i``'s store call runs on the cache's I/O thread. This script measures that
+use, with the same cluster, clients, shapes, batches and keys as ``embedding_throughput.py``:
+
+- **raw put / raw get**: ``batch_put_from`` / ``batch_get_into`` for every call of the repetition,
+  one after the other (the raw client's calls block; this is its throughput on one thread);
+- **reserve+commit stream**: node A ``reserve`` + the tensors written into the views (untimed, as the
+  raw source buffer is filled before its clock starts) + ``commit`` for every call, then one
+  ``flush``; every item must be stored;
+- **insert_batch stream**: node A2 ``insert_batch`` (one copy of each tensor into the pool) for every
+  call, then one ``flush``;
+- **prefetch+borrow stream**: node B ``prefetch(probe=False)`` for every call (one request each),
+  then per request in order ``wait`` + ``borrow`` + ``give_back`` + ``release``;
+- **prefetch+get stream**: the same on node B2 with ``get`` (a copy of each tensor out).
+
+Each pool holds a whole repetition (every call may be in flight at once). The paths of one phase run
+one after the other, in an order that rotates with the repetition; one unrecorded warm-up repetition
+per cell checks every byte a reader borrows or gets against what was inserted. Reported: kvstrata ÷
+raw as the median over repetitions of ``raw seconds / kvstrata seconds``.
+
+Exit status: 0 when everything ran; 1 when a store call failed or bytes came back wrong; 2 when the
+cluster cannot be started here.
+
+Usage: python benchmarks/embedding_stream.py [--quick] [--repeats N] [--batches 1,8,32]
+       [--shapes image,small] [--segment-mib M] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import embedding_throughput as et  # the per-call benchmark: cells, key space, argument checks
+import l3_throughput as l3  # cluster, raw client, store clearing
+
+from kvstrata.impl.embedding import EmbeddingCache, EmbeddingPool, MooncakeEmbeddingStore, PoolShape
+from kvstrata.impl.errors import KvStrataError
+from kvstrata.impl.storage.mooncake import MooncakeClient
+from kvstrata.model.keys import PageHash
+
+PUTS = ("raw_put", "in_place", "insert")
+GETS = ("raw_get", "borrow", "prefetch")
+NAMES = PUTS + GETS
+
+
+class Streams:
+    """One cell's raw buffers and four cache nodes, each pool holding one window of calls."""
+
+    def __init__(
+        self, cell: et.Cell, client: MooncakeClient, raw: l3.RawStore, window: int
+    ) -> None:
+        self.cell, self.raw = cell, raw
+        gen = torch.Generator().manual_seed(cell.tokens * 7919 + cell.batch)
+        self.tensors = [
+            torch.randn((cell.tokens, cell.dim), generator=gen).to(et.DTYPE)
+            for _ in range(cell.batch)
+        ]
+        self.src = torch.stack(self.tensors).contiguous()
+        self.dst = torch.zeros_like(self.src)
+        nbytes = self.src.numel() * self.src.element_size()
+        for buffer in (self.src, self.dst):
+            raw.register(buffer.data_ptr(), nbytes)
+        size = cell.item_bytes
+        self.src_ptrs = [self.src.data_ptr() + i * size for i in range(cell.batch)]
+        self.dst_ptrs = [self.dst.data_ptr() + i * size for i in range(cell.batch)]
+        self.sizes = [size] * cell.batch
+        shape = PoolShape(window * cell.batch, cell.tokens, cell.dim, et.DTYPE)
+        keyspace = et.keyspace_of(cell)
+        self.writer, self.reader, self.writer2, self.reader2 = (
+            EmbeddingCache(EmbeddingPool(shape), MooncakeEmbeddingStore(client), keyspace)
+            for _ in range(4)
+        )
+        self.raw_keys: list[list[str]] = []
+        self.media: list[list[PageHash]] = []
+        self.media2: list[list[PageHash]] = []
+        self.requests = 0
+        self.verify = False
+
+    def begin(self, label: str) -> None:
+        """Fresh keys for one repetition."""
+        cell = self.cell
+        count = cell.calls * cell.batch
+        raw_media = l3.batches(l3.fresh_pages(f"{label}/raw", count), cell.batch)
+        self.raw_keys = [
+            [self.writer.object_keys(m, cell.tokens)[0].text for m in chunk] for chunk in raw_media
+        ]
+        self.media = [list(c) for c in l3.batches(l3.fresh_pages(f"{label}/a", count), cell.batch)]
+        self.media2 = [list(c) for c in l3.batches(l3.fresh_pages(f"{label}/b", count), cell.batch)]
+
+    # ------------------------------------------------------------------------------------ the paths
+    def raw_put(self, calls: range) -> float:
+        for call in calls:
+            keys = self.raw_keys[call]
+            codes = self.raw.native.batch_put_from(keys, self.src_ptrs, self.sizes)
+            if any(code != 0 for code in codes):
+                raise l3.BenchError(f"raw batch_put_from returned {list(codes)}")
+        return 0.0
+
+    def raw_get(self, calls: range) -> float:
+        for call in calls:
+            keys = self.raw_keys[call]
+            codes = self.raw.native.batch_get_into(keys, self.dst_ptrs, self.sizes)
+            if any(code != self.cell.item_bytes for code in codes):
+                raise l3.BenchError(f"raw batch_get_into returned {list(codes)}")
+        return 0.0
+
+    def in_place(self, calls: range) -> float:
+        """Each call's reserve + write (untimed: the seconds returned) + commit, then one flush."""
+        tokens = [self.cell.tokens] * self.cell.batch
+        before, untimed = self.writer.counters.pushed, 0.0
+        for call in calls:
+            media = self.media[call]
+            reservation = self.writer.reserve(media, tokens)
+            start = time.perf_counter()
+            for item, tensor in zip(media, self.tensors, strict=True):
+                view = reservation.views[item]
+                if view is None:
+                    raise l3.BenchError("reserve: an entry of the bench pool is not one view")
+                view.copy_(tensor)
+            untimed += time.perf_counter() - start
+            if self.writer.commit(reservation).stored != self.cell.batch:
+                raise l3.BenchError("commit: not every item was stored")
+        self._flushed(self.writer, before, len(calls))
+        return untimed
+
+    def insert(self, calls: range) -> float:
+        """Each call's insert_batch (one copy per tensor), then one flush."""
+        before = self.writer2.counters.pushed
+        for call in calls:
+            if self.writer2.insert_batch(self.media2[call], self.tensors).stored != self.cell.batch:
+                raise l3.BenchError("insert_batch: not every item was stored")
+        self._flushed(self.writer2, before, len(calls))
+        return 0.0
+
+    def _flushed(self, cache: EmbeddingCache, before: int, calls: int) -> None:
+        if not cache.flush(et.WAIT_S):
+            raise l3.BenchError("flush: the batch puts did not complete")
+        if cache.counters.pushed - before != calls * self.cell.batch:
+            raise l3.BenchError(f"not every item was pushed: counters {cache.counters}")
+
+    def borrow(self, calls: range) -> float:
+        """Every call's prefetch, then per request: wait, borrow, give back, release."""
+
+        def take(media: list[PageHash]) -> list[torch.Tensor | None]:
+            with self.reader.borrow(media) as loan:
+                got = list(loan.tensors)
+                self._check("borrow", got)
+            return got
+
+        self._stream(self.reader, [self.media[call] for call in calls], take)
+        return 0.0
+
+    def prefetch(self, calls: range) -> float:
+        """Every call's prefetch, then per request: wait, get (a copy out), release."""
+
+        def take(media: list[PageHash]) -> list[torch.Tensor | None]:
+            got = list(self.reader2.get(media))
+            self._check("prefetch", got)
+            return got
+
+        self._stream(self.reader2, [self.media2[call] for call in calls], take)
+        return 0.0
+
+    def _stream(
+        self,
+        cache: EmbeddingCache,
+        calls: list[list[PageHash]],
+        take: Callable[[list[PageHash]], list[torch.Tensor | None]],
+    ) -> None:
+        tokens = [self.cell.tokens] * self.cell.batch
+        requests = []
+        for media in calls:
+            request = f"r{self.requests}"
+            self.requests += 1
+            if cache.prefetch(request, media, tokens, probe=False).loading != self.cell.batch:
+                raise l3.BenchError(f"prefetch: not every item is loading: {cache.counters}")
+            requests.append(request)
+        for request, media in zip(requests, calls, strict=True):
+            if not cache.wait(request, et.WAIT_S):
+                raise l3.BenchError("prefetch: the batch get did not complete")
+            take(media)
+            cache.release(request)
+
+    def _check(self, what: str, got: list[torch.Tensor | None]) -> None:
+        if any(tensor is None for tensor in got):
+            raise l3.BenchError(f"{what}: a miss after the get completed")
+        if self.verify:
+            for tensor, want in zip(got, self.tensors, strict=True):
+                assert tensor is not None
+                if not torch.equal(tensor.view(torch.int16), want.view(torch.int16)):
+                    raise l3.BenchError(f"{what}: the reader got other bytes than were inserted")
+
+    def close(self) -> None:
+        for cache in (self.writer, self.reader, self.writer2, self.reader2):
+            cache.close()
+        for buffer in (self.src, self.dst):
+            self.raw.unregister(buffer.data_ptr())
+
+
+def repetition(
+    streams: Streams, client: MooncakeClient, label: str, window: int, verify: bool
+) -> dict[str, tuple[float, float]]:
+    """One repetition: the put paths window by window (each path's window in turn, the first
+    path rotating with the window), then the get paths likewise. The reader nodes read what the
+    writer nodes stored (B what A, B2 what A2). Per path: (wall seconds, this process's CPU
+    seconds), summed over the windows."""
+    l3.clear(client, streams.raw)
+    streams.begin(label)
+    streams.verify = verify
+    spent = dict.fromkeys(NAMES, (0.0, 0.0))
+    calls = streams.cell.calls
+    for phase in (PUTS, GETS):
+        for turn, first in enumerate(range(0, calls, window)):
+            shift = turn % len(phase)
+            for name in phase[shift:] + phase[:shift]:
+                wall, cpu = time.perf_counter(), time.process_time()
+                untimed = getattr(streams, name)(range(first, min(first + window, calls)))
+                wall, cpu = (
+                    time.perf_counter() - wall - untimed,
+                    time.process_time() - cpu - untimed,
+                )
+                spent[name] = (spent[name][0] + wall, spent[name][1] + cpu)
+        if verify and phase is GETS and not torch.equal(streams.dst, streams.src):
+            raise l3.BenchError("raw batch_get_into: other bytes than were put")
+    return spent
+
+
+def run_cell(
+    cell: et.Cell, client: MooncakeClient, raw: l3.RawStore, repeats: int, window: int
+) -> dict[str, Any]:
+    streams = Streams(cell, client, raw, window)
+    samples: dict[str, list[float]] = {name: [] for name in NAMES}
+    cpu: dict[str, list[float]] = {name: [] for name in NAMES}
+    try:
+        repetition(streams, client, f"{cell.shape}/{cell.batch}/warm", window, verify=True)
+        for rep in range(repeats):
+            spent = repetition(streams, client, f"{cell.shape}/{cell.batch}/{rep}", window, False)
+            for name, (wall, used) in spent.items():
+                samples[name].append(wall)
+                cpu[name].append(used)
+        caches = (streams.writer, streams.reader, streams.writer2, streams.reader2)
+        failed = sum(cache.counters.failed for cache in caches)
+    finally:
+        streams.close()
+        l3.clear(client, raw)
+    if failed:
+        raise l3.BenchError(f"{failed} embeddings failed in the cache")
+
+    def ratio(raw_name: str, name: str) -> float:
+        pairs = zip(samples[raw_name], samples[name], strict=True)
+        return statistics.median(r / k for r, k in pairs)
+
+    def cpu_us(name: str) -> float:
+        """This process's CPU per embedding, µs (median over repetitions)."""
+        return statistics.median(cpu[name]) / (cell.calls * cell.batch) * 1e6
+
+    return {
+        "shape": cell.shape,
+        "tokens": cell.tokens,
+        "dim": cell.dim,
+        "item_bytes": cell.item_bytes,
+        "batch": cell.batch,
+        "calls": cell.calls,
+        "window": window,
+        "bytes": cell.total,
+        "raw_put_mbps": cell.total / statistics.median(samples["raw_put"]) / 1e6,
+        "raw_get_mbps": cell.total / statistics.median(samples["raw_get"]) / 1e6,
+        "in_place_ratio": ratio("raw_put", "in_place"),
+        "insert_ratio": ratio("raw_put", "insert"),
+        "borrow_ratio": ratio("raw_get", "borrow"),
+        "prefetch_ratio": ratio("raw_get", "prefetch"),
+        "cpu_us": {name: cpu_us(name) for name in NAMES},
+        "samples": samples,
+        "cpu_samples": cpu,
+    }
+
+
+def print_table(result: dict[str, Any]) -> None:
+    config = result["config"]
+    print(
+        f"streamed calls, windows of {config['window']} calls; switch interval "
+        f"{config['switch_interval_ms']:g} ms; median of {config['repeats']}; "
+        f"{result['seconds']:.0f} s"
+    )
+    print()
+    print(
+        "| embedding | batch x calls | raw put MB/s | reserve+commit ÷ raw | insert_batch ÷ raw "
+        "| raw get MB/s | prefetch+borrow ÷ raw | prefetch+get ÷ raw "
+        "| CPU µs/item: raw put, reserve+commit, raw get, prefetch+borrow |"
+    )
+    print("|---|---|---:|---:|---:|---:|---:|---:|---|")
+    for cell in result["cells"]:
+        size = cell["item_bytes"] / et.MIB
+        cpu = cell["cpu_us"]
+        print(
+            f"| {cell['shape']} {cell['tokens']}x{cell['dim']} ({size:.3g} MiB) "
+            f"| {cell['batch']} x {cell['calls']} | {cell['raw_put_mbps']:.0f} "
+            f"| {cell['in_place_ratio']:.2f} | {cell['insert_ratio']:.2f} "
+            f"| {cell['raw_get_mbps']:.0f} | {cell['borrow_ratio']:.2f} "
+            f"| {cell['prefetch_ratio']:.2f} "
+            f"| {cpu['raw_put']:.0f}, {cpu['in_place']:.0f}, {cpu['raw_get']:.0f}, "
+            f"{cpu['borrow']:.0f} |"
+        )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--window", type=int, default=8, help="calls in flight (0: a repetition)")
+    parser.add_argument(
+        "--switch-interval-ms", type=float, default=None, help="sys.setswitchinterval (ms)"
+    )
+    own, rest = parser.parse_known_args(argv)
+    args = et.parse_args(rest)
+    if own.window < 0:
+        print("embedding_stream: --window must be >= 0", file=sys.stderr)
+        return 2
+    torch.set_num_threads(args.threads)
+    os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
+    if own.switch_interval_ms is not None:
+        sys.setswitchinterval(own.switch_interval_ms / 1e3)
+    started = time.perf_counter()
+    result: dict[str, Any] = {
+        "config": {
+            "repeats": args.repeats,
+            "quick": args.quick,
+            "window": own.window,
+            "switch_interval_ms": sys.getswitchinterval() * 1e3,
+            "cpus": os.cpu_count(),
+            "mooncake": l3._mooncake_version(),
+            "date": time.strftime("%Y-%m-%d"),
+        },
+        "cells": [],
+    }
+    try:
+        with l3.bench_store(args.segment_mib * et.MIB) as (client, raw):
+            for cell in args.cells:
+                window = own.window or cell.calls
+                print(f"cell {cell.shape} batch {cell.batch} ...", file=sys.stderr, flush=True)
+                result["cells"].append(run_cell(cell, client, raw, args.repeats, window))
+                gc.collect()
+    except l3.SetupError as error:
+        print(f"embedding_stream: {error}", file=sys.stderr)
+        return 2
+    except (l3.BenchError, KvStrataError, OSError) as error:
+        print(f"embedding_stream: failed: {str(error).splitlines()[0]}", file=sys.stderr)
+        return 1
+    result["seconds"] = time.perf_counter() - started
+    print_table(result)
+    if args.json is not None:
+        args.json.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,257 @@
+"""Executors: where background jobs run (the transfer controller's copies, the store link's lanes,
+the embedding cache's I/O).
+
+- :class:`ThreadExecutor`: one worker thread, jobs in submission order; with ``merge``, a
+  :class:`Mergeable` job runs together with the jobs already queued right behind it that join it
+  (the store link's backup calls: one store call for several backup ops, issue 20);
+- :class:`InlineExecutor`: every job at once on the submitting thread;
+- :class:`ManualExecutor`: nothing runs until a test says so (whole jobs, merged groups, or a
+  step of a job that has steps).
+
+Every executor runs jobs in submission order; a merged group runs as one call of its first job
+(:meth:`Mergeable.run_merged`), which reports every member as if it had run alone.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections import deque
+from collections.abc import Callable
+from typing import Protocol, TypeVar, runtime_checkable
+
+__all__ = [
+    "Executor",
+    "InlineExecutor",
+    "ManualExecutor",
+    "Mergeable",
+    "Stepped",
+    "ThreadExecutor",
+    "drain",
+]
+
+log = logging.getLogger("kvstrata.transfer")
+T = TypeVar("T")
+
+
+def drain(results: queue.SimpleQueue[T]) -> list[T]:
+    """Everything in ``results`` now, oldest first, without blocking (the scheduler thread's side
+    of a worker's result queue)."""
+    out: list[T] = []
+    while True:
+        try:
+            out.append(results.get_nowait())
+        except queue.Empty:
+            return out
+
+
+class Executor(Protocol):
+    def submit(self, job: Callable[[], None]) -> None: ...
+
+    def close(self) -> None: ...
+
+
+@runtime_checkable
+class Stepped(Protocol):
+    """A job a :class:`ManualExecutor` can advance a step at a time: :meth:`step` runs the next
+    step and says whether the job finished (calling the job runs every step left)."""
+
+    def __call__(self) -> None: ...
+
+    def step(self) -> bool: ...
+
+
+@runtime_checkable
+class Mergeable(Protocol):
+    """A job that may run together with the jobs queued right behind it (the store link's backup
+    calls: one store call for several backup ops). Jobs join the first while their ``merge_key``
+    equals its (``None``: never merged) and their ``merge_pages`` sum to at most its
+    ``merge_limit``; :meth:`run_merged` runs the group (the first job, then ``others`` in queue
+    order) and reports each job as if it had run alone."""
+
+    merge_key: object
+    merge_pages: int
+    merge_limit: int
+
+    def __call__(self) -> None: ...
+
+    def run_merged(self, others: list[Mergeable]) -> None: ...
+
+
+def _joins(first: object, pages: int, job: object) -> bool:
+    """Whether ``job`` joins the group led by ``first`` that holds ``pages`` pages so far."""
+    key = getattr(first, "merge_key", None)
+    if key is None or getattr(job, "merge_key", None) != key:
+        return False
+    assert isinstance(first, Mergeable) and isinstance(job, Mergeable)
+    return pages + job.merge_pages <= first.merge_limit
+
+
+def _run_group(group: list[Callable[[], None]]) -> None:
+    first = group[0]
+    if len(group) == 1:
+        first()
+        return
+    assert isinstance(first, Mergeable)
+    first.run_merged(group[1:])  # type: ignore[arg-type]  # _joins checked every member
+
+
+class ThreadExecutor:
+    """One worker thread running jobs in submission order. ``after_job`` (if given) runs after each
+    job, also after one that raised: a raising job is logged and the worker keeps going (the cache's
+    jobs report their own failures as completions). With ``merge``, a :class:`Mergeable` job runs
+    together with the jobs already queued right behind it that join it (none waits for more)."""
+
+    def __init__(
+        self,
+        name: str = "kvstrata-transfer",
+        after_job: Callable[[], None] | None = None,
+        *,
+        merge: bool = False,
+    ) -> None:
+        self._after_job = after_job
+        self._merge = merge
+        self._jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self._unfinished = 0  # jobs submitted and not finished (guarded by _drained)
+        self._drained = threading.Condition()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def _group(
+        self, first: Callable[[], None], held: deque[Callable[[], None] | None]
+    ) -> list[Callable[[], None]]:
+        """``first`` and the queued jobs that join it; the first one that does not is ``held``."""
+        group = [first]
+        if not self._merge or getattr(first, "merge_key", None) is None:
+            return group
+        pages = first.merge_pages  # type: ignore[attr-defined]
+        while True:
+            try:
+                job = self._jobs.get_nowait()
+            except queue.Empty:
+                return group
+            if job is None or not _joins(first, pages, job):
+                held.append(job)
+                return group
+            group.append(job)
+            pages += job.merge_pages  # type: ignore[attr-defined]
+
+    def _run(self) -> None:
+        held: deque[Callable[[], None] | None] = deque()
+        while True:
+            job = held.popleft() if held else self._jobs.get()
+            if job is None:
+                return
+            group = self._group(job, held)
+            try:
+                _run_group(group)
+            except Exception:
+                log.exception("kvstrata: background job raised")
+            for _ in group:
+                if self._after_job is not None:
+                    self._after_job()
+            with self._drained:
+                self._unfinished -= len(group)
+                self._drained.notify_all()
+
+    def submit(self, job: Callable[[], None]) -> None:
+        with self._drained:
+            self._unfinished += 1
+        self._jobs.put(job)
+
+    @property
+    def busy(self) -> bool:
+        """Whether a submitted job has not finished yet."""
+        with self._drained:
+            return self._unfinished > 0
+
+    def wait_drained(self, timeout: float | None = None) -> bool:
+        """Block until every job submitted so far has finished (an event, not a poll); ``False``
+        if ``timeout`` seconds passed first (a hang guard, for tests and shutdown)."""
+        with self._drained:
+            return self._drained.wait_for(lambda: self._unfinished == 0, timeout)
+
+    def close(self) -> None:
+        """Finish every submitted job, then stop the worker."""
+        if self._thread.is_alive():
+            self._jobs.put(None)
+            self._thread.join()
+
+
+class InlineExecutor:
+    """Runs every job at once, on the submitting thread, before ``submit`` returns (a raising job
+    is logged, as on a worker). For callers that wait for each result anyway (an encoder worker
+    pushing embeddings; a reader that needs them now): no thread hand-off, which costs about
+    0.1-0.3 ms per call on a 2-core machine (docs/benchmarks.md, issue 20)."""
+
+    def submit(self, job: Callable[[], None]) -> None:
+        try:
+            job()
+        except Exception:
+            log.exception("kvstrata: inline job raised")
+
+    def close(self) -> None:
+        """Nothing is ever pending."""
+
+
+class ManualExecutor:
+    """Runs nothing until told: ``run_next()`` runs the oldest submitted job. For tests."""
+
+    def __init__(self) -> None:
+        self.jobs: deque[Callable[[], None]] = deque()
+
+    def submit(self, job: Callable[[], None]) -> None:
+        self.jobs.append(job)
+
+    def run_next(self) -> bool:
+        if not self.jobs:
+            return False
+        self.jobs.popleft()()
+        return True
+
+    def run_merged(self) -> int:
+        """Run the oldest job together with the queued jobs right behind it that join it (as
+        :class:`ThreadExecutor` with ``merge`` does); how many jobs ran."""
+        if not self.jobs:
+            return 0
+        group = [self.jobs.popleft()]
+        pages = getattr(group[0], "merge_pages", 0)
+        while self.jobs and _joins(group[0], pages, self.jobs[0]):
+            group.append(self.jobs.popleft())
+            pages += group[-1].merge_pages  # type: ignore[attr-defined]
+        _run_group(group)
+        return len(group)
+
+    def step_next(self) -> bool:
+        """Advance the oldest job by one step (a :class:`Stepped` job such as the transfer
+        controller's ``CopyJob``; any other job runs whole); the job leaves the queue once it
+        finished. Whether a job was there to step."""
+        if not self.jobs:
+            return False
+        job = self.jobs[0]
+        if not isinstance(job, Stepped):
+            self.jobs.popleft()
+            job()
+        elif job.step():
+            self.jobs.popleft()
+        return True
+
+    def begin_next(self) -> bool:
+        """Begin the oldest job without finishing it (a call left hanging): its ``begin()`` runs
+        if it has one (the store link's calls note when they started); ``run_next`` finishes it."""
+        if not self.jobs:
+            return False
+        begin = getattr(self.jobs[0], "begin", None)
+        if begin is not None:
+            begin()
+        return True
+
+    def run_all(self) -> int:
+        count = 0
+        while self.run_next():
+            count += 1
+        return count
+
+    def close(self) -> None:
+        self.run_all()
