@@ -8,27 +8,28 @@ in its queue, does not wait after each call: the cache's bookkeeping for call ``
 caller's thread while call ``i``'s store call runs on the cache's I/O thread. This script measures that
 use, with the same cluster, clients, shapes, batches and keys as ``embedding_throughput.py``:
 
-- **raw put / raw get**: ``batch_put_from`` / ``batch_get_into`` for every call of the repetition,
+- **raw put / raw get**: ``batch_put_from`` / ``batch_get_into`` for every call of the window,
   one after the other (the raw client's calls block; this is its throughput on one thread);
 - **reserve+commit stream**: node A ``reserve`` + the tensors written into the views (untimed, as the
-  raw source buffer is filled before its clock starts) + ``commit`` for every call, then one
-  ``flush``; every item must be stored;
+  raw source buffer is filled before its clock starts) + ``commit`` for every call of the window,
+  then one ``flush``; every item must be stored;
 - **insert_batch stream**: node A2 ``insert_batch`` (one copy of each tensor into the pool) for every
-  call, then one ``flush``;
-- **prefetch+borrow stream**: node B ``prefetch(probe=False)`` for every call (one request each),
-  then per request in order ``wait`` + ``borrow`` + ``give_back`` + ``release``;
+  call of the window, then one ``flush``;
+- **prefetch+borrow stream**: node B ``prefetch(probe=False)`` for every call of the window (one
+  request each), then per request in order ``wait`` + ``borrow`` + ``give_back`` + ``release``;
 - **prefetch+get stream**: the same on node B2 with ``get`` (a copy of each tensor out).
 
-Each pool holds a whole repetition (every call may be in flight at once). The paths of one phase run
-one after the other, in an order that rotates with the repetition; one unrecorded warm-up repetition
-per cell checks every byte a reader borrows or gets against what was inserted. Reported: kvstrata ÷
-raw as the median over repetitions of ``raw seconds / kvstrata seconds``.
+A window is ``--window`` calls (8 by default; 0: a whole repetition), and each pool holds one: every
+call of a window may be in flight at once. The paths run window by window, each path's window in
+turn, the first path rotating from window to window; one unrecorded warm-up repetition per cell
+checks every byte a reader borrows or gets against what was inserted. Reported: kvstrata ÷ raw as the
+median over repetitions of ``raw seconds / kvstrata seconds``, and this process's CPU per item.
 
 Exit status: 0 when everything ran; 1 when a store call failed or bytes came back wrong; 2 when the
 cluster cannot be started here.
 
-Usage: python benchmarks/embedding_stream.py [--quick] [--repeats N] [--batches 1,8,32]
-       [--shapes image,small] [--segment-mib M] [--json PATH]
+Usage: python benchmarks/embedding_stream.py [--window 8] [--switch-interval-ms MS] [--quick]
+       [--repeats N] [--batches 1,8,32] [--shapes image,small] [--segment-mib M] [--json PATH]
 """
 
 from __future__ import annotations

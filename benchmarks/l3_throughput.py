@@ -37,8 +37,8 @@ Rows of the throughput table (per cell; ``time.perf_counter`` around the store c
 5. ``cache`` (informative): *backup* is the time from the first ``insert`` of ``total / batch``
    new requests of ``batch`` pages each into cache A until ``check_events`` has applied every backup
    (it includes the L1 -> L2 write-through copy, which runs on the copy thread pipelined with the
-   store I/O on the storage thread, and polling every 0.5 ms; the write lane merges backups queued
-   behind a running one into one store call, as ``Lanes.threads()`` does, since 2026-11-27);
+   store I/O on the storage thread, and polling every 0.5 ms; one store call per backup op, as
+   the raw calls it is compared with: ``backup_merge_pages=0``);
    *prefetch* is cache B (own host pool,
    own backend on the same client) calling ``prefetch`` for the same requests (``wait_complete``)
    until every op is ready and committed (an ``exists`` query plus a ``get`` per request). Its ratio
@@ -568,7 +568,7 @@ class CachePath:
         backend_a: MooncakeBackend,
         query_lane: bool = True,
         *,
-        merge_pages: int = StorageConfig().backup_merge_pages,
+        merge_pages: int = 0,
     ) -> None:
         shape, schema = shape_of(cell), backend_a.keyspace.schema
         self.cell = cell
@@ -577,7 +577,9 @@ class CachePath:
         self.device = DeviceKVPool(shape, cell.pages, "cpu")
         fill(self.device, 7 << 40)
         config = RadixCacheConfig(page_size=cell.tokens)
-        self.gate = Gate(ThreadExecutor("bench-l3-write", merge=True))  # as Lanes.threads()
+        # one store call per backup op unless merge_pages (rows compared with raw calls of
+        # `batch` pages keep that shape; gil_convoy.py measures merged calls)
+        self.gate = Gate(ThreadExecutor("bench-l3-write", merge=merge_pages > 0))
         self.a = HierarchicalRadixCache.build(
             config,
             self.device,

@@ -143,8 +143,9 @@ class ThreadExecutor:
             job = held.popleft() if held else self._jobs.get()
             if job is None:
                 return
-            group = self._group(job, held)
+            group = [job]
             try:
+                group = self._group(job, held)
                 _run_group(group)
             except Exception:
                 log.exception("kvstrata: background job raised")

@@ -133,14 +133,20 @@ class _Job:
         self._link.finished(call)
 
     def run_merged(self, others: list[_Job]) -> None:
-        """This call and ``others`` (queued right behind it, same merge key) as one store call:
-        each begins now (a call begun while the store is not serving is skipped as alone); the
-        members that are not skipped share one ``Merge.run``; each gets its own outcome, and all
-        of them the shared call's fault (every member's call failed with it). Records are handed
-        over in queue order."""
+        """This call and ``others`` (queued right behind it, same merge key) as one store call,
+        judged once. This call begins now (or began earlier) and carries the shared call's start,
+        deadline and fault; the others are decided now (skipped, as alone, when the store is not
+        serving) but begin only when the shared call returns, so they are never overdue and never
+        fault (their ops get their own statuses, failed ones included, and retry as usual). If
+        this call was skipped, the first member that is not carries the call instead. The members
+        that are not skipped share one ``Merge.run``; every record is handed over, in queue order,
+        even if another member's hand-over raised."""
+        self.begin()
+        began = self._link.now()
+        serving = self._link.serving
+        for job in others:
+            job.call.skipped = job._skip is not None and not serving
         jobs = [self, *others]
-        for job in jobs:
-            job.begin()
         live = [job for job in jobs if not job.call.skipped]
         outcomes: list[Any] = [None] * len(live)
         fault = True
@@ -148,21 +154,30 @@ class _Job:
             assert self.merge is not None
             try:
                 outcomes, fault = self.merge.run([job.merge.part for job in live if job.merge])
-            except Exception:  # as in __call__: a bug, counted as a fault of every member
+            except Exception:  # as in __call__: a bug, counted as the call's fault
                 log.exception("kvstrata: merged store call %s raised", self.call.kind.value)
             if len(outcomes) != len(live):
                 log.error("kvstrata: a merged store call gave %d outcomes", len(outcomes))
                 outcomes, fault = [None] * len(live), True
         results = iter(outcomes)
         now = self._link.now()
+        carrier = True  # the first member that is not skipped carries the call's fault
         for job in jobs:
             call = job.call
-            if call.skipped:
-                assert job._skip is not None
-                call.outcome, call.fault, call.returned = job._skip(), False, call.started
-            else:
-                call.outcome, call.fault, call.returned = next(results), fault, now
-            self._link.finished(call)
+            try:
+                if call.started is None:
+                    call.started = began if carrier and not call.skipped else now
+                if call.skipped:
+                    assert job._skip is not None
+                    call.outcome, call.fault, call.returned = job._skip(), False, call.started
+                else:
+                    call.outcome, call.returned = next(results), now
+                    call.fault, carrier = fault and carrier, False
+            except Exception:
+                log.exception("kvstrata: a merged store call's member could not be reported")
+                call.outcome, call.fault, call.returned = None, True, now
+            finally:
+                self._link.finished(call)
 
 
 @attrs.frozen

@@ -223,19 +223,30 @@ class StoreLinkModel:
         self, lane: Lane, began: float, now: float, count: int, *, fault: bool
     ) -> list[Call]:
         """``lane``'s ``count`` oldest calls, all backups, return as one store call (issue 20: a
-        write lane with a backlog): each that was not begun yet begins at ``began`` (skipped on
-        its own if the store is not serving then), and each returns at ``now``, in queue order,
-        with the shared call's ``fault``. One call is :meth:`finish`."""
+        write lane with a backlog), judged once: the first begins at ``began`` (unless it began
+        earlier) and carries the shared call's start, deadline and ``fault``; the others are
+        decided at ``began`` (skipped, as alone, when the store is not serving) but begin when
+        the call returns at ``now``, so they are never overdue and never fault. If the first was
+        skipped, the first member that is not carries the call. All return at ``now``, in queue
+        order. One call is :meth:`finish`."""
         calls = self.lanes[lane][:count]
         if count < 1 or len(calls) < count:
             raise MisuseError(f"the {lane.value} lane has fewer than {count} calls")
         if count > 1 and any(call.kind is not CallKind.BACKUP for call in calls):
             raise MisuseError("only backups share a store call")
+        self.begin(lane, began)  # the first: begun at ``began`` unless it began earlier
+        for call in calls[1:]:
+            call.skipped = not self.serving
+        carrier = True  # the first member that is not skipped carries the call
         for call in calls:
+            self.lanes[lane].pop(0)
             if call.started is None:
-                call.started = began
-                call.skipped = not self.serving
-        return [self.finish(lane, now, fault=fault) for _ in calls]
+                call.started = began if carrier and not call.skipped else now
+            call.returned = call.started if call.skipped else now
+            call.fault = fault and carrier and not call.skipped
+            carrier = carrier and call.skipped
+            self.returned.append(call)
+        return calls
 
     def _head(self, lane: Lane) -> Call:
         if not self.lanes[lane]:

@@ -165,21 +165,28 @@ def test_backups_returning_as_one_store_call_are_judged_one_by_one() -> None:
     link.begin(Lane.WRITE, 0.0)  # the first began on its own, earlier
     calls = link.finish_merged(Lane.WRITE, 1.0, 2.5, 2, fault=False)
     assert [call.op_id for call in calls] == [1, 2] and len(link.lanes[Lane.WRITE]) == 1
-    assert [(call.started, call.returned) for call in calls] == [(0.0, 2.5), (1.0, 2.5)]
+    # the first carries the call (begun at 0.0); the second begins as the call returns
+    assert [(call.started, call.returned) for call in calls] == [(0.0, 2.5), (2.5, 2.5)]
     link.poll(2.5)
-    # the first ran 2.5 s (past the 2 s deadline: a fault), the second 1.5 s (OK)
+    # the call ran 2.5 s, past the 2 s deadline: one fault, on the first
     assert link.faults == 1 and link.state is Health.SUSPECT  # the probe decides
     (last,) = link.finish_merged(Lane.WRITE, 2.5, 2.5, 1, fault=True)
     assert last.op_id == 3 and last.fault
 
 
-def test_a_shared_call_that_faulted_faults_every_member() -> None:
+def test_a_shared_call_is_judged_once() -> None:
     link = StoreLinkModel(CONFIG)
-    for op_id in (1, 2):
+    for op_id in (1, 2, 3):
         link.submit(CallKind.BACKUP, op_id, 1, now=0.0)
-    link.finish_merged(Lane.WRITE, 0.0, 0.1, 2, fault=True)
+    calls = link.finish_merged(Lane.WRITE, 0.0, 0.1, 3, fault=True)
+    assert [call.fault for call in calls] == [True, False, False]
     link.poll(0.1)
-    assert link.faults == 2 and link.state is Health.DOWN  # two faults, as two failed calls
+    assert link.faults == 1 and link.state is Health.SUSPECT  # one failed call: a probe decides
+    link.submit(CallKind.BACKUP, 4, 1, now=0.1)
+    link.submit(CallKind.BACKUP, 5, 1, now=0.1)
+    link.begin(Lane.WRITE, 0.1)
+    link.poll(2.2)  # the shared call is overdue: only the member that began is judged
+    assert link.faults == 2 and link.lanes[Lane.WRITE][1].started is None
 
 
 def test_only_queued_backups_share_a_call() -> None:

@@ -17,6 +17,7 @@ from kvstrata.impl.storage.base import PutStatus
 from kvstrata.impl.storage.memory import MemoryBackend, MemoryStore
 from kvstrata.impl.storage.worker import BackupResult, StorageWorker
 from kvstrata.model.keys import Namespace, PageHash, chain_page_hashes
+from kvstrata.model.l3.health import Lane
 from kvstrata.model.lifecycles import Health
 
 
@@ -191,7 +192,7 @@ def test_no_merge_pages_means_one_call_per_backup() -> None:
     assert backend.calls == [1, 1, 1]
 
 
-def test_a_merged_call_that_raises_fails_every_member_and_faults_each() -> None:
+def test_a_merged_call_that_raises_fails_every_member_and_faults_once() -> None:
     worker, backend, lanes, _ = worker_rig(merge_pages=8)
     backend.raising = True
     backup(worker, 1, NS, [0])
@@ -202,7 +203,26 @@ def test_a_merged_call_that_raises_fails_every_member_and_faults_each() -> None:
         (PutStatus.FAILED,),
         (PutStatus.FAILED,) * 2,
     ]
-    assert worker.link.faults == 2 and worker.link.state is Health.DOWN
+    # one store call failed: one fault (the store is suspect and a probe decides), not one per op
+    assert worker.link.faults == 1 and worker.link.state is Health.SUSPECT
+
+
+def test_only_the_first_member_is_running_while_the_shared_call_runs() -> None:
+    worker, backend, lanes, _ = worker_rig(merge_pages=8)
+    seen: list[list[float | None]] = []
+    real_put = backend.put
+
+    def put(namespace: Namespace, pages: Any, host_indices: Any) -> list[PutStatus]:
+        seen.append([call.started for call in worker.link.calls[Lane.WRITE]])
+        return real_put(namespace, pages, host_indices)
+
+    backend.put = put  # type: ignore[method-assign]
+    for op_id in (1, 2, 3):
+        backup(worker, op_id, NS, [op_id])
+    assert lanes.run_merged() == 3
+    (started,) = seen
+    assert started[0] is not None and started[1:] == [None, None]  # never overdue on their own
+    assert all(call.started is not None for call in worker.link.calls[Lane.WRITE])
 
 
 def test_members_begun_while_the_store_is_down_are_skipped_without_a_call() -> None:
