@@ -10,14 +10,14 @@ use, with the same cluster, clients, shapes, batches and keys as ``embedding_thr
 
 - **raw put / raw get**: ``batch_put_from`` / ``batch_get_into`` for every call of the window,
   one after the other (the raw client's calls block; this is its throughput on one thread);
-- **reserve+commit stream**: node A ``reserve`` + the tensors written into the views (untimed, as the
+- **reserve+commit stream**: node A2 ``reserve`` + the tensors written into the views (untimed, as the
   raw source buffer is filled before its clock starts) + ``commit`` for every call of the window,
   then one ``flush``; every item must be stored;
-- **insert_batch stream**: node A2 ``insert_batch`` (one copy of each tensor into the pool) for every
+- **insert_batch stream**: node A ``insert_batch`` (one copy of each tensor into the pool) for every
   call of the window, then one ``flush``;
-- **prefetch+borrow stream**: node B ``prefetch(probe=False)`` for every call of the window (one
+- **prefetch+borrow stream**: node B2 ``prefetch(probe=False)`` for every call of the window (one
   request each), then per request in order ``wait`` + ``borrow`` + ``give_back`` + ``release``;
-- **prefetch+get stream**: the same on node B2 with ``get`` (a copy of each tensor out).
+- **prefetch+get stream**: the same on node B with ``get`` (a copy of each tensor out).
 
 A window is ``--window`` calls (8 by default; 0: a whole repetition), and each pool holds one: every
 call of a window may be in flight at once. The paths run window by window, each path's window in
@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import statistics
 import sys
@@ -52,8 +51,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import embedding_throughput as et  # the per-call benchmark: cells, key space, argument checks
 import l3_throughput as l3  # cluster, raw client, store clearing
 
-from kvstrata.impl.embedding import EmbeddingCache, EmbeddingPool, MooncakeEmbeddingStore, PoolShape
-from kvstrata.impl.errors import KvStrataError
+from kvstrata.impl.embedding import EmbeddingCache
 from kvstrata.impl.storage.mooncake import MooncakeClient
 from kvstrata.model.keys import PageHash
 
@@ -63,62 +61,38 @@ NAMES = PUTS + GETS
 
 
 class Streams:
-    """One cell's raw buffers and four cache nodes, each pool holding one window of calls."""
+    """One cell's streamed paths over ``embedding_throughput.py``'s :class:`Sides` (its raw
+    buffers and keys, its four cache nodes: ``a`` inserts what ``b`` gets, ``a2`` writes in place
+    what ``b2`` borrows), each pool holding one window of calls."""
 
     def __init__(
         self, cell: et.Cell, client: MooncakeClient, raw: l3.RawStore, window: int
     ) -> None:
         self.cell, self.raw = cell, raw
-        gen = torch.Generator().manual_seed(cell.tokens * 7919 + cell.batch)
-        self.tensors = [
-            torch.randn((cell.tokens, cell.dim), generator=gen).to(et.DTYPE)
-            for _ in range(cell.batch)
-        ]
-        self.src = torch.stack(self.tensors).contiguous()
-        self.dst = torch.zeros_like(self.src)
-        nbytes = self.src.numel() * self.src.element_size()
-        for buffer in (self.src, self.dst):
-            raw.register(buffer.data_ptr(), nbytes)
-        size = cell.item_bytes
-        self.src_ptrs = [self.src.data_ptr() + i * size for i in range(cell.batch)]
-        self.dst_ptrs = [self.dst.data_ptr() + i * size for i in range(cell.batch)]
-        self.sizes = [size] * cell.batch
-        shape = PoolShape(window * cell.batch, cell.tokens, cell.dim, et.DTYPE)
-        keyspace = et.keyspace_of(cell)
-        self.writer, self.reader, self.writer2, self.reader2 = (
-            EmbeddingCache(EmbeddingPool(shape), MooncakeEmbeddingStore(client), keyspace)
-            for _ in range(4)
-        )
-        self.raw_keys: list[list[str]] = []
-        self.media: list[list[PageHash]] = []
-        self.media2: list[list[PageHash]] = []
+        self.sides = et.Sides(cell, client, raw, pool_units=window * cell.batch)
         self.requests = 0
-        self.verify = False
 
-    def begin(self, label: str) -> None:
-        """Fresh keys for one repetition."""
-        cell = self.cell
-        count = cell.calls * cell.batch
-        raw_media = l3.batches(l3.fresh_pages(f"{label}/raw", count), cell.batch)
-        self.raw_keys = [
-            [self.writer.object_keys(m, cell.tokens)[0].text for m in chunk] for chunk in raw_media
-        ]
-        self.media = [list(c) for c in l3.batches(l3.fresh_pages(f"{label}/a", count), cell.batch)]
-        self.media2 = [list(c) for c in l3.batches(l3.fresh_pages(f"{label}/b", count), cell.batch)]
+    def begin(self, label: str, verify: bool) -> None:
+        """Fresh keys for one repetition (bytes checked when ``verify``)."""
+        self.sides.begin(label)
+        self.sides.verify = verify
+
+    def close(self) -> None:
+        self.sides.close()
 
     # ------------------------------------------------------------------------------------ the paths
     def raw_put(self, calls: range) -> float:
         for call in calls:
-            keys = self.raw_keys[call]
-            codes = self.raw.native.batch_put_from(keys, self.src_ptrs, self.sizes)
+            keys = self.sides.raw_keys[call]
+            codes = self.raw.native.batch_put_from(keys, self.sides.src_ptrs, self.sides.sizes)
             if any(code != 0 for code in codes):
                 raise l3.BenchError(f"raw batch_put_from returned {list(codes)}")
         return 0.0
 
     def raw_get(self, calls: range) -> float:
         for call in calls:
-            keys = self.raw_keys[call]
-            codes = self.raw.native.batch_get_into(keys, self.dst_ptrs, self.sizes)
+            keys = self.sides.raw_keys[call]
+            codes = self.raw.native.batch_get_into(keys, self.sides.dst_ptrs, self.sides.sizes)
             if any(code != self.cell.item_bytes for code in codes):
                 raise l3.BenchError(f"raw batch_get_into returned {list(codes)}")
         return 0.0
@@ -126,29 +100,34 @@ class Streams:
     def in_place(self, calls: range) -> float:
         """Each call's reserve + write (untimed: the seconds returned) + commit, then one flush."""
         tokens = [self.cell.tokens] * self.cell.batch
-        before, untimed = self.writer.counters.pushed, 0.0
+        writer = self.sides.a2
+        before, untimed = writer.counters.pushed, 0.0
         for call in calls:
-            media = self.media[call]
-            reservation = self.writer.reserve(media, tokens)
+            media = self.sides.media2[call]
+            reservation = writer.reserve(media, tokens)
             start = time.perf_counter()
-            for item, tensor in zip(media, self.tensors, strict=True):
+            for item, tensor in zip(media, self.sides.tensors, strict=True):
                 view = reservation.views[item]
                 if view is None:
                     raise l3.BenchError("reserve: an entry of the bench pool is not one view")
                 view.copy_(tensor)
             untimed += time.perf_counter() - start
-            if self.writer.commit(reservation).stored != self.cell.batch:
+            if writer.commit(reservation).stored != self.cell.batch:
                 raise l3.BenchError("commit: not every item was stored")
-        self._flushed(self.writer, before, len(calls))
+        self._flushed(writer, before, len(calls))
         return untimed
 
     def insert(self, calls: range) -> float:
         """Each call's insert_batch (one copy per tensor), then one flush."""
-        before = self.writer2.counters.pushed
+        writer = self.sides.a
+        before = writer.counters.pushed
         for call in calls:
-            if self.writer2.insert_batch(self.media2[call], self.tensors).stored != self.cell.batch:
+            if (
+                writer.insert_batch(self.sides.media[call], self.sides.tensors).stored
+                != self.cell.batch
+            ):
                 raise l3.BenchError("insert_batch: not every item was stored")
-        self._flushed(self.writer2, before, len(calls))
+        self._flushed(writer, before, len(calls))
         return 0.0
 
     def _flushed(self, cache: EmbeddingCache, before: int, calls: int) -> None:
@@ -161,23 +140,23 @@ class Streams:
         """Every call's prefetch, then per request: wait, borrow, give back, release."""
 
         def take(media: list[PageHash]) -> list[torch.Tensor | None]:
-            with self.reader.borrow(media) as loan:
+            with self.sides.b2.borrow(media) as loan:
                 got = list(loan.tensors)
-                self._check("borrow", got)
+                self.sides._check("borrow", got)
             return got
 
-        self._stream(self.reader, [self.media[call] for call in calls], take)
+        self._stream(self.sides.b2, [self.sides.media2[call] for call in calls], take)
         return 0.0
 
     def prefetch(self, calls: range) -> float:
         """Every call's prefetch, then per request: wait, get (a copy out), release."""
 
         def take(media: list[PageHash]) -> list[torch.Tensor | None]:
-            got = list(self.reader2.get(media))
-            self._check("prefetch", got)
+            got = list(self.sides.b.get(media))
+            self.sides._check("prefetch", got)
             return got
 
-        self._stream(self.reader2, [self.media2[call] for call in calls], take)
+        self._stream(self.sides.b, [self.sides.media[call] for call in calls], take)
         return 0.0
 
     def _stream(
@@ -200,32 +179,16 @@ class Streams:
             take(media)
             cache.release(request)
 
-    def _check(self, what: str, got: list[torch.Tensor | None]) -> None:
-        if any(tensor is None for tensor in got):
-            raise l3.BenchError(f"{what}: a miss after the get completed")
-        if self.verify:
-            for tensor, want in zip(got, self.tensors, strict=True):
-                assert tensor is not None
-                if not torch.equal(tensor.view(torch.int16), want.view(torch.int16)):
-                    raise l3.BenchError(f"{what}: the reader got other bytes than were inserted")
-
-    def close(self) -> None:
-        for cache in (self.writer, self.reader, self.writer2, self.reader2):
-            cache.close()
-        for buffer in (self.src, self.dst):
-            self.raw.unregister(buffer.data_ptr())
-
 
 def repetition(
     streams: Streams, client: MooncakeClient, label: str, window: int, verify: bool
 ) -> dict[str, tuple[float, float]]:
     """One repetition: the put paths window by window (each path's window in turn, the first
     path rotating with the window), then the get paths likewise. The reader nodes read what the
-    writer nodes stored (B what A, B2 what A2). Per path: (wall seconds, this process's CPU
-    seconds), summed over the windows."""
+    writer nodes stored (B what A inserted, B2 what A2 wrote in place). Per path: (wall
+    seconds, this process's CPU seconds), summed over the windows."""
     l3.clear(client, streams.raw)
-    streams.begin(label)
-    streams.verify = verify
+    streams.begin(label, verify)
     spent = dict.fromkeys(NAMES, (0.0, 0.0))
     calls = streams.cell.calls
     for phase in (PUTS, GETS):
@@ -239,7 +202,8 @@ def repetition(
                     time.process_time() - cpu - untimed,
                 )
                 spent[name] = (spent[name][0] + wall, spent[name][1] + cpu)
-        if verify and phase is GETS and not torch.equal(streams.dst, streams.src):
+        sides = streams.sides
+        if verify and phase is GETS and not torch.equal(sides.dst, sides.src):
             raise l3.BenchError("raw batch_get_into: other bytes than were put")
     return spent
 
@@ -257,7 +221,8 @@ def run_cell(
             for name, (wall, used) in spent.items():
                 samples[name].append(wall)
                 cpu[name].append(used)
-        caches = (streams.writer, streams.reader, streams.writer2, streams.reader2)
+        sides = streams.sides
+        caches = (sides.a, sides.b, sides.a2, sides.b2)
         failed = sum(cache.counters.failed for cache in caches)
     finally:
         streams.close()
@@ -333,6 +298,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if own.window < 0:
         print("embedding_stream: --window must be >= 0", file=sys.stderr)
         return 2
+    return l3.report("embedding_stream", lambda: run(own, args), print_table, args.json)
+
+
+def run(own: argparse.Namespace, args: argparse.Namespace) -> dict[str, Any]:
     torch.set_num_threads(args.threads)
     os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
     if own.switch_interval_ms is not None:
@@ -350,24 +319,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         },
         "cells": [],
     }
-    try:
-        with l3.bench_store(args.segment_mib * et.MIB) as (client, raw):
-            for cell in args.cells:
-                window = own.window or cell.calls
-                print(f"cell {cell.shape} batch {cell.batch} ...", file=sys.stderr, flush=True)
-                result["cells"].append(run_cell(cell, client, raw, args.repeats, window))
-                gc.collect()
-    except l3.SetupError as error:
-        print(f"embedding_stream: {error}", file=sys.stderr)
-        return 2
-    except (l3.BenchError, KvStrataError, OSError) as error:
-        print(f"embedding_stream: failed: {str(error).splitlines()[0]}", file=sys.stderr)
-        return 1
+    with l3.bench_store(args.segment_mib * et.MIB) as (client, raw):
+        for cell in args.cells:
+            window = own.window or cell.calls
+            print(f"cell {cell.shape} batch {cell.batch} ...", file=sys.stderr, flush=True)
+            result["cells"].append(run_cell(cell, client, raw, args.repeats, window))
+            gc.collect()
     result["seconds"] = time.perf_counter() - started
-    print_table(result)
-    if args.json is not None:
-        args.json.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
-    return 0
+    return result
 
 
 if __name__ == "__main__":

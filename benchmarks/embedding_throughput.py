@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import platform
 import statistics
@@ -65,7 +64,6 @@ from kvstrata.impl.embedding import (
     MooncakeEmbeddingStore,
     PoolShape,
 )
-from kvstrata.impl.errors import KvStrataError
 from kvstrata.impl.storage.mooncake import MooncakeClient
 from kvstrata.impl.transfer import InlineExecutor
 from kvstrata.model.keys import KeySpace, KVKind, ModelIdentity, PageHash, Shard
@@ -111,8 +109,15 @@ class Sides:
     """Both sides of one cell: the raw buffers and keys, and the two cache nodes."""
 
     def __init__(
-        self, cell: Cell, client: MooncakeClient, raw: l3.RawStore, inline: bool = False
+        self,
+        cell: Cell,
+        client: MooncakeClient,
+        raw: l3.RawStore,
+        inline: bool = False,
+        *,
+        pool_units: int = 0,
     ) -> None:
+        """``pool_units``: units per cache pool (0: one batch, one unit per embedding)."""
         self.cell, self.raw = cell, raw
         gen = torch.Generator().manual_seed(cell.tokens * 7919 + cell.batch)
         self.tensors = [
@@ -127,7 +132,7 @@ class Sides:
         self.src_ptrs = [self.src.data_ptr() + i * size for i in range(cell.batch)]
         self.dst_ptrs = [self.dst.data_ptr() + i * size for i in range(cell.batch)]
         self.sizes = [size] * cell.batch
-        shape = PoolShape(cell.batch, cell.tokens, cell.dim, DTYPE)  # one unit per embedding
+        shape = PoolShape(pool_units or cell.batch, cell.tokens, cell.dim, DTYPE)  # unit: one item
         keyspace = keyspace_of(cell)
         self.a, self.b, self.a2, self.b2 = (
             EmbeddingCache(
@@ -411,18 +416,7 @@ def print_table(result: dict[str, Any]) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    try:
-        result = run(args)
-    except l3.SetupError as error:
-        print(f"embedding_throughput: {error}", file=sys.stderr)
-        return 2
-    except (l3.BenchError, KvStrataError, OSError) as error:
-        print(f"embedding_throughput: failed: {str(error).splitlines()[0]}", file=sys.stderr)
-        return 1
-    print_table(result)
-    if args.json is not None:
-        args.json.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
-    return 0
+    return l3.report("embedding_throughput", lambda: run(args), print_table, args.json)
 
 
 if __name__ == "__main__":

@@ -53,7 +53,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import os
 import statistics
 import sys
@@ -67,7 +66,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import l3_throughput as l3  # cluster, raw client, paths, store clearing
 
-from kvstrata.impl.errors import KvStrataError
 from kvstrata.impl.pools import HostKVPool
 from kvstrata.impl.pools.host import HostLayout
 from kvstrata.impl.storage.mooncake import MooncakeBackend
@@ -323,18 +321,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
-    try:
-        result = run(args)
-    except l3.SetupError as error:
-        print(f"gil_convoy: {error}", file=sys.stderr)
-        return 2
-    except (l3.BenchError, KvStrataError, OSError) as error:
-        print(f"gil_convoy: failed: {str(error).splitlines()[0]}", file=sys.stderr)
-        return 1
-    print_table(result)
-    if args.json is not None:
-        args.json.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
-    return 0
+    return l3.report("gil_convoy", lambda: run(args), print_table, args.json)
 
 
 if __name__ == "__main__":

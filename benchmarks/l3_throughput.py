@@ -1177,20 +1177,32 @@ def print_tables(result: dict[str, Any]) -> None:
             print(f"{cell['page_bytes'] // KIB} KiB cache: {cell['cache_backup_retries']} retries")
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = parse_args(argv)
+def report(
+    name: str,
+    run: Callable[[], dict[str, Any]],
+    print_table: Callable[[dict[str, Any]], None],
+    json_path: Path | None,
+) -> int:
+    """A benchmark's ``run``, then its table on stdout and every number in ``json_path``. The exit
+    status: 0; 2 when the cluster cannot be started here; 1 on a failure (one line on stderr, no
+    traceback). Shared by the benchmarks that import this one."""
     try:
-        result = run(args)
+        result = run()
     except SetupError as error:
-        print(f"l3_throughput: {error}", file=sys.stderr)
+        print(f"{name}: {error}", file=sys.stderr)
         return 2
     except (BenchError, KvStrataError, OSError) as error:
-        print(f"l3_throughput: failed: {str(error).splitlines()[0]}", file=sys.stderr)
+        print(f"{name}: failed: {str(error).splitlines()[0]}", file=sys.stderr)
         return 1
-    print_tables(result)
-    if args.json is not None:
-        args.json.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
+    print_table(result)
+    if json_path is not None:
+        json_path.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
     return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    return report("l3_throughput", lambda: run(args), print_tables, args.json)
 
 
 if __name__ == "__main__":
