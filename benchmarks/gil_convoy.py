@@ -36,10 +36,11 @@ while the main thread (the stand-in for a scheduler) is one of
   scheduler that waits on its device now and then).
 
 under each switch interval of ``--intervals`` (ms). Each repetition runs every (interval, load, path)
-once in an order that rotates, the store cleared before each run, with no pause between runs: after
-a second or more without store calls the transfers of the next runs were measured 3-5x slower here
-(docs/benchmarks.md), so the loop's speed alone is measured before the first run and after the
-last (the median of four half-second samples per interval).
+once in an order that rotates, the store cleared before each run, with no pause between runs. On
+this VM, small transfers after 0.3 s or more without store calls stay 3-5x slower until a burst of
+large ones (docs/benchmarks.md), so every repetition starts with one (``l3_throughput.py``'s
+prefault of the segment), and the loop's speed alone is measured before the first repetition and
+after the last (the median of four half-second samples per interval).
 Reported: median MB/s of the puts and of the gets per cell, the busy ÷ idle ratio, and the main
 loop's iterations per second while the store worked (against the loop alone at each interval: what
 the switch interval costs the scheduler thread). Nothing is asserted; exit status 0 when
@@ -211,6 +212,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 alone[interval] = [loop_rate(0.5) for _ in range(2)]
             with l3.registered(raw, host):
                 for rep in range(args.repeats + 1):  # the first is a warm-up
+                    # a burst of 4 MiB puts: after an idle moment (the loop measured alone) the
+                    # small transfers of this VM stay slow until one (docs/benchmarks.md)
+                    l3.prefault(client, raw, args.segment_mib * l3.MIB)
                     turn = rep * 5 % len(runs)
                     for interval, load, name in runs[turn:] + runs[:turn]:
                         sys.setswitchinterval(interval / 1e3)
