@@ -79,22 +79,33 @@ class Mergeable(Protocol):
     def run_merged(self, others: list[Mergeable]) -> None: ...
 
 
-def _joins(first: object, pages: int, job: object) -> bool:
-    """Whether ``job`` joins the group led by ``first`` that holds ``pages`` pages so far."""
-    key = getattr(first, "merge_key", None)
-    if key is None or getattr(job, "merge_key", None) != key:
-        return False
-    assert isinstance(first, Mergeable) and isinstance(job, Mergeable)
-    return pages + job.merge_pages <= first.merge_limit
+class _Group:
+    """A job and the queued jobs that joined it (see :class:`Mergeable`), with their pages."""
 
+    def __init__(self, first: Callable[[], None]) -> None:
+        self.jobs = [first]
+        self.key = getattr(first, "merge_key", None)
+        self.pages = getattr(first, "merge_pages", 0)
 
-def _run_group(group: list[Callable[[], None]]) -> None:
-    first = group[0]
-    if len(group) == 1:
-        first()
-        return
-    assert isinstance(first, Mergeable)
-    first.run_merged(group[1:])  # type: ignore[arg-type]  # _joins checked every member
+    def take(self, job: object) -> bool:
+        """Add ``job`` if it joins (same key, pages within the first's limit); whether it did."""
+        if self.key is None or getattr(job, "merge_key", None) != self.key:
+            return False
+        first = self.jobs[0]
+        assert isinstance(first, Mergeable) and isinstance(job, Mergeable)
+        if self.pages + job.merge_pages > first.merge_limit:
+            return False
+        self.jobs.append(job)
+        self.pages += job.merge_pages
+        return True
+
+    def run(self) -> None:
+        first, *others = self.jobs
+        if not others:
+            first()
+            return
+        assert isinstance(first, Mergeable)
+        first.run_merged(others)  # type: ignore[arg-type]  # take() checked every member
 
 
 class ThreadExecutor:
@@ -118,24 +129,18 @@ class ThreadExecutor:
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
-    def _group(
-        self, first: Callable[[], None], held: deque[Callable[[], None] | None]
-    ) -> list[Callable[[], None]]:
+    def _group(self, first: Callable[[], None], held: deque[Callable[[], None] | None]) -> _Group:
         """``first`` and the queued jobs that join it; the first one that does not is ``held``."""
-        group = [first]
-        if not self._merge or getattr(first, "merge_key", None) is None:
-            return group
-        pages = first.merge_pages  # type: ignore[attr-defined]
-        while True:
+        group = _Group(first)
+        while self._merge and group.key is not None:
             try:
                 job = self._jobs.get_nowait()
             except queue.Empty:
-                return group
-            if job is None or not _joins(first, pages, job):
+                break
+            if job is None or not group.take(job):
                 held.append(job)
-                return group
-            group.append(job)
-            pages += job.merge_pages  # type: ignore[attr-defined]
+                break
+        return group
 
     def _run(self) -> None:
         held: deque[Callable[[], None] | None] = deque()
@@ -143,17 +148,17 @@ class ThreadExecutor:
             job = held.popleft() if held else self._jobs.get()
             if job is None:
                 return
-            group = [job]
+            group = _Group(job)
             try:
                 group = self._group(job, held)
-                _run_group(group)
+                group.run()
             except Exception:
                 log.exception("kvstrata: background job raised")
-            for _ in group:
+            for _ in group.jobs:
                 if self._after_job is not None:
                     self._after_job()
             with self._drained:
-                self._unfinished -= len(group)
+                self._unfinished -= len(group.jobs)
                 self._drained.notify_all()
 
     def submit(self, job: Callable[[], None]) -> None:
@@ -216,13 +221,11 @@ class ManualExecutor:
         :class:`ThreadExecutor` with ``merge`` does); how many jobs ran."""
         if not self.jobs:
             return 0
-        group = [self.jobs.popleft()]
-        pages = getattr(group[0], "merge_pages", 0)
-        while self.jobs and _joins(group[0], pages, self.jobs[0]):
-            group.append(self.jobs.popleft())
-            pages += group[-1].merge_pages  # type: ignore[attr-defined]
-        _run_group(group)
-        return len(group)
+        group = _Group(self.jobs.popleft())
+        while self.jobs and group.take(self.jobs[0]):
+            self.jobs.popleft()
+        group.run()
+        return len(group.jobs)
 
     def step_next(self) -> bool:
         """Advance the oldest job by one step (a :class:`Stepped` job such as the transfer

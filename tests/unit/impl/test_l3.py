@@ -271,6 +271,8 @@ def test_configuration_errors() -> None:
         {"backup_retries": -1},
         {"backup_backoff_s": -0.1},
         {"backup_batch_pages": 0},
+        {"backup_merge_pages": -1},
+        {"backup_merge_pages": "256"},
     ):
         with pytest.raises(ConfigError):
             StorageConfig(**bad)  # type: ignore[arg-type]
