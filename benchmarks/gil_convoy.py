@@ -20,9 +20,9 @@ thread):
 - **cache**: ``l3_throughput.py``'s ``cache`` row: cache A inserts one request per call's pages and
   backs them up (the write-through copy, then one backup op per request on its write lane); cache B
   prefetches them (a query, then a fetch, per request); ``--merge-pages`` is cache A's
-  ``backup_merge_pages`` (0: one store call per backup op);
-- **cache_per_op**: the same with ``backup_merge_pages=0`` (its own host pool and backend): every
-  backup op is its own store call, as before issue 20's merged calls.
+  ``backup_merge_pages`` and cache B's ``prefetch_merge_pages`` (0: one store call per op);
+- **cache_per_op**: the same with both at 0 (its own host pool and backend): every backup and
+  every fetch is its own store call, as before issue 20's merged calls.
 
 In the two cache rows the main thread *is* the scheduler: "put" is the backup and "get" the
 prefetch, and the load below runs between two ``check_events`` calls (idle: a 0.5 ms sleep).
@@ -274,7 +274,7 @@ def print_table(result: dict[str, Any]) -> None:
     print(
         f"{config['pages']} pages of {config['page_kib']} KiB in calls of {config['batch']}; "
         f"duty {config['busy_ms']} ms on / {config['rest_ms']} ms off; "
-        f"backup_merge_pages {config['merge_pages']}; median of "
+        f"backup/prefetch_merge_pages {config['merge_pages']}; median of "
         f"{config['repeats']}; {result['seconds']:.0f} s; the main loop alone, M iterations/s: "
         f"{alone}"
     )
@@ -308,7 +308,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--merge-pages",
         type=int,
         default=256,
-        help="the cache's backup_merge_pages (0: one store call per backup op)",
+        help="the cache's backup_merge_pages and prefetch_merge_pages (0: one store call per op)",
     )
     parser.add_argument("--segment-mib", type=int, default=512)
     parser.add_argument("--json", type=Path, default=None)

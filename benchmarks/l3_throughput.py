@@ -577,8 +577,8 @@ class CachePath:
         self.device = DeviceKVPool(shape, cell.pages, "cpu")
         fill(self.device, 7 << 40)
         config = RadixCacheConfig(page_size=cell.tokens)
-        # one store call per backup op unless merge_pages (rows compared with raw calls of
-        # `batch` pages keep that shape; gil_convoy.py measures merged calls)
+        # one store call per backup (prefetch) op unless merge_pages (rows compared with raw
+        # calls of `batch` pages keep that shape; gil_convoy.py measures merged calls)
         self.gate = Gate(ThreadExecutor("bench-l3-write", merge=merge_pages > 0))
         self.a = HierarchicalRadixCache.build(
             config,
@@ -609,9 +609,10 @@ class CachePath:
                 prefetch_threshold=cell.tokens,
                 prefetch_policy="wait_complete",
                 prefetch_reserve_fraction=1.0,
+                prefetch_merge_pages=merge_pages,
             ),
             storage_executor=Lanes(
-                ThreadExecutor("bench-l3-read"),
+                ThreadExecutor("bench-l3-read", merge=merge_pages > 0),
                 ThreadExecutor("bench-l3-write"),
                 ThreadExecutor("bench-l3-probe"),
                 ThreadExecutor("bench-l3-query") if query_lane else None,

@@ -167,7 +167,8 @@ class StorageConfig:
     bounds the pages of one backup op (a long node is cut across ops). Backups queued behind a
     running one on the write lane go to the store as one call of at most ``backup_merge_pages``
     pages (each op's result is still its own; 0: one call per op): a lane with a backlog makes
-    fewer, larger calls (issue 20).
+    fewer, larger calls (issue 20). Prefetch fetches queued on the read lane likewise share one get
+    of at most ``prefetch_merge_pages`` pages (each op's trailing state is still read on its own).
 
     Faults (issue 17): whatever the policy, a request waits for L3 at most ``prefetch_deadline_s``
     (then proceeds with what arrived). A store call running longer than ``call_deadline_s``
@@ -193,6 +194,7 @@ class StorageConfig:
     backup_backoff_cap_s: float = attrs.field(default=2.0, validator=_non_negative_float)
     backup_batch_pages: int = attrs.field(default=256, validator=_positive)
     backup_merge_pages: int = attrs.field(default=256, validator=_non_negative)
+    prefetch_merge_pages: int = attrs.field(default=256, validator=_non_negative)
     prefetch_deadline_s: float = attrs.field(default=1.0, validator=_non_negative_float)
     call_deadline_s: float = attrs.field(default=2.0, validator=_non_negative_float)
     probe_deadline_s: float = attrs.field(default=0.5, validator=_non_negative_float)

@@ -63,6 +63,7 @@ class L3Tier:
             health=config.health(),
             clock=self.now,
             merge_pages=config.backup_merge_pages,
+            fetch_merge_pages=config.prefetch_merge_pages,
         )
         self.counters = L3Counters()
         context = L3Context(tree, self.worker, config, self.counters, states, self.now, page_nbytes)

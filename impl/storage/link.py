@@ -194,7 +194,7 @@ class Lanes:
     @classmethod
     def threads(cls) -> Lanes:
         return cls(
-            ThreadExecutor("kvstrata-l3-read"),
+            ThreadExecutor("kvstrata-l3-read", merge=True),  # a backlog of fetches merges
             ThreadExecutor("kvstrata-l3-write", merge=True),  # a backlog of backups merges
             ThreadExecutor("kvstrata-l3-probe"),
             ThreadExecutor("kvstrata-l3-query"),

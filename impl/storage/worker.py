@@ -41,6 +41,7 @@ from kvstrata.impl.errors import StoreError
 from kvstrata.impl.storage.base import GetStatus, PutStatus, StorageBackend
 from kvstrata.impl.storage.hybrid import HybridStorage
 from kvstrata.impl.storage.link import Body, Lanes, Merge, StoreLink
+from kvstrata.impl.storage.results import BackupResult, FetchResult, QueryResult, StorageResult
 from kvstrata.impl.transfer import Executor
 from kvstrata.model.keys import Namespace, PageHash
 from kvstrata.model.l3.health import CallKind, HealthConfig, Recovery
@@ -51,42 +52,6 @@ log = logging.getLogger("kvstrata.storage")
 T = TypeVar("T")
 S = TypeVar("S", PutStatus, GetStatus)
 Indices: TypeAlias = Sequence[int] | npt.NDArray[np.int64]
-
-
-@attrs.frozen
-class BackupResult:
-    """What happened to each page of backup op ``op_id`` (in the op's page order) and to each
-    state it wrote (in the op's state order; empty without states)."""
-
-    op_id: int
-    statuses: tuple[PutStatus, ...]
-    states: tuple[PutStatus, ...] = ()
-    sentinel: tuple[Namespace, PageHash] | None = None  # the last page now in the store
-    skipped: bool = False  # the store was down when the lane got to it: nothing was tried
-
-
-@attrs.frozen
-class QueryResult:
-    """Prefetch op ``op_id``'s query: the page hashes of the continuation (32 bytes each, as the
-    cache's chain computed them) and how many leading pages the store holds completely."""
-
-    op_id: int
-    digests: bytes
-    hit: int
-
-
-@attrs.frozen
-class FetchResult:
-    """What arrived for each reserved page of prefetch op ``op_id``. ``usable`` (side pools with a
-    state slot only): how many leading pages are usable, the op's state slot holding the state at
-    the end of the last of them (0: none; the slot's bytes are then unspecified)."""
-
-    op_id: int
-    statuses: tuple[GetStatus, ...]
-    usable: int | None = None
-
-
-StorageResult: TypeAlias = BackupResult | QueryResult | FetchResult
 
 
 def _pages(digests: bytes) -> list[PageHash]:
@@ -103,6 +68,17 @@ class _BackupPart:
     indices: list[int]
     state_pages: list[PageHash]
     slots: list[int]
+
+
+@attrs.frozen
+class _FetchPart:
+    """One prefetch op's share of a get: what :meth:`StorageWorker.fetch` was given."""
+
+    op_id: int
+    namespace: Namespace
+    pages: list[PageHash]
+    indices: list[int]
+    state_slot: int | None = None
 
 
 @attrs.define
@@ -126,9 +102,12 @@ class StorageWorker:
         health: HealthConfig | None = None,
         clock: Callable[[], float] = time.monotonic,
         merge_pages: int = 0,
+        fetch_merge_pages: int = 0,
     ) -> None:
         #: At most this many pages in one store call shared by queued backups (0: never shared).
         self.merge_pages = merge_pages
+        #: The same for queued prefetch fetches (one get; each state still read on its own).
+        self.fetch_merge_pages = fetch_merge_pages
         self.backend = backend
         self.hybrid = backend if isinstance(backend, HybridStorage) else None
         self.plain: StorageBackend | None = None if isinstance(backend, HybridStorage) else backend
@@ -282,9 +261,40 @@ class StorageWorker:
         """Read the pages named by ``digests`` into the reserved ``host_indices`` (with their
         ``ALL_PAGES`` objects over hybrid storage), then, with a ``state_slot``, the state of the
         deepest arrived page that has one in the store (:meth:`HybridStorage.read_state`).
-        ``False``: the store is down, nothing was issued (the slots are the caller's again)."""
-        pages = _pages(digests)
+        ``False``: the store is down, nothing was issued (the slots are the caller's again). With
+        ``fetch_merge_pages``, a read lane that merges may make one get for this fetch and the
+        fetches of ``namespace`` queued right behind it (each state is still read on its own)."""
         indices = [int(i) for i in host_indices]
+        part = _FetchPart(op_id, namespace, _pages(digests), indices, state_slot)
+
+        def skip() -> FetchResult:
+            failed = (GetStatus.FAILED,) * len(part.pages)
+            return FetchResult(op_id, failed, None if state_slot is None else 0)
+
+        merge = None
+        if self.fetch_merge_pages:
+            merge = Merge(
+                (CallKind.FETCH, namespace),
+                len(part.pages),
+                self.fetch_merge_pages,
+                part,
+                lambda parts: self._body(lambda trace: self._fetches(parts, trace))(),
+            )
+        return self._submit(
+            CallKind.FETCH,
+            op_id,
+            len(part.pages),
+            lambda trace: self._fetches([part], trace)[0],
+            skip,
+            merge=merge,
+        )
+
+    def _fetches(self, parts: list[_FetchPart], trace: _Trace) -> list[FetchResult]:
+        """One get for the fetches ``parts`` (one namespace); each part's statuses are its own
+        slice, and each part with a state slot then reads its own state."""
+        namespace = parts[0].namespace
+        pages = [page for part in parts for page in part.pages]
+        indices = [index for part in parts for index in part.indices]
         hybrid = self.hybrid
 
         def get() -> list[GetStatus]:
@@ -293,32 +303,29 @@ class StorageWorker:
                 return self.plain.get(namespace, pages, indices)
             return hybrid.get(namespace, pages, indices).pages
 
-        def run(trace: _Trace) -> FetchResult:
-            failed = [GetStatus.FAILED] * len(pages)
-            statuses = self._statuses(
-                self._guard(get, failed, "get", trace), len(pages), GetStatus.FAILED, "get"
-            )
-            usable: int | None = None
-            if state_slot is not None:
-                assert hybrid is not None, "a state slot needs a HybridStorage"
-                whole = next(
-                    (i for i, s in enumerate(statuses) if s is not GetStatus.LOADED), len(pages)
-                )
-                got = self._guard(
-                    lambda: hybrid.read_state(namespace, pages, whole, state_slot),
-                    0,
-                    "get",
-                    trace,
-                )
-                usable = got if isinstance(got, int) and 0 <= got <= whole else 0
-            return FetchResult(op_id, tuple(statuses), usable)
+        failed = GetStatus.FAILED
+        statuses = self._statuses(
+            self._guard(get, [failed] * len(pages), "get", trace), len(pages), failed, "get"
+        )
+        results = []
+        at = 0
+        for part in parts:
+            mine = statuses[at : at + len(part.pages)]
+            at += len(part.pages)
+            usable = None if part.state_slot is None else self._read_state(part, mine, trace)
+            results.append(FetchResult(part.op_id, tuple(mine), usable))
+        return results
 
-        def skip() -> FetchResult:
-            return FetchResult(
-                op_id, (GetStatus.FAILED,) * len(pages), None if state_slot is None else 0
-            )
-
-        return self._submit(CallKind.FETCH, op_id, len(pages), run, skip)
+    def _read_state(self, part: _FetchPart, statuses: list[GetStatus], trace: _Trace) -> int:
+        """How many leading pages of ``part`` are usable with the state read into its slot."""
+        hybrid, slot = self.hybrid, part.state_slot
+        assert hybrid is not None and slot is not None, "a state slot needs a HybridStorage"
+        loaded = GetStatus.LOADED
+        whole = next((i for i, s in enumerate(statuses) if s is not loaded), len(statuses))
+        got = self._guard(
+            lambda: hybrid.read_state(part.namespace, part.pages, whole, slot), 0, "get", trace
+        )
+        return got if isinstance(got, int) and 0 <= got <= whole else 0
 
     # ------------------------------------------------------------------ plumbing
     def _outages(self) -> int:

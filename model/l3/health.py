@@ -13,7 +13,7 @@ Lanes
     new request learns its L3 hit while earlier fetches still run, and the first fetch of a burst
     of prefetches starts when its own query returns, not after every query of the burst. Backups
     queued on the write lane may return as one store call (:meth:`StoreLinkModel.finish_merged`,
-    issue 20): each member is still judged as a call of its own.
+    issue 20), and so may fetches queued on the read lane: such a call is judged once.
 
 Skipping
     A call a lane begins while the store is not serving (queued before the outage) is *skipped*: it
@@ -222,18 +222,19 @@ class StoreLinkModel:
     def finish_merged(
         self, lane: Lane, began: float, now: float, count: int, *, fault: bool
     ) -> list[Call]:
-        """``lane``'s ``count`` oldest calls, all backups, return as one store call (issue 20: a
-        write lane with a backlog), judged once: the first begins at ``began`` (unless it began
-        earlier) and carries the shared call's start, deadline and ``fault``; the others are
-        decided at ``began`` (skipped, as alone, when the store is not serving) but begin when
-        the call returns at ``now``, so they are never overdue and never fault. If the first was
-        skipped, the first member that is not carries the call. All return at ``now``, in queue
-        order. One call is :meth:`finish`."""
+        """``lane``'s ``count`` oldest calls, all backups or all fetches, return as one store
+        call (issue 20: a write or read lane with a backlog), judged once: the first begins at
+        ``began`` (unless it began earlier) and carries the shared call's start, deadline and
+        ``fault``; the others are decided at ``began`` (skipped, as alone, when the store is not
+        serving) but begin when the call returns at ``now``, so they are never overdue and never
+        fault. If the first was skipped, the first member that is not carries the call. All
+        return at ``now``, in queue order. One call is :meth:`finish`."""
         calls = self.lanes[lane][:count]
         if count < 1 or len(calls) < count:
             raise MisuseError(f"the {lane.value} lane has fewer than {count} calls")
-        if count > 1 and any(call.kind is not CallKind.BACKUP for call in calls):
-            raise MisuseError("only backups share a store call")
+        kinds = {call.kind for call in calls}
+        if count > 1 and (len(kinds) > 1 or not kinds <= {CallKind.BACKUP, CallKind.FETCH}):
+            raise MisuseError("only backups, or only fetches, share a store call")
         self.begin(lane, began)  # the first: begun at ``began`` unless it began earlier
         for call in calls[1:]:
             call.skipped = not self.serving

@@ -87,6 +87,7 @@ from kvstrata.model.keys import (
     parse_store_key,
     render_store_key,
 )
+from kvstrata.model.l3.health import CallKind
 from kvstrata.model.l3.policy import PrefetchPolicy
 from kvstrata.model.lifecycles import HOST_VALID, PrefetchState, Residency
 from kvstrata.model.store import StoreModel
@@ -219,17 +220,20 @@ class L3Differential(DifferentialMachine):
     def run_storage_job(self, fail: bool = False, *, merged: bool = False) -> list[object]:
         """Run the oldest storage job (a backup fails as a whole when ``fail``), apply its result
         to the implementation and mirror it into the model. Returns the applied results.
-        ``merged``: the backups queued right behind it run with it as one store call (a write
-        lane with a backlog, issue 20); the model still sees one op after the other."""
+        ``merged``: the backups (or fetches) queued right behind it run with it as one store call
+        (a lane with a backlog, issue 20); the model still sees one op after the other."""
         if not getattr(self, "_failures_installed", False):
             self.install_failures()
             self._failures_installed = True
         if fail:
             self.inject_put_failure()
         if merged:
+            jobs = self.storage_executor.jobs
+            kind = getattr(getattr(jobs[0], "call", None), "kind", None) if jobs else None
             ran = self.storage_executor.run_merged()
             if ran > 1:
-                event("queued backups ran as one store call")
+                what = "fetches" if kind is CallKind.FETCH else "backups"
+                event(f"queued {what} ran as one store call")
         else:
             self.storage_executor.run_next()
         self.failing = False
@@ -276,6 +280,29 @@ class L3Differential(DifferentialMachine):
         """From now on the store accepts puts but shows their objects only later (``on``), or
         again at once."""
         self.set_lagging(on)
+
+    @precondition(lambda self: self.ready and self.lags)
+    @rule(data=st.data())
+    def backups_merge_behind_a_lag(self, data: st.DataObject) -> None:
+        """Two requests land on L2, so their backups queue; the store lags while the oldest
+        storage job runs (a backup's puts accepted, not yet shown), then shows new puts at once
+        again; the jobs queued behind it (a retry among them) run merged: one store call in
+        which one op's pages are still held and another's are shown, so each op must get its
+        own slice of the statuses (issue 20)."""
+        self.drain()
+        for _ in range(2):
+            self.do_request(data, with_state=False)
+        while self.executor.jobs:
+            self.complete_copy_batch(fail=False)
+        if not self.storage_executor.jobs:
+            return
+        self.set_lagging(True)
+        self.run_storage_job()
+        self.set_lagging(False)
+        for _ in range(len(self.storage_executor.jobs)):
+            for result in self.run_storage_job(merged=True):
+                if isinstance(result, BackupResult) and not all(s.ok for s in result.statuses):
+                    event("a merged backup's op met pages the lagging store still held")
 
     @precondition(lambda self: self.ready and self.lags and self.store_model.lagging_keys())
     @rule(data=st.data(), lose=st.booleans())
@@ -339,8 +366,8 @@ class L3Differential(DifferentialMachine):
     @precondition(lambda self: self.ready and len(self.storage_executor.jobs) > 1)
     @rule(fail=st.sampled_from([False, False, True]))
     def storage_jobs_merged(self, fail: bool) -> None:
-        """The oldest storage job runs together with the backups queued right behind it that
-        merge with it (one store call, as a write lane with a backlog makes it); that call may
+        """The oldest storage job runs together with the backups (or fetches) queued right behind
+        it that merge with it (one store call, as a lane with a backlog makes it); a shared put may
         fail as a whole (``fail``)."""
         for result in self.run_storage_job(fail, merged=True):
             assert not isinstance(result, QueryResult), "a query outlived its prefetch rule"
@@ -589,6 +616,65 @@ class L3Differential(DifferentialMachine):
         self.finish(op_id, commit)
         event("L3 round trip " + ("committed" if commit else "aborted"))
 
+    @precondition(lambda self: self.ready and self.seen)
+    @rule(data=st.data())
+    def prefetch_burst(self, data: st.DataObject) -> None:
+        """A burst of requests (issue 20): everything is backed up and dropped from L1 and L2,
+        then two or three prefetches start before any returns (of one namespace, or of any);
+        their queries land first, so their fetches wait on the read lane back to back and the
+        lane runs those of one namespace as one get (``prefetch_merge_pages``); the store may
+        lose an object of one op's pages first, so each op's share of the get's statuses
+        differs. Each then commits or aborts."""
+        self.drain()
+        total = 64  # more than any pool here
+        assert self.impl.evict(total) == self.model.evict(total)
+        assert self.impl.evict_host(total) == self.model.evict_host(total)
+        seen = sorted(self.seen, key=repr)
+        held = [  # sequences the store holds enough of to prefetch
+            (ns, tokens)
+            for ns, tokens in seen
+            if self.l3_exists(ns, chain_page_hashes(tokens, self.page_size, ns)) * self.page_size
+            >= self.threshold
+        ]
+        seen = held or seen
+        if data.draw(st.booleans(), label="one namespace"):  # their fetches may merge
+            ns = data.draw(st.sampled_from(sorted({n for n, _ in seen}, key=repr)), label="ns")
+            seen = [(n, t) for n, t in seen if n == ns]
+        # repeats allowed: requests that share a prefix fetch the same keys
+        burst = data.draw(st.lists(st.sampled_from(seen), min_size=2, max_size=3), label="burst")
+        started = [(self.impl.prefetch(tokens, ns), tokens, ns) for ns, tokens in burst]
+        ops = [self.land_prefetch(*op) for op in started]
+        namespaces = {ns for op_id, _, ns in started if op_id is not None}
+        fetching = [op_id for op_id in ops if op_id is not None and self.loading(op_id)]
+        if len(fetching) > 1:
+            event(f"a burst of prefetches queued its fetches ({len(namespaces)} namespaces)")
+            keys = [
+                (op.namespace, page)
+                for op_id in fetching
+                if (model_op := self.prefetch_ops[op_id]) is not None
+                for op in [self.model.prefetch_ops[model_op]]
+                for page in op.pages
+            ]
+            if len(set(keys)) < len(keys):
+                event("the fetches of a burst name a page twice")
+        if fetching and data.draw(st.booleans(), label="store loses an object"):
+            model_op = self.prefetch_ops[data.draw(st.sampled_from(fetching), label="losing op")]
+            if model_op is not None:  # one op's pages arrive short, the others' whole
+                op = self.model.prefetch_ops[model_op]
+                self.lose_object(data, op.namespace, op.pages)
+        while self.storage_executor.jobs and any(
+            op_id is not None and self.loading(op_id) for op_id in ops
+        ):
+            self.run_storage_job(merged=True)
+        for op_id in ops:
+            if op_id is not None and op_id in self.prefetch_ops and op_id not in self.finished:
+                self.finish(op_id, data.draw(st.booleans(), label="commit"))
+
+    def loading(self, op_id: int) -> bool:
+        l3 = self.impl.l3
+        assert l3 is not None
+        return l3.prefetches[op_id].state is PrefetchState.LOADING
+
     def lose_object(self, data: st.DataObject, ns: Namespace, pages: tuple[PageHash, ...]) -> None:
         """Between a prefetch's query and its read the store drops one object of its pages (a KV
         component, an indexer object or a state component)."""
@@ -615,7 +701,13 @@ class L3Differential(DifferentialMachine):
 
     def do_prefetch(self, tokens: tuple[int, ...], ns: Namespace) -> int | None:
         """Start a prefetch on both (the implementation's query runs first); returns its id."""
-        op_id = self.impl.prefetch(tokens, ns)
+        return self.land_prefetch(self.impl.prefetch(tokens, ns), tokens, ns)
+
+    def land_prefetch(
+        self, op_id: int | None, tokens: tuple[int, ...], ns: Namespace
+    ) -> int | None:
+        """Run storage jobs until the query of the implementation's prefetch ``op_id`` (of
+        ``tokens`` in ``ns``) returned, then start the model's; returns ``op_id``."""
         if op_id is None:
             assert self.model.prefetch(tokens, ns) is None
             return None

@@ -332,18 +332,19 @@ class StoreHealthMachine(RuleBasedStateMachine):
         event(f"a {lane.value} call returned" + (" against a down store" if down else ""))
         self.check_events()
 
-    @precondition(lambda self: self.ready and len(self.lanes[Lane.WRITE].jobs) > 1)
-    @rule()
-    def finish_merged_backups(self) -> None:
-        """The write lane runs its oldest backup together with the backups queued right behind
-        it that merge with it: one store call (issue 20); the model's ``finish_merged``."""
-        if not self.lane_busy(Lane.WRITE):
+    @precondition(lambda self: self.ready)
+    @rule(lane=st.sampled_from([Lane.WRITE, Lane.READ]))
+    def finish_merged_calls(self, lane: Lane) -> None:
+        """The write (read) lane runs its oldest backup (fetch) together with the ones queued
+        right behind it that merge with it: one store call (issue 20); the model's
+        ``finish_merged``."""
+        if len(self.lanes[lane].jobs) < 2 or not self.lane_busy(lane):
             return
         down = self.backend.down
-        count = self.lanes[Lane.WRITE].run_merged()
-        calls = self.model.finish_merged(Lane.WRITE, self.now, self.now, count, fault=down)
+        count = self.lanes[lane].run_merged()
+        calls = self.model.finish_merged(lane, self.now, self.now, count, fault=down)
         if count > 1:
-            event("backups returned as one store call" + (" against a down store" if down else ""))
+            event(f"{lane.value} calls returned as one" + (" against a down store" if down else ""))
         if any(call.skipped for call in calls):
             event("a call queued before the outage was skipped")
         self.check_events()

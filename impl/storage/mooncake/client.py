@@ -27,7 +27,9 @@ wherever a pointer points. This wrapper makes those impossible:
 
 Batch calls return the native per-key ints unchanged (``>= 0`` success, negative ``ErrorCode``,
 :mod:`.codes`), one per key: a native exception or a malformed answer becomes ``-1`` for every key
-and is logged. Only setup and buffer registration raise typed errors.
+and is logged. Only setup and buffer registration raise typed errors. A batch get that names a key
+twice is made in rounds of distinct keys (:mod:`.rounds`: the native call fills only the last
+buffer of a repeated key).
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ from kvstrata.impl.storage.mooncake.connect import (
     prepare_environment,
     probe_master,
 )
+from kvstrata.impl.storage.mooncake.rounds import in_rounds
 from kvstrata.impl.storage.mooncake.states import (
     TRANSITIONS,
     ClientEvent,
@@ -364,15 +367,7 @@ class MooncakeClient:
         texts = self._texts(keys, "batch_put_from")
         if len(ptrs) != len(texts) or len(sizes) != len(texts):
             raise MisuseError("batch_put_from: keys, pointers and sizes differ in length")
-        if not texts:
-            return []
-        ptr_list, size_list = list(ptrs), list(sizes)
-        return self._batch(
-            "batch_put_from",
-            len(texts),
-            lambda n: n.batch_put_from(texts, ptr_list, size_list),
-            lambda: self._check_ranges(ptr_list, size_list, "batch_put_from"),
-        )
+        return self._moves("batch_put_from", texts, list(ptrs), list(sizes), flat=True)
 
     def batch_get_into(
         self, keys: Sequence[StoreKey] | RenderedKeys, ptrs: Sequence[int], sizes: Sequence[int]
@@ -381,15 +376,7 @@ class MooncakeClient:
         texts = self._texts(keys, "batch_get_into")
         if len(ptrs) != len(texts) or len(sizes) != len(texts):
             raise MisuseError("batch_get_into: keys, pointers and sizes differ in length")
-        if not texts:
-            return []
-        ptr_list, size_list = list(ptrs), list(sizes)
-        return self._batch(
-            "batch_get_into",
-            len(texts),
-            lambda n: n.batch_get_into(texts, ptr_list, size_list),
-            lambda: self._check_ranges(ptr_list, size_list, "batch_get_into"),
-        )
+        return self._moves("batch_get_into", texts, list(ptrs), list(sizes), flat=True)
 
     def batch_put_parts(self, keys: Keys, ptrs: Parts, sizes: Parts) -> list[int]:
         """:meth:`batch_put_from` of objects each made of several registered ranges, in order
@@ -408,13 +395,24 @@ class MooncakeClient:
         shapes = [len(p) for p in ptr_lists]
         if len(ptr_lists) != len(texts) or [len(s) for s in size_lists] != shapes or 0 in shapes:
             raise MisuseError(f"{what}: keys, pointer lists and size lists differ in shape")
+        return self._moves(what, texts, ptr_lists, size_lists, flat=False)
+
+    def _moves(
+        self, what: str, texts: list[str], ptrs: list[Any], sizes: list[Any], *, flat: bool
+    ) -> list[int]:
+        """The native batch put or get ``what`` of ``texts`` from or into ``ptrs`` / ``sizes`` (a
+        range per key if ``flat``, else a list of ranges per key), every range checked; a get
+        naming a key twice in rounds of distinct keys (:mod:`.rounds`; a key put twice stores its
+        last buffer's bytes, with no wrong code)."""
+
+        def move(texts: list[str], ptrs: list[Any], sizes: list[Any]) -> list[int]:
+            ranges = (ptrs, sizes) if flat else (list(chain(*ptrs)), list(chain(*sizes)))
+            call = lambda n: getattr(n, what)(texts, ptrs, sizes)  # noqa: E731
+            return self._batch(what, len(texts), call, lambda: self._check_ranges(*ranges, what))
+
         if not texts:
             return []
-        flat_ptrs, flat_sizes = list(chain(*ptr_lists)), list(chain(*size_lists))
-        call = lambda n: getattr(n, what)(texts, ptr_lists, size_lists)  # noqa: E731
-        return self._batch(
-            what, len(texts), call, lambda: self._check_ranges(flat_ptrs, flat_sizes, what)
-        )
+        return move(texts, ptrs, sizes) if "_put_" in what else in_rounds(move, texts, ptrs, sizes)
 
     def batch_remove(self, keys: Sequence[StoreKey], *, force: bool = False) -> list[int]:
         """Per key: 0 removed, -704 missing, -706 leased (unless ``force``)."""

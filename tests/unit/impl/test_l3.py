@@ -273,6 +273,8 @@ def test_configuration_errors() -> None:
         {"backup_batch_pages": 0},
         {"backup_merge_pages": -1},
         {"backup_merge_pages": "256"},
+        {"prefetch_merge_pages": -1},
+        {"prefetch_merge_pages": 1.5},
     ):
         with pytest.raises(ConfigError):
             StorageConfig(**bad)  # type: ignore[arg-type]

@@ -189,7 +189,20 @@ def test_a_shared_call_is_judged_once() -> None:
     assert link.faults == 2 and link.lanes[Lane.WRITE][1].started is None
 
 
-def test_only_queued_backups_share_a_call() -> None:
+def test_queued_fetches_share_a_call_judged_once() -> None:
+    """Issue 20: a read lane with a backlog returns its fetches as one get, judged as one call."""
+    link = StoreLinkModel(CONFIG)
+    for op_id in (1, 2, 3):
+        assert link.submit(CallKind.FETCH, op_id, 2, now=0.0)
+    calls = link.finish_merged(Lane.READ, 0.0, 0.1, 3, fault=True)
+    assert [call.op_id for call in calls] == [1, 2, 3] and not link.lanes[Lane.READ]
+    assert [call.fault for call in calls] == [True, False, False]
+    link.poll(0.1)
+    assert link.faults == 1 and link.state is Health.SUSPECT  # one failed get: a probe decides
+    link.check()
+
+
+def test_only_queued_backups_or_fetches_share_a_call() -> None:
     link = StoreLinkModel(CONFIG)
     link.submit(CallKind.QUERY, 1, 1, now=0.0)
     link.submit(CallKind.BACKUP, 2, 1, now=0.0)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Callable, Iterator
 
+import attrs
 import numpy as np
 import pytest
 import torch
@@ -21,6 +22,7 @@ from support.settle import settle, settle_until
 
 from kvstrata.impl.cache import HierarchicalRadixCache
 from kvstrata.impl.config import RadixCacheConfig, StorageConfig
+from kvstrata.impl.executors import ManualExecutor
 from kvstrata.impl.pools import DeviceKVPool, HostKVPool, HostLayout, KVShape
 from kvstrata.impl.storage.mooncake import LocalCluster, MooncakeBackend, MooncakeClient
 from kvstrata.model.keys import (
@@ -242,3 +244,56 @@ def test_batches_beyond_the_native_object_limit_are_chunked(cluster: LocalCluste
         assert torch.equal(target.read_pages(slots).view(torch.int16), data.view(torch.int16))
         writer.close()
         reader.close()
+
+
+@pytest.mark.parametrize("merge_pages", [256, 0])
+def test_prefetches_of_a_shared_prefix_in_one_get_each_get_their_bytes(
+    cluster: LocalCluster, merge_pages: int
+) -> None:
+    """Issue 20: two prefetches of one shared prefix whose fetches wait on the read lane back to
+    back share one get (``prefetch_merge_pages``), which names the prefix's keys twice. The native
+    batch get fills only the last buffer of a repeated key while reporting every one read, so the
+    client reads in rounds of distinct keys: every page each op reserved holds that page's bytes,
+    merged or not."""
+    writer = Instance(cluster)
+    client = MooncakeClient(cluster.config).setup()
+    lanes = ManualExecutor()
+    host = HostKVPool(SHAPE, 16, HostLayout.PAGE_FIRST_DIRECT)
+    reader = HierarchicalRadixCache.build(
+        RadixCacheConfig(page_size=PAGE),
+        DeviceKVPool(SHAPE, 16, "cpu"),
+        host,
+        storage=MooncakeBackend(client, KEYS),
+        storage_config=attrs.evolve(CONFIG, prefetch_merge_pages=merge_pages),
+        storage_executor=lanes,
+    )
+    try:
+        first = tokens_for(41, 3)
+        second = first[: 2 * PAGE] + tokens_for(42, 2)  # shares the first two pages
+        writer.insert(first)
+        writer.insert(second)
+        writer.wait_idle()
+        ops = [reader.prefetch(tokens) for tokens in (first, second)]
+        assert None not in ops
+        for _ in ops:  # each query returns; its fetch queues behind the earlier one's
+            assert lanes.run_next()
+            reader.check_events()
+        assert len(lanes.jobs) == 2
+        assert lanes.run_merged() == (2 if merge_pages else 1)
+        lanes.run_all()
+        reader.check_events()
+        l3 = reader.l3
+        assert l3 is not None
+        for op_id, tokens in zip(ops, (first, second), strict=True):
+            assert op_id is not None
+            op = l3.prefetches[op_id]
+            pages = chain_page_hashes(tokens, PAGE)
+            assert op.arrived == len(pages) == len(op.host)
+            want = torch.cat([kv(p) for p in pages], dim=2)
+            got = host.read_pages(op.host)
+            assert torch.equal(got.view(torch.int16), want.view(torch.int16)), "wrong bytes"
+            reader.prefetch_commit(op_id)
+    finally:
+        writer.close()
+        reader.close()
+        client.close()

@@ -13,9 +13,9 @@ from support.l3_rig import PAGE, Rig, kv
 
 from kvstrata.impl.config import StorageConfig
 from kvstrata.impl.executors import ManualExecutor, Mergeable, ThreadExecutor
-from kvstrata.impl.storage.base import PutStatus
+from kvstrata.impl.storage.base import GetStatus, PutStatus
 from kvstrata.impl.storage.memory import MemoryBackend, MemoryStore
-from kvstrata.impl.storage.worker import BackupResult, StorageWorker
+from kvstrata.impl.storage.worker import BackupResult, FetchResult, StorageWorker
 from kvstrata.model.keys import Namespace, PageHash, chain_page_hashes
 from kvstrata.model.l3.health import Lane
 from kvstrata.model.lifecycles import Health
@@ -106,8 +106,13 @@ class Recording(MemoryBackend):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.calls: list[int] = []
+        self.gets: list[int] = []
         self.raising = False
         self.refused: set[PageHash] = set()  # answered FULL and not stored
+
+    def get(self, namespace: Namespace, pages: Any, host_indices: Any) -> list[GetStatus]:
+        self.gets.append(len(pages))
+        return super().get(namespace, pages, host_indices)
 
     def put(self, namespace: Namespace, pages: Any, host_indices: Any) -> list[PutStatus]:
         self.calls.append(len(pages))
@@ -181,6 +186,37 @@ def test_each_op_gets_its_own_statuses_from_the_shared_call() -> None:
         (NS, PageHash(bytes([4]) * 32)),
         (NS, PageHash(bytes([5]) * 32)),
     ]
+
+
+def test_queued_fetches_share_one_get_and_each_op_gets_its_own_statuses() -> None:
+    rig = Rig()
+    backend = Recording(rig.backend.keyspace, store=MemoryStore())
+    backend.attach(rig.host)
+    for slot in range(4):
+        rig.host.write_pages(torch.tensor([slot]), kv(PageHash(bytes([slot]) * 32)))
+    stored = [PageHash(bytes([s]) * 32) for s in range(4)]
+    assert backend.put(NS, stored, [0, 1, 2, 3]) == [PutStatus.STORED] * 4
+    lanes = ManualExecutor()
+    worker = StorageWorker(backend, lanes, fetch_merge_pages=8)
+    missing = PageHash(bytes([9]) * 32)
+    # op 1 reads pages 0, 1 into slots 8, 9; op 2 reads 2, a page the store lacks, 3 into 10-12
+    assert worker.fetch(1, NS, stored[0].digest + stored[1].digest, [8, 9])
+    digests = stored[2].digest + missing.digest + stored[3].digest
+    assert worker.fetch(2, NS, digests, [10, 11, 12])
+    assert worker.fetch(3, OTHER, stored[0].digest, [13])  # another namespace: its own get
+    assert lanes.run_merged() == 2 and lanes.run_merged() == 1
+    assert backend.gets == [5, 1]
+    results, _ = worker.poll()
+    assert all(isinstance(r, FetchResult) for r in results)
+    loaded, missed = GetStatus.LOADED, GetStatus.MISSING
+    assert [r.statuses for r in results[:2]] == [  # type: ignore[union-attr]
+        (loaded, loaded),
+        (loaded, missed, loaded),
+    ]
+    for slot, page in ((8, 0), (9, 1), (10, 2), (12, 3)):
+        got = rig.host.read_pages(torch.tensor([slot]))
+        want = kv(stored[page])
+        assert torch.equal(got.view(torch.int16), want.view(torch.int16))
 
 
 def test_no_merge_pages_means_one_call_per_backup() -> None:
