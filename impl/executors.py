@@ -3,7 +3,7 @@ the embedding cache's I/O).
 
 - :class:`ThreadExecutor`: one worker thread, jobs in submission order; with ``merge``, a
   :class:`Mergeable` job runs together with the jobs already queued right behind it that join it
-  (the store link's backup calls: one store call for several backup ops, issue 20);
+  (the store link's backup and fetch calls: one store call for several ops, issue 20);
 - :class:`InlineExecutor`: every job at once on the submitting thread;
 - :class:`ManualExecutor`: nothing runs until a test says so (whole jobs, merged groups, or a
   step of a job that has steps).
@@ -65,7 +65,7 @@ class Stepped(Protocol):
 @runtime_checkable
 class Mergeable(Protocol):
     """A job that may run together with the jobs queued right behind it (the store link's backup
-    calls: one store call for several backup ops). Jobs join the first while their ``merge_key``
+    and fetch calls: one store call for several ops). Jobs join the first while their ``merge_key``
     equals its (``None``: never merged) and their ``merge_pages`` sum to at most its
     ``merge_limit``; :meth:`run_merged` runs the group (the first job, then ``others`` in queue
     order) and reports each job as if it had run alone."""

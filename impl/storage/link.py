@@ -77,7 +77,7 @@ Skip = Callable[[], Any]
 @attrs.frozen
 class Merge:
     """How a call may share one store call with the calls queued right behind it on its lane
-    (issue 20: a backup lane with a backlog makes fewer, larger calls). Calls join while their
+    (issue 20: a write or read lane with a backlog makes fewer, larger calls). Calls join while their
     ``key`` is equal and their ``pages`` sum to at most the first's ``limit``; ``run`` takes the
     ``part`` of every member that is not skipped, in order, and returns one outcome per part (each
     what that call alone would have returned) and whether the shared call faulted."""

@@ -221,25 +221,22 @@ class MooncakeClient:
                 check()
             return call(self._native)
 
-    def _batch(
-        self,
-        what: str,
-        count: int,
-        call: Callable[[Any], object],
-        check: Callable[[], None] | None = None,
-    ) -> list[int]:
-        def guarded(native: Any) -> list[int]:
-            try:
-                result = call(native)
-            except Exception as error:
-                log.error("mooncake %s raised %r", what, error)
-                return [INTERNAL_ERROR] * count
-            if not isinstance(result, list) or len(result) != count:
-                log.error("mooncake %s returned %r for %d keys", what, result, count)
-                return [INTERNAL_ERROR] * count
-            return list(map(int, result))
+    def _batch(self, what: str, count: int, call: Callable[[Any], object]) -> list[int]:
+        return self._call(what, lambda native: self._codes(what, count, call, native))
 
-        return self._call(what, guarded, check)
+    @staticmethod
+    def _codes(what: str, count: int, call: Callable[[Any], object], native: Any) -> list[int]:
+        """``call(native)``'s ``count`` codes as ints; a raise or a malformed answer is logged and
+        becomes ``-1`` for every key."""
+        try:
+            result = call(native)
+        except Exception as error:
+            log.error("mooncake %s raised %r", what, error)
+            return [INTERNAL_ERROR] * count
+        if not isinstance(result, list) or len(result) != count:
+            log.error("mooncake %s returned %r for %d keys", what, result, count)
+            return [INTERNAL_ERROR] * count
+        return list(map(int, result))
 
     @staticmethod
     def _texts(keys: Sequence[StoreKey] | RenderedKeys, what: str) -> list[str]:
@@ -401,18 +398,23 @@ class MooncakeClient:
         self, what: str, texts: list[str], ptrs: list[Any], sizes: list[Any], *, flat: bool
     ) -> list[int]:
         """The native batch put or get ``what`` of ``texts`` from or into ``ptrs`` / ``sizes`` (a
-        range per key if ``flat``, else a list of ranges per key), every range checked; a get
-        naming a key twice in rounds of distinct keys (:mod:`.rounds`; a key put twice stores its
-        last buffer's bytes, with no wrong code)."""
-
-        def move(texts: list[str], ptrs: list[Any], sizes: list[Any]) -> list[int]:
-            ranges = (ptrs, sizes) if flat else (list(chain(*ptrs)), list(chain(*sizes)))
-            call = lambda n: getattr(n, what)(texts, ptrs, sizes)  # noqa: E731
-            return self._batch(what, len(texts), call, lambda: self._check_ranges(*ranges, what))
-
+        range per key if ``flat``, else a list of ranges per key) in one pass through the gate,
+        every range checked before any byte moves; a get naming a key twice in rounds of distinct
+        keys (:mod:`.rounds`; a key put twice stores its last buffer's bytes, no wrong code)."""
         if not texts:
             return []
-        return move(texts, ptrs, sizes) if "_put_" in what else in_rounds(move, texts, ptrs, sizes)
+        ranges = (ptrs, sizes) if flat else (list(chain(*ptrs)), list(chain(*sizes)))
+
+        def run(native: Any) -> list[int]:
+            def move(names: list[str], at: list[Any], size: list[Any]) -> list[int]:
+                call = lambda n: getattr(n, what)(names, at, size)  # noqa: E731
+                return self._codes(what, len(names), call, native)
+
+            return (
+                move(texts, ptrs, sizes) if "_put_" in what else in_rounds(move, texts, ptrs, sizes)
+            )
+
+        return self._call(what, run, lambda: self._check_ranges(*ranges, what))
 
     def batch_remove(self, keys: Sequence[StoreKey], *, force: bool = False) -> list[int]:
         """Per key: 0 removed, -704 missing, -706 leased (unless ``force``)."""

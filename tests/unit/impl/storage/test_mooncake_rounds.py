@@ -4,10 +4,12 @@ last buffer of a repeated key is filled), and the real client against a real mas
 
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+from kvstrata.impl.errors import MisuseError
 from kvstrata.impl.storage.mooncake import MooncakeClient
 from kvstrata.impl.storage.mooncake.rounds import in_rounds, rounds
 from kvstrata.model.keys import StoreKey
@@ -81,5 +83,24 @@ def test_the_client_fills_every_buffer_of_a_key_named_twice(mooncake_store: Moon
                 start = ptr - base
                 want = buffer[offset : offset + half]
                 assert torch.equal(buffer[start : start + half], want)
+    finally:
+        client.unregister_buffer(base)
+
+
+def test_every_round_is_checked_before_any_byte_moves(mooncake_store: MooncakeClient) -> None:
+    """A bad range in a later round refuses the whole batch: the first round read nothing."""
+    client = mooncake_store
+    size = 1024
+    buffer = torch.arange(4 * size // 4, dtype=torch.int32).view(torch.uint8)
+    base = buffer.data_ptr()
+    client.register_buffer(base, buffer.numel())
+    try:
+        a = StoreKey("kvs1/rounds/checked")
+        assert client.batch_put_from([a], [base], [size]) == [0]
+        buffer[size:].zero_()
+        outside = base + buffer.numel()  # past the registered buffer
+        with pytest.raises(MisuseError):
+            client.batch_get_into([a, a], [base + size, outside], [size, size])
+        assert not buffer[size:].any()
     finally:
         client.unregister_buffer(base)
