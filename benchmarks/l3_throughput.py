@@ -23,7 +23,9 @@ Rows of the throughput table (per cell; ``time.perf_counter`` around the store c
 
 1. ``raw``: ``batch_put_from`` of each batch from the page slabs of a ``page_first_direct`` host pool
    (exactly the pointers and sizes kvstrata's zero-copy path hands Mooncake), then ``batch_get_into``
-   back into them;
+   back into them; ``raw_same``: the same raw calls on the native instance inside kvstrata's own
+   client (the one its backends call), to show whether the instance matters (it does for small
+   queries, below; for moves it stayed within the run's spread);
 2. ``direct``: ``MooncakeBackend.put`` then ``get`` of the same pages on that ``page_first_direct`` pool
    (zero-copy). This includes everything kvstrata does per call: rendering the keys from page hashes,
    the put, ``batch_is_exist`` after it (the confirm), argument checks and status accounting;
@@ -66,10 +68,13 @@ medians and every sample.
 
 Exists latency: 1024 pages of the first cell's size are stored, then ``MooncakeBackend.exists`` of the
 first 1, 64 and 1024 pages (2, 128 and 2048 keys) against the raw ``batch_is_exist`` of the same key
-strings and against ``MooncakeClient.batch_is_exist`` of them (kvstrata's own client instance, the
-call ``exists`` makes), interleaved with each path first in turn, for stored pages (hits; each grants
-a lease) and for pages never stored (misses): median microseconds, with the time
-``KeySpace.rendered`` takes for those pages and the ``prefix`` what-if's ``exists``.
+strings on three native instances of one master (the benchmark's raw client, a second raw client set
+up like it, and the instance inside kvstrata's client: two instances set up alike differed by up to a
+third per small call, so the headline ratio is against the instance ``exists`` itself calls) and
+against ``MooncakeClient.batch_is_exist`` of them (the call ``exists`` makes), interleaved with each
+path first in turn, for stored pages (hits; each grants a lease) and for pages never stored
+(misses): median microseconds, with the time ``KeySpace.rendered`` takes for those pages in Python
+(without the C kernel ``exists`` uses) and the ``prefix`` what-if's ``exists``.
 
 Exit status: 0 when everything ran; 1 when a store call failed, bytes came back wrong or a cache op did
 not complete (one line on stderr, no traceback); 2 when the cluster cannot be started here.
@@ -124,6 +129,7 @@ EXISTS_SIZES = (1, 64, 1024)
 PRIMER_BYTES = 4 * KIB
 INTERLEAVED = (
     "raw",
+    "raw_same",
     "direct",
     "exists_first",
     "prefix",
@@ -135,6 +141,7 @@ INTERLEAVED = (
 ONE_OBJECT = ("direct_one_object", "one_object_parts")
 PATH_NAMES = {
     "raw": "raw `batch_put_from` / `batch_get_into`",
+    "raw_same": "raw calls on kvstrata's own native instance (the client's)",
     "raw_one_object": "raw, one object per page (page_major slabs)",
     "direct_one_object": "backend, key schema 2, page_major (one object per page, zero-copy)",
     "one_object_parts": "backend, key schema 2, page_first_direct (K and V runs as one object)",
@@ -428,6 +435,15 @@ class RawPath:
         bad = [code for codes in results for code in codes if code != self.size]
         if bad:
             raise BenchError(f"raw batch_get_into: {len(bad)} objects failed (first code {bad[0]})")
+
+
+class SameInstance:
+    """Raw calls on the native instance inside kvstrata's own :class:`MooncakeClient` (the pools
+    are registered there by the backends' ``attach``): the raw baseline without the spread between
+    two native instances of one master, which alone reached 13-33% per call for small calls."""
+
+    def __init__(self, client: MooncakeClient) -> None:
+        self.native: Any = client._native  # the benchmark's own probe of the wrapper
 
 
 class BackendPath:
@@ -751,6 +767,7 @@ def run_cell(
             raw_path = RawPath(raw, direct, cell, keyspace)
             paths: dict[str, MovePath] = {
                 "raw": raw_path,
+                "raw_same": RawPath(SameInstance(client), direct, cell, keyspace),
                 "direct": BackendPath(backends["direct"], direct, cell),
                 "exists_first": BackendPath(backends["exists_first"], direct, cell),
                 "prefix": BackendPath(backends["prefix"], direct, cell),
@@ -875,14 +892,22 @@ def exists_paths(
     backends: tuple[MooncakeBackend, MooncakeBackend],
     texts: list[str],
     pages: Sequence[PageHash],
+    *,
+    spare: RawStore,
 ) -> dict[str, Callable[[], object]]:
     """The timed calls of one exists row, by name: ``backends`` are kvstrata's and the what-if's
-    (``keys``: what ``exists`` renders, issue 20)."""
+    (``keys``: what ``exists`` renders, issue 20). Raw runs on three native instances of the same
+    master: the benchmark's raw client (``native``), kvstrata's own (``raw_same``: the baseline
+    of the headline ratio, the same instance ``exists`` calls) and a second raw client set up
+    like the first (``raw_second``), which shows how far two instances differ on their own."""
     backend, whatif = backends
     keyspace = backend.keyspace
     rendered = keyspace.rendered(NAMESPACE, pages)
+    same, second = SameInstance(client).native, spare.native
     return {
         "raw": lambda: native.batch_is_exist(texts),
+        "raw_same": lambda: same.batch_is_exist(texts),
+        "raw_second": lambda: second.batch_is_exist(texts),
         "client": lambda: client.batch_is_exist(rendered),
         "kvstrata": lambda: backend.exists(NAMESPACE, pages),
         "prefix": lambda: whatif.exists(NAMESPACE, pages),
@@ -901,6 +926,7 @@ def run_exists(
     fill(host, 5 << 40)
     backend = MooncakeBackend(client, keyspace)
     whatif = MooncakeBackend(client, prefix_keyspace_of(cell))
+    spare = RawStore(client.config.master, client.config.local_buffer_size)
     rows = []
     try:
         backend.attach(host)
@@ -918,7 +944,7 @@ def run_exists(
                 texts = key_texts(keyspace, pages)
                 want_raw = [1 if kind == "hit" else 0] * len(texts)
                 want = n if kind == "hit" else 0
-                calls = exists_paths(native, client, (backend, whatif), texts, pages)
+                calls = exists_paths(native, client, (backend, whatif), texts, pages, spare=spare)
                 times: dict[str, list[float]] = {name: [] for name in calls}
                 order = list(calls)
                 for rep in range(reps):
@@ -929,6 +955,11 @@ def run_exists(
                         answers[name] = calls[name]()
                         times[name].append(time.perf_counter() - start)
                     codes = list(answers["raw"])  # type: ignore[call-overload]
+                    if any(
+                        list(answers[name]) != want_raw  # type: ignore[call-overload]
+                        for name in ("raw_same", "raw_second")
+                    ):
+                        raise BenchError(f"exists of {n} pages ({kind}): the raw instances differ")
                     found, found_whatif = answers["kvstrata"], answers["prefix"]
                     if (
                         codes != want_raw
@@ -947,6 +978,8 @@ def run_exists(
                         "kind": kind,
                         "repeats": reps,
                         "raw_us": median_us(times["raw"]),
+                        "raw_same_us": median_us(times["raw_same"]),
+                        "raw_second_us": median_us(times["raw_second"]),
                         "client_us": median_us(times["client"]),
                         "kvstrata_us": median_us(times["kvstrata"]),
                         "prefix_us": median_us(times["prefix"]),
@@ -954,6 +987,7 @@ def run_exists(
                     }
                 )
     finally:
+        spare.close()
         whatif.close()
         backend.close()
         clear(client, raw)
@@ -1140,14 +1174,17 @@ def print_tables(result: dict[str, Any]) -> None:
     if result["exists"]:
         print()
         print(
-            "| pages (keys) | lookup | raw `batch_is_exist` µs | kvstrata's client µs "
-            "| kvstrata `exists` µs | ÷ raw | ÷ client | key rendering µs | what-if prefix keys µs |"
+            "| pages (keys) | lookup | raw µs: benchmark's client / second client / kvstrata's "
+            "instance | kvstrata's client µs | kvstrata `exists` µs | **÷ raw, same instance** "
+            "| ÷ raw, benchmark's client | ÷ client | key rendering µs | what-if prefix keys µs |"
         )
-        print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
+        print("|---|---|---|---:|---:|---:|---:|---:|---:|---:|")
         for row in result["exists"]:
             print(
-                f"| {row['pages']} ({row['keys']}) | {row['kind']} | {row['raw_us']:.0f} | "
+                f"| {row['pages']} ({row['keys']}) | {row['kind']} | {row['raw_us']:.0f} / "
+                f"{row['raw_second_us']:.0f} / {row['raw_same_us']:.0f} | "
                 f"{row['client_us']:.0f} | {row['kvstrata_us']:.0f} | "
+                f"**{row['kvstrata_us'] / row['raw_same_us']:.2f}** | "
                 f"{row['kvstrata_us'] / row['raw_us']:.2f} | "
                 f"{row['kvstrata_us'] / row['client_us']:.2f} | "
                 f"{row['key_render_us']:.0f} | {row['prefix_us']:.0f} |"
@@ -1155,7 +1192,7 @@ def print_tables(result: dict[str, Any]) -> None:
     print()
     for cell in result["cells"]:
         for row in cell["rows"]:
-            if row["path"] in ("raw", "cache_raw", "raw_one_object"):
+            if row["path"] in ("raw", "raw_same", "cache_raw", "raw_one_object"):
                 continue
             verdict = ", ".join(
                 f"{what} {row[f'{what}_ratio']:.2f} (ratio of medians "

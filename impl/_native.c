@@ -10,7 +10,9 @@
  *    64-bit lanes per page, lane = sum over token pairs of ((a + k) mod 2^32) * ((b + k') mod 2^32)
  *    mod 2^64, with one secret uint32 key per token position and lane.
  *
- * Both must give byte for byte what the portable Python versions give (tests/unit/impl/test_kernels.py).
+ * 3. Store key texts for a batch of pages (_native_keys.c).
+ *
+ * All must give byte for byte what the portable Python versions give (tests/unit/impl/test_kernels.py).
  * Everything is plain C99 over caller-owned buffers; there is no global mutable state.
  */
 #define PY_SSIZE_T_CLEAN
@@ -23,6 +25,8 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+
+#include "_native_keys.h"
 
 #define DIGEST 32
 
@@ -887,6 +891,7 @@ static PyMethodDef methods[] = {
     {"take_lowest", (PyCFunction)(void (*)(void))take_lowest, METH_FASTCALL, take_lowest_doc},
     {"give_back", (PyCFunction)(void (*)(void))give_back, METH_FASTCALL, give_back_doc},
     {"check_pages", (PyCFunction)(void (*)(void))check_pages, METH_FASTCALL, check_pages_doc},
+    {"join_keys", (PyCFunction)(void (*)(void))join_keys, METH_FASTCALL, JOIN_KEYS_DOC},
     {"nh_variant", (PyCFunction)nh_variant, METH_NOARGS,
      "nh_variant() -> str: which NH loop this CPU runs ('avx2' or 'scalar')."},
     {"nh_scalar_fingerprints", (PyCFunction)(void (*)(void))nh_scalar_fingerprints, METH_FASTCALL,

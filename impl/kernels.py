@@ -8,6 +8,9 @@ time (docs/benchmarks.md):
 - :func:`nh_fingerprints`: the NH page fingerprints the radix tree matches by
   (:mod:`kvstrata.impl.fingerprint` defines them and bounds their collisions).
 
+One more runs once per store key of every L3 call: :data:`join_keys`, the texts
+:meth:`~kvstrata.model.keys.KeySpace.rendered` makes for a batch of pages (issue 20), made in C.
+
 ``kvstrata.impl._native`` (``impl/_native.c``, built by ``pip install`` where a C compiler and the
 OpenSSL headers are present) loops over the pages in C, hashing with OpenSSL's SHA-256 and with the GIL
 released, so a worker thread can hash while the scheduler thread runs (:mod:`kvstrata.impl.hashing`).
@@ -20,12 +23,14 @@ from __future__ import annotations
 import hashlib
 import importlib
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from types import ModuleType
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
+
+from kvstrata.model.keys import KeyJoin, PageHash
 
 __all__ = [
     "DIGEST_BYTES",
@@ -33,6 +38,7 @@ __all__ = [
     "check_pages",
     "check_pages_portable",
     "give_back",
+    "join_keys",
     "take_lowest",
     "native_module",
     "nh_fingerprints",
@@ -169,3 +175,15 @@ if _NATIVE_MODULE is not None:
 else:
     sha256_chain = sha256_chain_portable
     nh_fingerprints = nh_fingerprints_portable
+
+
+def _join_native(prefixes: tuple[str, ...], pages: Sequence[PageHash]) -> list[str] | None:
+    assert _NATIVE_MODULE is not None
+    texts: list[str] | None = _NATIVE_MODULE.join_keys(prefixes, pages, PageHash)
+    return texts
+
+
+join_keys: KeyJoin | None = None if _NATIVE_MODULE is None else _join_native
+"""The C loop :meth:`~kvstrata.model.keys.KeySpace.rendered` may make a batch's key texts with
+(``rendered(..., join=join_keys)``: the same strings; None where the key space must decide); None
+without the C kernels (the key space renders them in Python)."""

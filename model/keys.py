@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import enum
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from urllib.parse import quote, unquote
 
 import attrs
@@ -50,12 +50,16 @@ from kvstrata.model.hashes import (
     content_hash,
 )
 
+KeyJoin = Callable[[tuple[str, ...], Sequence[PageHash]], list[str] | None]
+"""``join(prefixes, pages)``: every prefix + page hex, page-major (see :meth:`KeySpace.rendered`)."""
+
 __all__ = [
     "DEFAULT_NAMESPACE",
     "PAGE_COMPONENT",
     "SCHEMA_VERSION",
     "SCHEMA_VERSIONS",
     "KVKind",
+    "KeyJoin",
     "KeyParts",
     "KeySpace",
     "ModelIdentity",
@@ -314,10 +318,7 @@ class KeySpace:
     _prefixes: dict[tuple[Namespace, str, str], str] = attrs.field(
         factory=dict, init=False, eq=False, hash=False, repr=False
     )
-    _batch_prefixes: dict[tuple[Namespace, str], tuple[str, ...]] = attrs.field(
-        factory=dict, init=False, eq=False, hash=False, repr=False
-    )
-    _component_prefixes: dict[tuple[Namespace, str, tuple[str, ...]], tuple[str, ...]] = (
+    _component_prefixes: dict[tuple[Namespace, str, tuple[str, ...] | None], tuple[str, ...]] = (
         attrs.field(factory=dict, init=False, eq=False, hash=False, repr=False)
     )
 
@@ -389,29 +390,29 @@ class KeySpace:
         pages: Sequence[PageHash],
         pool: str = "kv",
         components: tuple[str, ...] | None = None,
+        join: KeyJoin | None = None,
     ) -> RenderedKeys:
         """Every component key of every page of ``pool``, page-major, as one batch of text (issue
         20: a store call on many pages makes one object, not one per key). ``components``: the
         key space's own (:attr:`components`, the KV pool's) unless given (a side pool's, as
         :func:`kvstrata.model.hybrid.side_rendered` passes them). The same strings as
         :meth:`page_keys` / :meth:`component_keys`; a page that is not a :class:`PageHash` is a
-        :class:`DoubleRenderError`."""
-        if components is None:
-            prefixes = self._batch_prefixes.get((namespace, pool))
-            if prefixes is None:
-                prefixes = tuple(self._prefix(namespace, pool, name) for name in self.components)
-                self._batch_prefixes[(namespace, pool)] = prefixes
-        else:
-            slot = (namespace, pool, components)
-            prefixes = self._component_prefixes.get(slot)
-            if prefixes is None:
-                prefixes = tuple(self._prefix(namespace, pool, name) for name in components)
-                self._component_prefixes[slot] = prefixes
-        for page in pages:
-            if not isinstance(page, PageHash):
-                raise DoubleRenderError(f"page_hash is not a PageHash: {page!r}")
-        hexes = [page.digest.hex() for page in pages]
-        return RenderedKeys([prefix + hex_ for hex_ in hexes for prefix in prefixes])
+        :class:`DoubleRenderError`. ``join`` (the implementation's native kernel) may make the
+        texts from the prefixes; it must make these same strings, or answer None to leave it here."""
+        slot = (namespace, pool, components)  # None: the key space's own, without a lookup
+        prefixes = self._component_prefixes.get(slot)
+        if prefixes is None:
+            names = self.components if components is None else components
+            prefixes = tuple(self._prefix(namespace, pool, name) for name in names)
+            self._component_prefixes[slot] = prefixes
+        texts = None if join is None else join(prefixes, pages)
+        if texts is None:
+            for page in pages:
+                if not isinstance(page, PageHash):
+                    raise DoubleRenderError(f"page_hash is not a PageHash: {page!r}")
+            hexes = [page.digest.hex() for page in pages]
+            texts = [prefix + hex_ for hex_ in hexes for prefix in prefixes]
+        return RenderedKeys(texts)
 
 
 @attrs.frozen

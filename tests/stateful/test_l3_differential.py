@@ -39,7 +39,7 @@ per tier, the store's visible keys (KV and side), pending backups, prefetch rese
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import attrs
@@ -81,6 +81,7 @@ from kvstrata.model.keys import (
     ModelIdentity,
     Namespace,
     PageHash,
+    RenderedKeys,
     Shard,
     StoreKey,
     chain_page_hashes,
@@ -871,6 +872,14 @@ TestL3Selective.settings = L3_STEPS
 
 
 # ---------------------------------------------------------------------------- on a real Mooncake
+class PythonKeysBackend(MooncakeBackend):
+    """A :class:`MooncakeBackend` whose key texts the key space renders in Python, never through
+    :data:`kvstrata.impl.kernels.join_keys` (issue 20's C kernel)."""
+
+    def _keys(self, namespace: Namespace, pages: Sequence[PageHash]) -> RenderedKeys:
+        return self.keyspace.rendered(namespace, pages, self.pool)
+
+
 class MooncakeL3(L3Differential):
     """The same machine with a real Mooncake master and storage node as L3 (a smaller run). The
     store cannot list its keys, so the compared key set is restricted to the keys of every page of
@@ -943,9 +952,11 @@ class MooncakeL3(L3Differential):
         return sum(1 for code in client.batch_remove([key], force=True) if code == 0)
 
     def peer(self) -> StorageBackend:
+        """Another instance in this key space, which renders its keys in Python (as one without
+        the C kernels would): a page's objects must lie under the same keys whichever renders them."""
         client = MooncakeL3.client
         assert client is not None
-        return self.through_store(MooncakeBackend(client, self.keyspace))
+        return self.through_store(PythonKeysBackend(client, self.keyspace))
 
     def model_keys(self) -> list[str]:
         seen = {

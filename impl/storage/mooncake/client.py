@@ -42,7 +42,7 @@ from types import TracebackType
 from typing import Any, Final, TypeVar
 
 from kvstrata.impl.errors import MisuseError, StoreUnavailable
-from kvstrata.impl.storage.mooncake.codes import describe, error_for
+from kvstrata.impl.storage.mooncake.codes import INTERNAL_ERROR, describe, error_for, native_codes
 from kvstrata.impl.storage.mooncake.config import MooncakeConfig
 from kvstrata.impl.storage.mooncake.connect import (
     Gate,
@@ -70,7 +70,6 @@ __all__ = [
 
 log = logging.getLogger("kvstrata.storage.mooncake")
 
-INTERNAL_ERROR: Final = -1
 Keys = Sequence[StoreKey] | RenderedKeys
 """A batch's keys: :class:`StoreKey` values or one rendered batch (:meth:`KeySpace.rendered`)."""
 Parts = Sequence[Sequence[int]]
@@ -222,21 +221,7 @@ class MooncakeClient:
             return call(self._native)
 
     def _batch(self, what: str, count: int, call: Callable[[Any], object]) -> list[int]:
-        return self._call(what, lambda native: self._codes(what, count, call, native))
-
-    @staticmethod
-    def _codes(what: str, count: int, call: Callable[[Any], object], native: Any) -> list[int]:
-        """``call(native)``'s ``count`` codes as ints; a raise or a malformed answer is logged and
-        becomes ``-1`` for every key."""
-        try:
-            result = call(native)
-        except Exception as error:
-            log.error("mooncake %s raised %r", what, error)
-            return [INTERNAL_ERROR] * count
-        if not isinstance(result, list) or len(result) != count:
-            log.error("mooncake %s returned %r for %d keys", what, result, count)
-            return [INTERNAL_ERROR] * count
-        return list(map(int, result))
+        return self._call(what, lambda native: native_codes(what, count, call, native))
 
     @staticmethod
     def _texts(keys: Sequence[StoreKey] | RenderedKeys, what: str) -> list[str]:
@@ -408,7 +393,7 @@ class MooncakeClient:
         def run(native: Any) -> list[int]:
             def move(names: list[str], at: list[Any], size: list[Any]) -> list[int]:
                 call = lambda n: getattr(n, what)(names, at, size)  # noqa: E731
-                return self._codes(what, len(names), call, native)
+                return native_codes(what, len(names), call, native)
 
             return (
                 move(texts, ptrs, sizes) if "_put_" in what else in_rounds(move, texts, ptrs, sizes)

@@ -11,6 +11,10 @@ and what the counters count), and :func:`error_for` into a typed exception from
 from __future__ import annotations
 
 import enum
+import logging
+from array import array
+from collections.abc import Callable
+from typing import Any, Final
 
 from kvstrata.impl.errors import (
     StoreError,
@@ -20,7 +24,20 @@ from kvstrata.impl.errors import (
     StoreUnavailable,
 )
 
-__all__ = ["CODE_NAMES", "ErrorKind", "classify", "describe", "error_for"]
+__all__ = [
+    "CODE_NAMES",
+    "INTERNAL_ERROR",
+    "ErrorKind",
+    "classify",
+    "describe",
+    "error_for",
+    "native_codes",
+]
+
+log = logging.getLogger("kvstrata.storage.mooncake")
+
+INTERNAL_ERROR: Final = -1
+"""The code a native call that raised or answered malformed counts as, per key."""
 
 CODE_NAMES: dict[int, str] = {
     -1: "INTERNAL_ERROR",
@@ -137,3 +154,28 @@ def error_for(code: int, what: str) -> StoreError:
     return _ERRORS.get(kind, StoreError)(
         f"{what}: mooncake returned {describe(code)} ({kind.value})"
     )
+
+
+def native_codes(what: str, count: int, call: Callable[[Any], object], native: Any) -> list[int]:
+    """``call(native)``'s ``count`` codes: the native list itself once one C pass found every code
+    an int (``bytes`` where all lie in 0..255, as presence and put codes do: 8 µs for 2,048 keys;
+    else a 64-bit ``array``: 22 µs; ``int()`` per code cost 57); a raise or a malformed answer is
+    logged and becomes :data:`INTERNAL_ERROR` for every key."""
+    try:
+        result = call(native)
+    except Exception as error:
+        log.error("mooncake %s raised %r", what, error)
+        return [INTERNAL_ERROR] * count
+    if type(result) is list and len(result) == count:
+        for check in (bytes, _int64s):
+            try:
+                check(result)
+            except (TypeError, ValueError, OverflowError):
+                continue
+            return result
+    log.error("mooncake %s returned %r for %d keys", what, result, count)
+    return [INTERNAL_ERROR] * count
+
+
+def _int64s(codes: list[object]) -> array[int]:
+    return array("q", codes)  # type: ignore[arg-type]  # TypeError / OverflowError unless ints

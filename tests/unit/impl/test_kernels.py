@@ -11,7 +11,16 @@ import pytest
 from hypothesis import given
 
 from kvstrata.impl import kernels
-from kvstrata.model.keys import Namespace, PageHash, chain_page_hashes
+from kvstrata.model.errors import DoubleRenderError
+from kvstrata.model.keys import (
+    KeySpace,
+    KVKind,
+    ModelIdentity,
+    Namespace,
+    PageHash,
+    Shard,
+    chain_page_hashes,
+)
 
 native_only = pytest.mark.skipif(not kernels.NATIVE, reason="the C kernels are not built")
 
@@ -130,3 +139,59 @@ def test_the_cpu_specific_nh_loop_equals_the_portable_c_loop(
         array, keys, page_size
     )
     assert native.nh_variant() in {"avx2", "scalar"}
+
+
+class _Page(PageHash):
+    """A PageHash subclass (the C loop takes it like isinstance does)."""
+
+
+@native_only
+@given(
+    prefixes=st.lists(st.text(alphabet="abcxyz09/-_.", max_size=40), max_size=3).map(tuple),
+    digests=st.lists(st.binary(min_size=32, max_size=32), max_size=12),
+    subclass=st.booleans(),
+)
+def test_key_texts_equal_the_python_rendering(
+    prefixes: tuple[str, ...], digests: list[bytes], subclass: bool
+) -> None:
+    """Issue 20: ``join_keys`` makes KeySpace.rendered's texts, page-major, prefix by prefix."""
+    pages = [(_Page if subclass else PageHash)(digest) for digest in digests]
+    assert kernels.join_keys is not None
+    want = [prefix + page.digest.hex() for page in pages for prefix in prefixes]
+    assert kernels.join_keys(prefixes, pages) == want
+    assert kernels.join_keys(prefixes, tuple(pages)) == want
+
+
+@native_only
+def test_key_texts_leave_what_they_cannot_render_to_python() -> None:
+    """None (nothing kept) for a page that is not a PageHash, a non-ASCII or non-str prefix; a
+    prefixes value that is not a tuple is a TypeError."""
+    join = kernels.join_keys
+    assert join is not None
+    page = PageHash(bytes(range(32)))
+    assert join(("a/",), [page, b"x" * 32]) is None  # type: ignore[list-item]
+    assert join(("a/", "é/"), [page]) is None
+    assert join(("a/", 7), [page]) is None  # type: ignore[arg-type]
+    assert join((), [page]) == []
+    assert join(("a/",), []) == []
+    with pytest.raises(TypeError):
+        join(["a/"], [page])  # type: ignore[arg-type]
+
+
+def test_rendered_keys_are_the_same_with_the_kernel_or_without() -> None:
+    """KeySpace.rendered with ``join=kernels.join_keys`` (what MooncakeBackend passes) gives the
+    texts of page_keys, an ASCII model name or not (the kernel declines the latter), and a
+    page that is not a PageHash is a DoubleRenderError either way."""
+    pages = list(chain_page_hashes(list(range(40)), 4, Namespace(extra_key="lora-1")))
+    ns = Namespace(extra_key="lora-1")
+    for name in ("tiny-llama", "модель"):
+        space = KeySpace(
+            ModelIdentity(name=name, dtype="bfloat16", kind=KVKind.MHA, page_size=4),
+            shard=Shard(tp_rank=1, tp_size=2),
+            tag="blue",
+        )
+        want = [key.text for page in pages for key in space.page_keys(ns, page)]
+        assert space.rendered(ns, pages, join=kernels.join_keys).texts == want
+        assert space.rendered(ns, pages).texts == want
+        with pytest.raises(DoubleRenderError):
+            space.rendered(ns, [*pages, want[0]], join=kernels.join_keys)  # type: ignore[list-item]
