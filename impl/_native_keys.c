@@ -4,8 +4,8 @@
  * page, in order, and for each prefix, in order, the text prefix + the page digest as 64 lowercase
  * hex digits (page-major). It makes each text once, straight into a new str, where Python makes the
  * hex text and then a second string per key. It answers None, having made nothing the caller keeps,
- * whenever the Python path must decide instead: a page that is not a `page_type`, a digest that is
- * not 32 bytes, a prefix that is not an ASCII str. tests/unit/impl/test_kernels.py holds it to the
+ * whenever the Python path must decide instead: pages that are not a list or a tuple, a page that
+ * is not a `page_type`, a digest that is not 32 bytes, a prefix that is not an ASCII str. tests/unit/impl/test_kernels.py holds it to the
  * Python rendering. No global mutable state.
  */
 #define PY_SSIZE_T_CLEAN
@@ -21,6 +21,7 @@ static const char HEX[] = "0123456789abcdef";
 static PyObject *join_pages(PyObject *prefixes, PyObject *const *pages, Py_ssize_t count,
                             PyTypeObject *page_type, PyObject *digest_name) {
     Py_ssize_t width = PyTuple_GET_SIZE(prefixes);
+    if (width && count > PY_SSIZE_T_MAX / width) return PyErr_NoMemory();
     PyObject *texts = PyList_New(count * width);
     if (texts == NULL) return NULL;
     for (Py_ssize_t i = 0; i < count; i++) {
@@ -73,16 +74,26 @@ PyObject *join_keys(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
         PyObject *prefix = PyTuple_GET_ITEM(prefixes, j);
         if (!PyUnicode_Check(prefix) || !PyUnicode_IS_ASCII(prefix)) Py_RETURN_NONE;
     }
-    PyObject *sequence = PySequence_Fast(args[1], "join_keys: pages must be a sequence");
-    if (sequence == NULL) return NULL;
+    /* The pages as a tuple of our own: a page's `digest` may run Python code (a subclass's
+     * property), which must not be able to change or free what the loop walks. Anything but a
+     * list or a tuple (a generator, say, that the loop would use up) is left to Python. */
+    PyObject *items;
+    if (PyTuple_CheckExact(args[1])) {
+        items = args[1];
+        Py_INCREF(items);
+    } else if (PyList_CheckExact(args[1])) {
+        items = PyList_AsTuple(args[1]);
+        if (items == NULL) return NULL;
+    } else {
+        Py_RETURN_NONE;
+    }
     PyObject *digest_name = PyUnicode_InternFromString("digest");
     PyObject *texts = NULL;
     if (digest_name != NULL) {
-        texts = join_pages(prefixes, PySequence_Fast_ITEMS(sequence),
-                           PySequence_Fast_GET_SIZE(sequence), (PyTypeObject *)args[2],
-                           digest_name);
+        texts = join_pages(prefixes, PySequence_Fast_ITEMS(items), PyTuple_GET_SIZE(items),
+                           (PyTypeObject *)args[2], digest_name);
         Py_DECREF(digest_name);
     }
-    Py_DECREF(sequence);
+    Py_DECREF(items);
     return texts;
 }

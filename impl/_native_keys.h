@@ -7,8 +7,8 @@
 #define JOIN_KEYS_DOC                                                                            \
     "join_keys(prefixes, pages, page_type, /) -> list[str] | None\n\n"                        \
     "For each page (page-major) and each prefix, prefix + the page's digest as 64 lowercase hex\n" \
-    "digits: KeySpace.rendered's texts. None where Python must decide: a page that is not a\n"  \
-    "page_type, a digest that is not 32 bytes, a prefix that is not an ASCII str."
+    "digits: KeySpace.rendered's texts. None where Python must decide: pages not a list or a\n"  \
+    "tuple, a page not a page_type, a digest not 32 bytes, a prefix not an ASCII str."
 
 PyObject *join_keys(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
 

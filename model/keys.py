@@ -398,7 +398,8 @@ class KeySpace:
         :func:`kvstrata.model.hybrid.side_rendered` passes them). The same strings as
         :meth:`page_keys` / :meth:`component_keys`; a page that is not a :class:`PageHash` is a
         :class:`DoubleRenderError`. ``join`` (the implementation's native kernel) may make the
-        texts from the prefixes; it must make these same strings, or answer None to leave it here."""
+        texts from the prefixes; it must make these same strings, or answer None to leave it here
+        (an answer of another length is left here too)."""
         slot = (namespace, pool, components)  # None: the key space's own, without a lookup
         prefixes = self._component_prefixes.get(slot)
         if prefixes is None:
@@ -406,7 +407,7 @@ class KeySpace:
             prefixes = tuple(self._prefix(namespace, pool, name) for name in names)
             self._component_prefixes[slot] = prefixes
         texts = None if join is None else join(prefixes, pages)
-        if texts is None:
+        if texts is None or len(texts) != len(pages) * len(prefixes):  # declined (or malformed)
             for page in pages:
                 if not isinstance(page, PageHash):
                     raise DoubleRenderError(f"page_hash is not a PageHash: {page!r}")

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Sequence
-from typing import Protocol, runtime_checkable
+from typing import Protocol, cast, runtime_checkable
 
 import attrs
 
@@ -125,13 +125,17 @@ def check_batch(
         raise MisuseError(f"{who}: not attached to a host pool")
     if not isinstance(namespace, Namespace):
         raise MisuseError(f"{who}: expected a Namespace, got {namespace!r}")
-    for page in pages:
-        if not isinstance(page, PageHash):
-            raise MisuseError(f"{who}: expected PageHash values, got {page!r}")
+    if {*map(type, pages)} - {PageHash}:  # one C pass on the common path; else page by page
+        for page in pages:
+            if not isinstance(page, PageHash):
+                raise MisuseError(f"{who}: expected PageHash values, got {page!r}")
     if host_indices is None:
         return
     if len(host_indices) != len(pages):
         raise MisuseError(f"{who}: {len(pages)} pages but {len(host_indices)} host indices")
+    ints = cast("Sequence[int]", host_indices)  # if plain ints (a bool is not one), in range:
+    if not ints or ({*map(type, ints)} == {int} and 0 <= min(ints) <= max(ints) < host.num_pages):
+        return
     for index in host_indices:
         if (
             isinstance(index, bool)

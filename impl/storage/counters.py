@@ -8,7 +8,8 @@ the store answered, not what the caller made of it). Metrics exporters and tests
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 import attrs
 
@@ -64,19 +65,26 @@ class BackendCounters:
 
     def record_puts(self, statuses: Iterable[PutStatus], nbytes: int = 0) -> None:
         """Count one page per status, plus ``nbytes`` payload bytes written."""
-        with self._lock:
-            for status in statuses:
-                name = _PUT_FIELD[status]
-                setattr(self, name, getattr(self, name) + 1)
-            self.bytes_written += nbytes
+        self._record(_PUT_FIELD, list(statuses), "bytes_written", nbytes)
 
     def record_gets(self, statuses: Iterable[GetStatus], nbytes: int = 0) -> None:
         """Count one page per status, plus ``nbytes`` payload bytes read into host slots."""
+        self._record(_GET_FIELD, list(statuses), "bytes_read", nbytes)
+
+    def _record(
+        self, fields: Mapping[Any, str], statuses: list[Any], payload: str, nbytes: int
+    ) -> None:
+        """One ``list.count`` per status kind (identity checks in C: a batch is usually one kind;
+        an enum's own hash is Python code), then the payload bytes. A status of no kind is a
+        KeyError, with nothing counted."""
+        counts = [(name, statuses.count(status)) for status, name in fields.items()]
+        if sum(n for _, n in counts) != len(statuses):
+            raise KeyError(next(status for status in statuses if status not in fields))
         with self._lock:
-            for status in statuses:
-                name = _GET_FIELD[status]
-                setattr(self, name, getattr(self, name) + 1)
-            self.bytes_read += nbytes
+            for name, n in counts:
+                if n:
+                    setattr(self, name, getattr(self, name) + n)
+            setattr(self, payload, getattr(self, payload) + nbytes)
 
     def add(
         self,

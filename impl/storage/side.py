@@ -241,7 +241,7 @@ class MooncakeSideIO:
         if not keys:
             return []
         codes = self.backend._is_exist(self._flat(keys))
-        self.backend._count_errors("exists", codes)
+        self.backend.accounts.count_errors("exists", codes)
         return _entries_present(codes, len(self.sizes))
 
     def present_pages(self, namespace: Namespace, pages: Sequence[PageHash]) -> list[bool]:
@@ -292,7 +292,7 @@ class MooncakeSideIO:
                 codes = self.backend.client.batch_get_into(flat, *self._regions(entries))
         except StoreUnavailable:
             codes = [RPC_FAIL] * len(flat)
-        return self.backend.settle_gets(codes, self.sizes)
+        return self.backend.accounts.settle_gets(codes, self.sizes)
 
     def release(self) -> None:
         self._release()
@@ -352,7 +352,7 @@ def present_all(asks: Sequence[tuple[SideIO, Namespace, Sequence[PageHash]]]) ->
         assert isinstance(first, MooncakeSideIO)
         flat = RenderedKeys.join(batches)
         codes = first.backend._is_exist(flat) if len(flat) else []
-        first.backend._count_errors("exists", codes)
+        first.backend.accounts.count_errors("exists", codes)
         offset = 0
         for index, batch in zip(indices, batches, strict=True):
             answers[index] = _entries_present(

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable, Sequence
-from typing import Final
+from typing import Final, TypeVar
 
 from kvstrata.impl.errors import ConfigError, MisuseError, StoreUnavailable
 from kvstrata.impl.kernels import join_keys
@@ -46,14 +46,17 @@ from kvstrata.impl.storage.base import (
     page_objects,
 )
 from kvstrata.impl.storage.counters import BackendCounters
+from kvstrata.impl.storage.mooncake.accounts import CallAccounts
 from kvstrata.impl.storage.mooncake.client import ClientState, Keys, MooncakeClient
-from kvstrata.impl.storage.mooncake.codes import ErrorKind, classify, describe
+from kvstrata.impl.storage.mooncake.codes import ErrorKind, classify
 from kvstrata.impl.storage.mooncake.config import MooncakeConfig, to_bytes
 from kvstrata.impl.storage.mooncake.counters import ErrorCounters
 from kvstrata.impl.storage.mooncake.slabs import RPC_FAIL, SlabIO, slab_io
 from kvstrata.model.keys import KeySpace, KVKind, Namespace, PageHash, RenderedKeys
 
 __all__ = ["MooncakeBackend"]
+
+T = TypeVar("T")
 
 EXISTS: Final = 1
 DEFAULT_STAGING = 64 << 20
@@ -122,6 +125,7 @@ class MooncakeBackend:
         self.pool = pool
         self.counters = BackendCounters()
         self.errors = ErrorCounters()
+        self.accounts = CallAccounts(self.errors, self.counters)
         self._objects = page_objects(keyspace)
         self._host: HostKVPool | None = None
         self._slabs: SlabIO | None = None
@@ -198,22 +202,6 @@ class MooncakeBackend:
         """Every object key of every page, page-major, rendered as one batch."""
         return self.keyspace.rendered(namespace, pages, self.pool, join=join_keys)
 
-    def _count_errors(self, operation: str, codes: Sequence[int]) -> bool:
-        """Count the negative ``codes`` by kind (and as ``io_errors``); whether there was any."""
-        kinds: dict[ErrorKind, tuple[int, int]] = {}
-        for code in codes:
-            if code < 0:
-                kind = classify(code)
-                count, _ = kinds.get(kind, (0, code))
-                kinds[kind] = (count + 1, code)
-        for kind, (count, code) in kinds.items():
-            self._error(operation, kind, count, describe(code))
-        return bool(kinds)
-
-    def _error(self, operation: str, kind: ErrorKind, count: int, detail: str) -> None:
-        self.errors.error(operation, kind, count, detail)
-        self.counters.add(io_errors=count)
-
     def _is_exist(self, keys: Keys) -> list[int]:
         """``batch_is_exist``; a client that is no longer usable answers -900 for every key."""
         try:
@@ -248,10 +236,13 @@ class MooncakeBackend:
             return 0
         codes = self._is_exist(self._keys(namespace, pages))
         hits = codes.count(EXISTS)  # counting small ints is about 1 µs; min() would be 17
-        if (whole := hits == len(codes)) or hits + codes.count(0) == len(codes):
+        whole = hits == len(codes)
+        if (
+            whole
+            or hits + codes.count(0) == len(codes)
+            or not self.accounts.count_errors("exists", codes)  # no negative code among them
+        ):
             self.errors.success("exists")
-        else:
-            self._count_errors("exists", codes)
         if whole:
             return len(pages)
         first_miss = next(i for i, code in enumerate(codes) if code != EXISTS)
@@ -266,7 +257,7 @@ class MooncakeBackend:
         except StoreUnavailable:
             code = RPC_FAIL
         if code < 0:
-            self._count_errors("exists", [code])
+            self.accounts.count_errors("exists", [code])
             return False
         self.errors.success("exists")
         return code == EXISTS
@@ -277,15 +268,28 @@ class MooncakeBackend:
     ) -> list[PutStatus]:
         """Store each page from its host slot: put, confirm (``exists_before_put``: exists, put the
         missing components, confirm), in native batches of at most ``MAX_BATCH_OBJECTS`` objects."""
+        return self._chunked("put", self._put_chunk, namespace, pages, host_indices)
+
+    def _chunked(
+        self,
+        operation: str,
+        run: Callable[[Namespace, Sequence[PageHash], Sequence[int]], list[T]],
+        namespace: Namespace,
+        pages: Sequence[PageHash],
+        host_indices: Sequence[int],
+    ) -> list[T]:
+        """``run`` on native-batch-sized runs of the pages (everything checked first)."""
         chunk = self._chunk()
         if not isinstance(pages, Sequence) or len(pages) <= chunk:
-            return self._put_chunk(namespace, pages, host_indices)
-        self._checked("put", namespace, pages, host_indices)
-        out: list[PutStatus] = []
-        for start in range(0, len(pages), chunk):
-            end = start + chunk
-            out.extend(self._put_chunk(namespace, pages[start:end], host_indices[start:end]))
-        return out
+            return run(namespace, pages, host_indices)
+        self._checked(operation, namespace, pages, host_indices)
+        return [
+            status
+            for start in range(0, len(pages), chunk)
+            for status in run(
+                namespace, pages[start : start + chunk], host_indices[start : start + chunk]
+            )
+        ]
 
     def _put_chunk(
         self, namespace: Namespace, pages: Sequence[PageHash], host_indices: Sequence[int]
@@ -296,26 +300,28 @@ class MooncakeBackend:
             self.counters.record_puts(statuses)
             return statuses
         first: dict[PageHash, int] = {}
-        for position, page in enumerate(pages):
-            first.setdefault(page, position)
-        unique = list(first.values())
-        keys = self._keys(namespace, [pages[i] for i in unique])
-        indices = [host_indices[i] for i in unique]
+        if len({page.digest for page in pages}) < len(pages):  # a page twice: written once
+            for position, page in enumerate(pages):
+                first.setdefault(page, position)
+        unique = list(first.values()) if first else range(len(pages))
+        keys = self._keys(namespace, [pages[i] for i in unique] if first else pages)
+        indices = [host_indices[i] for i in unique] if first else host_indices
         width = len(self._objects)
-        settled, written = self.put_objects(
-            keys,
-            width,
-            lambda todo: slabs.put(
-                keys.select(todo), [(indices[i // width], i % width) for i in todo]
-            ),
-        )
-        by_page = dict(zip(unique, settled, strict=True))
-        statuses = []
-        for position, page in enumerate(pages):
-            status = by_page[first[page]]
-            if position != first[page] and status in (PutStatus.STORED, PutStatus.EXISTED):
-                status = PutStatus.EXISTED
-            statuses.append(status)
+
+        def write(todo: list[int]) -> list[int]:
+            if len(todo) == len(keys):  # every object: no selection
+                return slabs.put(keys, [(index, c) for index in indices for c in range(width)])
+            return slabs.put(keys.select(todo), [(indices[i // width], i % width) for i in todo])
+
+        statuses, written = self.put_objects(keys, width, write)
+        if first:
+            by_page = dict(zip(unique, statuses, strict=True))
+            statuses = []
+            for position, page in enumerate(pages):
+                status = by_page[first[page]]
+                if position != first[page] and status in (PutStatus.STORED, PutStatus.EXISTED):
+                    status = PutStatus.EXISTED
+                statuses.append(status)
         self.counters.record_puts(statuses, written * slabs.size)
         return statuses
 
@@ -340,7 +346,7 @@ class MooncakeBackend:
             todo = list(range(count * width))
         else:
             present = self._is_exist(keys)
-            failed = self._count_errors("put", present)
+            failed = self.accounts.count_errors("put", present)
             for page in range(count):
                 codes = present[page * width : (page + 1) * width]
                 if any(code < 0 for code in codes):
@@ -350,9 +356,10 @@ class MooncakeBackend:
                 else:
                     todo.extend(page * width + c for c, code in enumerate(codes) if code != EXISTS)
         written = 0
-        if todo:
-            codes = write(todo)
-            failed |= self._count_errors("put", codes)
+        if todo and (codes := write(todo)).count(0) == len(todo) == len(codes):  # all accepted
+            written = len(todo)
+        elif todo:
+            failed |= self.accounts.count_errors("put", codes)
             refused: dict[int, set[ErrorKind]] = {}
             for flat, code in zip(todo, codes, strict=True):
                 if code < 0:
@@ -373,10 +380,17 @@ class MooncakeBackend:
     ) -> bool:
         """Settle ``pages`` (each component just written or already present): STORED if every
         component is now visible, FAILED (counted NOT_VISIBLE) if not. Whether anything failed."""
-        at = [p * width + c for p in pages for c in range(width)]
-        subset = keys.select(at) if isinstance(keys, RenderedKeys) else [keys[i] for i in at]
-        codes = self._is_exist(subset)
-        failed = self._count_errors("put", codes)
+        if len(pages) * width == len(keys):  # every page: the whole batch
+            codes = self._is_exist(keys)
+        else:
+            at = [p * width + c for p in pages for c in range(width)]
+            subset = keys.select(at) if isinstance(keys, RenderedKeys) else [keys[i] for i in at]
+            codes = self._is_exist(subset)
+        if codes.count(EXISTS) == len(codes):  # all visible: the common case, one C pass
+            for page in pages:
+                status[page] = PutStatus.STORED
+            return False
+        failed = self.accounts.count_errors("put", codes)
         unseen = 0
         for n, page in enumerate(pages):
             answers = codes[n * width : (n + 1) * width]
@@ -384,7 +398,9 @@ class MooncakeBackend:
             status[page] = PutStatus.STORED if visible else PutStatus.FAILED
             unseen += not visible and all(code >= 0 for code in answers)
         if unseen:
-            self._error("put", ErrorKind.NOT_VISIBLE, unseen, "written but not readable yet")
+            self.accounts.error(
+                "put", ErrorKind.NOT_VISIBLE, unseen, "written but not readable yet"
+            )
         return failed or bool(unseen)
 
     # ---------------------------------------------------------------------------------- get
@@ -393,15 +409,7 @@ class MooncakeBackend:
     ) -> list[GetStatus]:
         """Read each page into its host slot; LOADED only when every component arrived whole (in
         native batches of at most ``MAX_BATCH_OBJECTS`` objects)."""
-        chunk = self._chunk()
-        if not isinstance(pages, Sequence) or len(pages) <= chunk:
-            return self._get_chunk(namespace, pages, host_indices)
-        self._checked("get", namespace, pages, host_indices)
-        out: list[GetStatus] = []
-        for start in range(0, len(pages), chunk):
-            end = start + chunk
-            out.extend(self._get_chunk(namespace, pages[start:end], host_indices[start:end]))
-        return out
+        return self._chunked("get", self._get_chunk, namespace, pages, host_indices)
 
     def _get_chunk(
         self, namespace: Namespace, pages: Sequence[PageHash], host_indices: Sequence[int]
@@ -412,39 +420,7 @@ class MooncakeBackend:
         keys = self._keys(namespace, pages)
         width = len(self._objects)
         objects = [(index, number) for index in host_indices for number in range(width)]
-        codes = slabs.get(keys, objects, width)
-        statuses = self.settle_gets(codes, [slabs.size] * width)
+        statuses = self.accounts.settle_gets(slabs.get(keys, objects, width), [slabs.size] * width)
         loaded = statuses.count(GetStatus.LOADED)
         self.counters.record_gets(statuses, loaded * width * slabs.size)  # bytes of whole pages
-        return statuses
-
-    def settle_gets(self, codes: Sequence[int], sizes: Sequence[int]) -> list[GetStatus]:
-        """One status per page from the native codes of a ``batch_get_into`` of whole pages of
-        ``len(sizes)`` objects each (page-major; object ``c`` of a page is ``sizes[c]`` bytes):
-        LOADED only if every object returned exactly its size; a missing one is a plain MISSING,
-        anything else FAILED (counted by kind)."""
-        width = len(sizes)
-        statuses: list[GetStatus] = []
-        errors: list[int] = []
-        short = 0
-        for page in range(len(codes) // width):
-            missing = failed = False
-            for code, size in zip(codes[page * width : (page + 1) * width], sizes, strict=True):
-                if code == size:
-                    continue
-                if code >= 0:
-                    failed = True
-                    short += 1
-                elif classify(code) is ErrorKind.MISSING:
-                    missing = True  # a plain miss, not an error
-                else:
-                    failed = True
-                    errors.append(code)
-            statuses.append(
-                GetStatus.MISSING if missing else GetStatus.FAILED if failed else GetStatus.LOADED
-            )
-        if short:
-            self._error("get", ErrorKind.SHORT_READ, short, "objects not of their size")
-        if not self._count_errors("get", errors) and not short:
-            self.errors.success("get")
         return statuses

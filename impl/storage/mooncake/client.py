@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import bisect
 import logging
+import operator
 from collections.abc import Callable, Sequence
 from itertools import chain
 from types import TracebackType
@@ -239,8 +240,8 @@ class MooncakeClient:
         (called through the gate: registrations change only while no data call runs). Fast path:
         plain positive ints spanning ``[lowest, highest end)`` inside one buffer (buffers never
         overlap, so every range lies in it); anything else is checked range by range."""
-        if ptrs and len(ptrs) == len(sizes) and all(type(v) is int for v in (*ptrs, *sizes)):
-            low, high = min(ptrs), max(map(sum, zip(ptrs, sizes, strict=True)))
+        if ptrs and len(ptrs) == len(sizes) and {*map(type, ptrs), *map(type, sizes)} == {int}:
+            low, high = min(ptrs), max(map(operator.add, ptrs, sizes))
             slot = bisect.bisect_right(self._starts, low) - 1
             end = self._starts[slot] + self._sizes[self._starts[slot]] if slot >= 0 else 0
             if min(low, *sizes) >= 1 and high <= end:

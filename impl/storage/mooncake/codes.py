@@ -157,10 +157,11 @@ def error_for(code: int, what: str) -> StoreError:
 
 
 def native_codes(what: str, count: int, call: Callable[[Any], object], native: Any) -> list[int]:
-    """``call(native)``'s ``count`` codes: the native list itself once one C pass found every code
-    an int (``bytes`` where all lie in 0..255, as presence and put codes do: 8 µs for 2,048 keys;
-    else a 64-bit ``array``: 22 µs; ``int()`` per code cost 57); a raise or a malformed answer is
-    logged and becomes :data:`INTERNAL_ERROR` for every key."""
+    """``call(native)``'s ``count`` codes: the native list itself (a plain ``list``, as the binding
+    returns) once one C pass found every code an integer: anything with ``__index__``, as the
+    binding's ints are (``bytes`` where all lie in 0..255, as presence and put codes do: 8 µs for
+    2,048 keys; else a 64-bit ``array``: 22 µs; ``int()`` per code cost 57). A raise or any other
+    answer (a float, a text, a wrong length) is logged and becomes :data:`INTERNAL_ERROR` per key."""
     try:
         result = call(native)
     except Exception as error:

@@ -101,6 +101,7 @@ class DirectSlabs:
             self.parts.append(runs)
         self.size = run * len(objects[0].planes)
         self.single = all(len(runs) == 1 for runs in self.parts)
+        self.first_offsets = [runs[0][0] for runs in self.parts]  # per object, at page 0
         client.register_buffer(self.base, self.nbytes)
         self._registered = True
 
@@ -117,8 +118,8 @@ class DirectSlabs:
     def _move(self, keys: Keys, objects: Sequence[Obj], put: bool) -> list[int]:
         try:
             if self.single:
-                at = [self.base + index * self.page_stride for index, _ in objects]
-                ptrs = [a + self.parts[n][0][0] for a, (_, n) in zip(at, objects, strict=True)]
+                base, stride, first = self.base, self.page_stride, self.first_offsets
+                ptrs = [base + index * stride + first[n] for index, n in objects]
                 move = self.client.batch_put_from if put else self.client.batch_get_into
                 return move(keys, ptrs, [self.size] * len(ptrs))
             ptr_lists, size_lists = self._ranges(objects)

@@ -178,10 +178,12 @@ def test_key_texts_leave_what_they_cannot_render_to_python() -> None:
         join(["a/"], [page])  # type: ignore[arg-type]
 
 
+@native_only
 def test_rendered_keys_are_the_same_with_the_kernel_or_without() -> None:
     """KeySpace.rendered with ``join=kernels.join_keys`` (what MooncakeBackend passes) gives the
-    texts of page_keys, an ASCII model name or not (the kernel declines the latter), and a
-    page that is not a PageHash is a DoubleRenderError either way."""
+    texts of page_keys, an ASCII model name or not (a name is percent-quoted into the key, so the
+    kernel renders both), a tuple of pages or a generator (which the kernel leaves to Python), and
+    a page that is not a PageHash is a DoubleRenderError either way."""
     pages = list(chain_page_hashes(list(range(40)), 4, Namespace(extra_key="lora-1")))
     ns = Namespace(extra_key="lora-1")
     for name in ("tiny-llama", "модель"):
@@ -192,6 +194,8 @@ def test_rendered_keys_are_the_same_with_the_kernel_or_without() -> None:
         )
         want = [key.text for page in pages for key in space.page_keys(ns, page)]
         assert space.rendered(ns, pages, join=kernels.join_keys).texts == want
+        assert space.rendered(ns, tuple(pages), join=kernels.join_keys).texts == want
         assert space.rendered(ns, pages).texts == want
+        assert kernels.join_keys(("a/",), iter(pages)) is None  # type: ignore[arg-type]
         with pytest.raises(DoubleRenderError):
             space.rendered(ns, [*pages, want[0]], join=kernels.join_keys)  # type: ignore[list-item]
