@@ -1,0 +1,45 @@
+"""The benchmark helpers of issue 20, smoke-sized: ``benchmarks/against.py`` runs a script with the
+library of the checkout it names (and refuses a folder that is not one), and
+``benchmarks/backend_overhead.py`` times every call it lists against a real master's client.
+Timings are the benchmarks' to report (docs/benchmarks.md), never asserted here."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from kvstrata.impl import kernels
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def run(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, *args], cwd=REPO, capture_output=True, text=True, timeout=300, check=False
+    )
+
+
+def test_against_imports_the_named_checkouts_library(tmp_path: Path) -> None:
+    script = tmp_path / "where.py"
+    script.write_text(
+        "import sys\nimport kvstrata.model.keys as keys\nprint(keys.__file__)\nsys.exit(3)\n"
+    )
+    done = run("benchmarks/against.py", str(REPO), str(script))
+    assert done.returncode == 3, done.stderr  # the script's own exit status
+    assert Path(done.stdout.strip()).resolve() == REPO / "model" / "keys.py"
+    refused = run("benchmarks/against.py", str(tmp_path), str(script))
+    assert refused.returncode == 2 and "not a kvstrata checkout" in refused.stderr
+
+
+def test_backend_overhead_times_every_call(tmp_path: Path) -> None:
+    out = tmp_path / "overhead.json"
+    done = run(
+        "benchmarks/backend_overhead.py", "--rounds", "1", "--calls", "3", "--json", str(out)
+    )
+    assert done.returncode == 0, done.stderr
+    results = json.loads(out.read_text())
+    assert {"exists, 1024 pages", "put + confirm, 64 pages", "get, 64 pages"} <= set(results)
+    assert ("keys of 1024 pages, C kernel" in results) == (kernels.join_keys is not None)
+    assert all(us > 0 for us in results.values())
