@@ -25,6 +25,7 @@ from kvstrata.model.lifecycles import HOST_CLAIMED, HOST_VALID
 __all__ = ["CachePort"]
 
 _HOST_CLAIMED_T = tuple(HOST_CLAIMED)
+_HOST_VALID_T = tuple(HOST_VALID)
 _DIGEST = 32
 
 
@@ -126,7 +127,7 @@ class CachePort:
         spare = [host[:have]]
         added = 0
         end: Node | None = last if arrived and have == arrived and not last.is_root else None
-        if have < arrived and (last.is_root or last.state in _HOST_CLAIMED_T):
+        if have < arrived and (last.is_root or last.state in _HOST_VALID_T):
             start = prefix_pages + have
             end = self._tiers.commit_host_pages(
                 last,

@@ -30,6 +30,7 @@ from kvstrata.model.cache import WritePolicy
 from kvstrata.model.keys import Namespace
 from kvstrata.model.lifecycles import (
     HOST_CLAIMED,
+    HOST_VALID,
     LOAD_OP,
     PAGE_RESIDENCY,
     WRITE_OP,
@@ -41,6 +42,7 @@ from kvstrata.model.lifecycles import (
 __all__ = ["BackupSink", "Tiers"]
 
 _HOST_CLAIMED_T = tuple(HOST_CLAIMED)
+_HOST_VALID_T = tuple(HOST_VALID)
 
 #: where pages that reached L2 go for an L3 backup: (namespace, nodes, node whose end state goes too)
 BackupSink = Callable[[Namespace, list[Node], Node | None], None]
@@ -260,7 +262,7 @@ class Tiers:
         if (
             host_pool is None
             or parent is None
-            or not (parent.is_root or parent.state in _HOST_CLAIMED_T)
+            or not (parent.is_root or parent.state in _HOST_VALID_T)
         ):
             return False
         host = self._alloc_host_for(node)
@@ -428,9 +430,9 @@ class Tiers:
 
     # ------------------------------------------------------------------ prefetched pages
     def commit_host_pages(self, parent: Node, fps: bytes, digests: bytes, host: Pages) -> Node:
-        """Prefetched pages in L2 ``host`` become a host-only leaf under ``parent`` (host-claimed
-        or a root: I3)."""
-        assert parent.is_root or parent.state in _HOST_CLAIMED_T
+        """Prefetched pages in L2 ``host`` become a host-only leaf under ``parent`` (a root, or
+        readable on L2: I3 even if a write-through in flight fails)."""
+        assert parent.is_root or parent.state in _HOST_VALID_T
         leaf = self._index.add_leaf(parent, fps, digests)
         leaf.host = host
         self.advance(leaf, ResidencyEvent.COMMIT_PREFETCH)

@@ -32,6 +32,7 @@ from kvstrata.model.keys import Namespace, PageHash, chain_page_hashes
 from kvstrata.model.lifecycles import (
     DEVICE_VALID,
     HOST_CLAIMED,
+    HOST_VALID,
     L1_DROPPABLE,
     L1_WITH_L2,
     LOAD_OP,
@@ -76,7 +77,12 @@ class Tiers:
         info.residency = PAGE_RESIDENCY.next(info.residency, event)
 
     def host_claimed_or_root(self, node: Node) -> bool:
+        """Enough for a write-through below ``node`` (pending writes fail together)."""
         return node.is_root or self.pages.residency_of(node) in HOST_CLAIMED
+
+    def host_valid_or_root(self, node: Node) -> bool:
+        """What a host-only child needs (I3): a write-through in flight may still fail."""
+        return node.is_root or self.pages.residency_of(node) in HOST_VALID
 
     def op_pins(self, node: Node) -> int:
         """Locks held on ``node`` by pending write-throughs and load-backs."""
@@ -348,7 +354,7 @@ class Tiers:
     def _stage(self, node: Node) -> bool:
         """write_back: copy an evicted L1-only node to L2 (blocking) if it keeps I3 and fits."""
         parent = self.tree.parent(node)
-        if parent is None or not self.host_claimed_or_root(parent) or self.config.host_pages == 0:
+        if parent is None or not self.host_valid_or_root(parent) or self.config.host_pages == 0:
             return False
         if not self._alloc_host_for(node):
             return False
@@ -399,17 +405,11 @@ class Tiers:
         chain.reverse()
         pages = sum(len(n.pages) for n in chain)
         quota = self.config.load_back_quota
-        states = (
-            (node.pages[-1],)
-            if not node.is_root and self.states.state_of(node.pages[-1]) is Residency.HOST
-            else ()
-        )
+        end_state = None if node.is_root else self.states.state_of(node.pages[-1])
+        states = (node.pages[-1],) if end_state is Residency.HOST else ()
+        too_few = pages * self.config.page_size < self.config.load_back_threshold
         if (not chain and not states) or (
-            chain
-            and (
-                pages * self.config.page_size < self.config.load_back_threshold
-                or (quota is not None and pages > quota)
-            )
+            chain and (too_few or (quota is not None and pages > quota))
         ):
             return None
         self.locks.lock(node, +1)

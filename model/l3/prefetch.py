@@ -283,8 +283,9 @@ class Prefetch:
 
     def _commit_pages(self, op: PrefetchOp) -> int:
         """Attach the arrived pages under the node the prefix ends at. Pages that are already in the
-        tree give their slot back; the rest become one host-only leaf if its parent has a host copy
-        (I3), else they are given back too. Nothing arrived: the tree is not touched (no split
+        tree give their slot back; the rest become one host-only leaf if its parent's L2 copy is
+        readable (I3; a parent whose write-through is still in flight may yet fail), else they are
+        given back too. Nothing arrived: the tree is not touched (no split
         where the prefix ends: a commit that adds nothing changes nothing)."""
         size = self.config.page_size
         arrived = op.arrived
@@ -295,7 +296,7 @@ class Prefetch:
         have = min(arrived, walk.matched_pages - len(op.prefix_tokens) // size)
         spare = list(op.host_slots[:have])
         added = 0
-        if have < arrived and self.tiers.host_claimed_or_root(walk.last):
+        if have < arrived and self.tiers.host_valid_or_root(walk.last):
             pages = op.pages[have:arrived]
             leaf_tokens = tokens[len(op.prefix_tokens) + have * size :]
             self.tiers.add_host_leaf(walk.last, leaf_tokens, pages, op.host_slots[have:arrived])

@@ -278,6 +278,39 @@ class CacheModelMachine(RuleBasedStateMachine):
             if arrive:
                 target.prefetch_arrive(op_id, arrive)
 
+    @precondition(lambda self: any(self.inserted))
+    @rule(data=st.data(), fail=st.booleans())
+    def prefetch_onto_writing(self, data: st.DataObject, fail: bool) -> None:
+        """One instance backs up a sequence; the other computes its first pages (under
+        write_through their write-through is then in flight), prefetches the rest onto them and
+        commits before that write lands; then the write lands or fails. The fuzz run's I3 find:
+        a commit under a write that may still fail would leave a host-only leaf under an L1-only
+        node, so the pages go back until the anchor's L2 copy is readable."""
+        source = 0 if self.inserted[0] else 1
+        ns, tokens = data.draw(st.sampled_from(sorted(self.inserted[source], key=repr)))
+        pages = len(tokens) // self.page_size
+        if pages < 2:
+            return
+        self._drain()
+        index = 1 - source
+        target = self.caches[index]
+        cut = data.draw(st.integers(1, pages - 1), label="pages computed locally") * self.page_size
+        if not self.schedule(target, tokens[:cut], ns):
+            return
+        self.inserted[index].add((ns, tokens[:cut]))
+        op_id = target.prefetch(tokens, ns)
+        if op_id is None:
+            return
+        target.prefetch_arrive(op_id, pages)
+        writing = bool(target.write_ops)
+        committed = target.prefetch_commit(op_id)
+        if writing:
+            event("prefetch committed while a write-through was in flight")
+        elif committed:
+            event("prefetch committed onto a written-through anchor")
+        while target.write_ops:
+            (target.fail_write if fail else target.ack_write)()
+
     def _pick_prefetch(
         self, data: st.DataObject, *states: PrefetchState
     ) -> tuple[CacheModel, int] | None:

@@ -49,6 +49,43 @@ def test_backup_then_prefetch_by_another_instance_bit_for_bit() -> None:
     assert reader.counters.prefetch_committed_pages == 4
 
 
+def test_a_prefetch_commits_only_under_a_readable_l2_copy_so_a_failed_write_keeps_i3() -> None:
+    """Found by the model's fuzz run: pages prefetched under a node whose write-through is still in
+    flight are given back at the commit, so the write's failure cannot leave a host-only leaf under
+    an L1-only node; a prefetch committed once the write landed attaches them."""
+    shared = MemoryStore()
+    writer = Rig(shared)
+    writer.insert(TOKENS)
+    writer.settle()
+    for lands in (False, True):
+        reader = Rig(shared)
+        reader.insert(TOKENS[:PAGE])  # its write-through waits in reader.copies
+        op = reader.cache.prefetch(TOKENS)
+        assert op is not None
+        while reader.io.run_all():
+            reader.cache.check_events()
+        assert reader.cache.prefetch_ready(op) and reader.cache.prefetch_reserved() == 3
+        transfer = reader.cache.transfer
+        assert transfer is not None
+        if not lands:
+
+            def broken(*_: object) -> int:
+                raise RuntimeError("injected copy failure")
+
+            transfer._copy = broken
+        else:
+            reader.copies.run_all()
+            reader.cache.check_events()
+        free = reader.cache.host_free
+        assert reader.cache.prefetch_commit(op) == (3 if lands else 0)
+        assert reader.cache.host_free == free + (0 if lands else 3)
+        reader.settle()
+        match = reader.cache.match_prefix(TOKENS)
+        assert (match.device_pages, match.host_pages) == ((1, 3) if lands else (1, 0))
+        if not lands:  # the node is L1-only again, its L2 slot given back
+            assert reader.cache.host_free == 16
+
+
 def test_failed_backup_is_retried_then_abandoned_and_counted() -> None:
     rig = Rig(config=StorageConfig(backup_retries=2, backup_backoff_s=0))
     rig.backend.down = True

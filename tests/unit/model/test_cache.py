@@ -136,6 +136,33 @@ def test_prefetch_from_another_instance_commit_and_drain() -> None:
         reader.prefetch_drain(op)
 
 
+def test_prefetch_commit_waits_for_a_readable_parent_so_a_failed_write_keeps_i3() -> None:
+    """Found by the fuzz run: a prefetch committed under a node whose write-through is still in
+    flight, then that write fails. The commit gives its pages back instead of attaching a host-only
+    leaf that the failure would leave under an L1-only node (I3); once the write landed it attaches."""
+    store = StoreModel()
+    writer = make(store=store)
+    request(writer, (1, 2, 3))
+    drain(writer)
+    for landed in (False, True):
+        reader = make(store=store)
+        request(reader, (1,))
+        assert reader.residency((1,)) == (W,)
+        op = reader.prefetch((1, 2, 3))
+        assert op is not None
+        reader.prefetch_arrive(op, 2)
+        if landed:
+            reader.ack_write()
+        free = reader.host.free_count
+        assert reader.prefetch_commit(op) == (2 if landed else 0)
+        assert reader.host.free_count == free + (0 if landed else 2)
+        if not landed:
+            reader.fail_write()  # checks every invariant on the way out
+            assert reader.residency((1, 2, 3)) == (D,)
+        else:
+            assert reader.residency((1, 2, 3)) == (B, H, H)
+
+
 def test_prefetch_policies_and_rate_limit() -> None:
     store = StoreModel()
     writer = make(store=store, device_pages=16, host_pages=16)
