@@ -637,7 +637,9 @@ class L3Differential(DifferentialMachine):
         assert self.impl.evict(total) == self.model.evict(total)
         assert self.impl.evict_host(total) == self.model.evict_host(total)
         cut = data.draw(st.integers(1, pages - 1), label="pages computed again")
-        self.request_tokens(tokens[: cut * self.page_size], ns, with_state=False)
+        part = tokens[: cut * self.page_size]
+        self.seen.add((ns, part))  # it joins `known`: l3_round_trip draws its namespace from here
+        self.request_tokens(part, ns, with_state=False)
         op_id = self.do_prefetch(tokens, ns)
         if op_id is None:
             return
