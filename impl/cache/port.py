@@ -116,8 +116,8 @@ class CachePort:
         digests: bytes,
     ) -> tuple[int, Node | None]:
         """The model's ``_commit_pages``: pages the tree already has give their slot back; the rest
-        become one host-only leaf if its parent is host-claimed or a root (I3), else are given
-        back. Nothing arrived: the tree is not touched (no split where the prefix ends)."""
+        become one host-only leaf if its parent's L2 copy is readable or it is a root (I3), else
+        are given back. Nothing arrived: the tree is not touched (no split where the prefix ends)."""
         arrived = len(host)
         if not arrived:
             return 0, None

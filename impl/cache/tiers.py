@@ -3,11 +3,11 @@
 and what a copy's ack or failure does (the queues of pending copies: :mod:`.copies`).
 
 Invariants: residency changes only through ``PAGE_RESIDENCY`` (:meth:`Tiers.advance`) and a state
-moves with its node's pages (:mod:`.states`); I3, host-backed nodes form a root-anchored prefix (a
-write-through or staging starts only under a host-claimed parent or a root; L2 eviction takes
-host-only leaves); a copy pins its source until acked and an ack reaches every node the op covers,
-splits included (I4); a failed copy gives its destination back and leaves the source as it was; a
-host page read by a backup (``backup_pins``) is never evicted or reused (I5).
+moves with its node's pages (:mod:`.states`); I3, host-backed nodes form a root-anchored prefix
+(write-throughs start under a host-claimed parent, host-only nodes under a readable one, or the
+root; L2 eviction takes host-only leaves); a copy pins its source until acked and an ack reaches
+every node the op covers, splits included (I4); a failed copy gives its destination back and leaves
+the source as it was; a host page a backup reads (``backup_pins``) is never evicted or reused (I5).
 """
 
 from __future__ import annotations
