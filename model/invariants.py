@@ -150,7 +150,9 @@ def check_i2_visible_durable(cache: CacheView) -> None:
 def check_i3_host_anchored(cache: CacheView) -> None:
     """I3: nodes with a host copy (or one on its way) form a root-anchored prefix, and so do nodes
     with a device copy (prevents load-back of a chain with a hole, and L2 hits that cannot be
-    reached)."""
+    reached). Stricter, so a copy that may still fail never carries a finished one: a node whose
+    L2 (L1) copy is readable sits under a node whose copy is readable too (a failed write-through
+    or load-back takes back only a claim, never a parent of a finished child)."""
     tree = cache.tree
     for node in tree.non_root_nodes():
         parent = tree.parent(node)
@@ -162,6 +164,16 @@ def check_i3_host_anchored(cache: CacheView) -> None:
             _fail("I3", f"node {node.node_id} ({state}) under {parent.node_id} ({parent_state})")
         if state in DEVICE_CLAIMED and parent_state not in DEVICE_CLAIMED:
             _fail("I3", f"L1 node {node.node_id} ({state}) under {parent.node_id} ({parent_state})")
+        if state in HOST_VALID and parent_state not in HOST_VALID:
+            _fail(
+                "I3",
+                f"L2-readable {node.node_id} ({state}) under {parent.node_id} ({parent_state})",
+            )
+        if state in DEVICE_VALID and parent_state not in DEVICE_VALID:
+            _fail(
+                "I3",
+                f"L1-readable {node.node_id} ({state}) under {parent.node_id} ({parent_state})",
+            )
 
 
 def check_i4_coverage(cache: CacheView) -> None:
