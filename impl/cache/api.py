@@ -43,14 +43,13 @@ from kvstrata.impl.pools.group import PoolGroup
 from kvstrata.impl.tp import TpGroup
 from kvstrata.impl.transfer import Direction, SideCopyFunction, TransferController
 from kvstrata.model.keys import Namespace, PageHash
-from kvstrata.model.lifecycles import DEVICE_VALID, HOST_CLAIMED, HOST_VALID, Residency
+from kvstrata.model.lifecycles import DEVICE_VALID, HOST_VALID, Residency
 
 __all__ = ["HierarchicalRadixCache"]
 
 Tokens = Sequence[int] | npt.NDArray[np.integer]
 _DEVICE_VALID_T = tuple(DEVICE_VALID)
 _HOST_VALID_T = tuple(HOST_VALID)
-_HOST_CLAIMED_T = tuple(HOST_CLAIMED)
 
 
 def _check_count(pages: object) -> None:
