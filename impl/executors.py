@@ -3,7 +3,8 @@ the embedding cache's I/O).
 
 - :class:`ThreadExecutor`: one worker thread, jobs in submission order; with ``merge``, a
   :class:`Mergeable` job runs together with the jobs already queued right behind it that join it
-  (the store link's backup and fetch calls: one store call for several ops, issue 20);
+  (the store link's backup and fetch calls: one store call for several ops, issue 20); a caller
+  about to wait may run the queued jobs itself (:class:`Joinable`: no hand-off to the worker);
 - :class:`InlineExecutor`: every job at once on the submitting thread;
 - :class:`ManualExecutor`: nothing runs until a test says so (whole jobs, merged groups, or a
   step of a job that has steps).
@@ -24,6 +25,7 @@ from typing import Protocol, TypeVar, runtime_checkable
 __all__ = [
     "Executor",
     "InlineExecutor",
+    "Joinable",
     "ManualExecutor",
     "Mergeable",
     "Stepped",
@@ -50,6 +52,14 @@ class Executor(Protocol):
     def submit(self, job: Callable[[], None]) -> None: ...
 
     def close(self) -> None: ...
+
+
+@runtime_checkable
+class Joinable(Protocol):
+    """An executor whose queued jobs a caller that is about to wait for them may run itself, on its
+    own thread, in their order (:meth:`ThreadExecutor.run_queued`)."""
+
+    def run_queued(self, timeout: float | None = None) -> int: ...
 
 
 @runtime_checkable
@@ -112,7 +122,12 @@ class ThreadExecutor:
     """One worker thread running jobs in submission order. ``after_job`` (if given) runs after each
     job, also after one that raised: a raising job is logged and the worker keeps going (the cache's
     jobs report their own failures as completions). With ``merge``, a :class:`Mergeable` job runs
-    together with the jobs already queued right behind it that join it (none waits for more)."""
+    together with the jobs already queued right behind it that join it (none waits for more).
+
+    A caller about to wait for the jobs may run the queued ones itself (:meth:`run_queued`): no
+    hand-off to the worker and back, which on a small VM costs a thread wake-up each way (issue
+    20). Invariant, for the worker and every helper alike: a job is taken from the queue and run
+    while holding ``_running``, so jobs never overlap and run in submission order."""
 
     def __init__(
         self,
@@ -123,73 +138,108 @@ class ThreadExecutor:
     ) -> None:
         self._after_job = after_job
         self._merge = merge
-        self._jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
-        self._unfinished = 0  # jobs submitted and not finished (guarded by _drained)
-        self._drained = threading.Condition()
+        self._lock = threading.Lock()  # guards _queue and _unfinished
+        self._queue: deque[Callable[[], None] | None] = deque()  # None: the worker stops there
+        self._unfinished = 0  # jobs submitted and not finished
+        self._queued = threading.Condition(self._lock)
+        self._drained = threading.Condition(self._lock)
+        self._running = threading.Lock()  # held while a group is taken and run
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
-    def _group(self, first: Callable[[], None], held: deque[Callable[[], None] | None]) -> _Group:
-        """``first`` and the queued jobs that join it; the first one that does not is ``held``."""
-        group = _Group(first)
-        while self._merge and group.key is not None:
-            try:
-                job = self._jobs.get_nowait()
-            except queue.Empty:
-                break
-            if job is None or not group.take(job):
-                held.append(job)
-                break
-        return group
+    def _take(self) -> _Group | None:
+        """The oldest queued job and the queued jobs that join it, out of the queue; ``None``
+        when the queue is empty or the stop mark is next (only the worker takes that)."""
+        with self._lock:
+            queue_ = self._queue
+            if not queue_ or queue_[0] is None:
+                return None
+            group = _Group(queue_.popleft())  # type: ignore[arg-type]  # not None, checked
+            while self._merge and group.key is not None and queue_:
+                job = queue_[0]
+                if job is None or not group.take(job):
+                    break
+                queue_.popleft()
+            return group
+
+    def _execute(self, group: _Group) -> None:
+        try:
+            group.run()
+        except Exception:
+            log.exception("kvstrata: background job raised")
+        for _ in group.jobs:
+            if self._after_job is not None:
+                self._after_job()
+        with self._lock:
+            self._unfinished -= len(group.jobs)
+            self._drained.notify_all()
 
     def _run(self) -> None:
-        held: deque[Callable[[], None] | None] = deque()
         while True:
-            job = held.popleft() if held else self._jobs.get()
-            if job is None:
-                return
-            group = _Group(job)
-            try:
-                group = self._group(job, held)
-                group.run()
-            except Exception:
-                log.exception("kvstrata: background job raised")
-            for _ in group.jobs:
-                if self._after_job is not None:
-                    self._after_job()
-            with self._drained:
-                self._unfinished -= len(group.jobs)
-                self._drained.notify_all()
+            with self._lock:
+                while not self._queue:
+                    self._queued.wait()
+                if self._queue[0] is None:
+                    return
+            with self._running:
+                group = self._take()
+                if group is not None:
+                    self._execute(group)
 
     def submit(self, job: Callable[[], None]) -> None:
-        with self._drained:
+        with self._lock:
             self._unfinished += 1
-        self._jobs.put(job)
+            self._queue.append(job)
+            self._queued.notify()
+
+    def run_queued(self, timeout: float | None = None) -> int:
+        """Run on this thread every job queued now or while this runs, in submission order, each
+        after the job the worker may be running (never beside it), merged as the worker would;
+        how many ran. It stops early when ``timeout`` seconds pass waiting for the worker's job
+        (the rest stays queued for the worker), and runs nothing when called from the worker or
+        after :meth:`close`. A job this runs runs to its end: ``timeout`` does not cut it."""
+        if threading.current_thread() is self._thread:
+            return 0
+        ran = 0
+        while True:
+            if not self._running.acquire(timeout=-1 if timeout is None else timeout):
+                return ran
+            try:
+                group = self._take()
+                if group is None:
+                    return ran
+                self._execute(group)
+                ran += len(group.jobs)
+            finally:
+                self._running.release()
 
     @property
     def busy(self) -> bool:
         """Whether a submitted job has not finished yet."""
-        with self._drained:
+        with self._lock:
             return self._unfinished > 0
 
     def wait_drained(self, timeout: float | None = None) -> bool:
         """Block until every job submitted so far has finished (an event, not a poll); ``False``
         if ``timeout`` seconds passed first (a hang guard, for tests and shutdown)."""
-        with self._drained:
+        with self._lock:
             return self._drained.wait_for(lambda: self._unfinished == 0, timeout)
 
     def close(self) -> None:
         """Finish every submitted job, then stop the worker."""
         if self._thread.is_alive():
-            self._jobs.put(None)
+            with self._lock:
+                self._queue.append(None)
+                self._queued.notify()
             self._thread.join()
 
 
 class InlineExecutor:
     """Runs every job at once, on the submitting thread, before ``submit`` returns (a raising job
     is logged, as on a worker). For callers that wait for each result anyway (an encoder worker
-    pushing embeddings; a reader that needs them now): no thread hand-off, which costs about
-    0.1-0.3 ms per call on a 2-core machine (docs/benchmarks.md, issue 20)."""
+    pushing embeddings; a reader that needs them now): no thread hand-off. A
+    :class:`ThreadExecutor` whose waiters call :meth:`ThreadExecutor.run_queued` saves the same
+    hand-off and still runs in the background what nobody waits for (docs/benchmarks.md, issue 20)."""
 
     def submit(self, job: Callable[[], None]) -> None:
         try:

@@ -218,7 +218,8 @@ class EmbeddingCache:
 
     def wait(self, request_id: str, timeout: float | None = None) -> bool:
         """Block until :meth:`is_ready` (the I/O must be running: not for a ManualExecutor);
-        ``False`` if ``timeout`` seconds passed first."""
+        ``False`` if ``timeout`` seconds passed first. With a thread executor, the store calls
+        still queued run on this thread (no hand-off to the I/O thread and back)."""
         return self._ops.wait(self._ops.request(request_id), timeout)
 
     # ----------------------------------------------------------------------------- operations
@@ -335,7 +336,8 @@ class EmbeddingCache:
 
     def flush(self, timeout: float | None = None) -> bool:
         """Block until every pending op was applied (the I/O must be running: not for a
-        ManualExecutor); ``False`` if ``timeout`` seconds passed first."""
+        ManualExecutor); ``False`` if ``timeout`` seconds passed first. With a thread executor,
+        the store calls still queued run on this thread (no hand-off to the I/O thread and back)."""
         return self._ops.flush(timeout)
 
     def poll(self) -> int:

@@ -16,7 +16,10 @@ Invariants upheld here alone:
   ``ack_push(op, failed)`` / ``ack_get(op, failed)``: an item whose *every* object is DONE
   completes; an item with *any* failed object failed (a put item is READY again, a get item is
   freed and forgotten), whatever the other items of the batch did;
-* a job never raises into the executor: an exception fails every extent of its op.
+* a job never raises into the executor: an exception fails every extent of its op;
+* a job runs on the executor's worker, or on the caller's thread when :meth:`Ops.wait` /
+  :meth:`Ops.flush` run the queued jobs themselves (a job only moves bytes and queues its result,
+  so where it runs changes nothing but the latency).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import attrs
 from kvstrata.impl.embedding.entries import Entries, Entry
 from kvstrata.impl.embedding.store import EmbeddingStore, Extent, ExtentStatus
 from kvstrata.impl.errors import InvariantViolation, MisuseError
+from kvstrata.impl.executors import Joinable
 from kvstrata.impl.transfer import Executor
 from kvstrata.model.keys import KeySpace, Namespace, PageHash, StoreKey
 from kvstrata.model.lifecycles import EntryEvent
@@ -71,6 +75,7 @@ class Ops:
         self.keyspace = keyspace
         self.namespace = namespace
         self.executor = executor
+        self._joinable = executor if isinstance(executor, Joinable) else None
         self.pushed = self.loaded = self.failed = self.store_full = 0
         self._ops: dict[int, Op] = {}
         self._requests: dict[str, int | None] = {}
@@ -171,6 +176,8 @@ class Ops:
 
     def wait(self, op_id: int | None, timeout: float | None) -> bool:
         """Apply results until op ``op_id`` was applied; ``False`` if ``timeout`` passed first."""
+        if op_id in self._ops:
+            self._run_queued(timeout)
         while op_id in self._ops:
             if not self._apply_next(timeout):
                 return False
@@ -178,10 +185,19 @@ class Ops:
 
     def flush(self, timeout: float | None) -> bool:
         """Apply results until no op is pending; ``False`` if ``timeout`` passed first."""
+        self._run_queued(timeout)
         while self._ops:
             if not self._apply_next(timeout):
                 return False
         return True
+
+    def _run_queued(self, timeout: float | None) -> None:
+        """Before a wait: run the jobs still queued on this thread, when the executor lets a
+        waiter do so (a :class:`~kvstrata.impl.executors.Joinable` thread executor), instead of
+        handing them to its worker and waiting for its wake-up and then for ours (issue 20: on a
+        2-core VM that hand-off cost more than a 128 KiB store call)."""
+        if self._ops and self._joinable is not None:
+            self._joinable.run_queued(timeout)
 
     def _apply_next(self, timeout: float | None) -> bool:
         try:

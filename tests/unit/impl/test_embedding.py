@@ -4,6 +4,7 @@ Mooncake's per-key codes, and bad input (a typed error, nothing changed)."""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 
 import pytest
@@ -397,6 +398,41 @@ def test_the_pool_gives_the_lowest_adjacent_run_else_the_lowest_free_units() -> 
     with pytest.raises(MisuseError, match="units asked"):
         pool.alloc(1)
     assert pool.used_count == 6
+
+
+class CallerRuns(ManualExecutor):
+    """A joinable executor with no worker: its jobs run only when a waiter runs them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.threads: list[int] = []
+
+    def run_queued(self, timeout: float | None = None) -> int:
+        ran = 0
+        while self.jobs:
+            self.threads.append(threading.get_ident())
+            self.run_next()
+            ran += 1
+        return ran
+
+
+def test_flush_and_wait_run_the_queued_jobs_on_the_callers_thread() -> None:
+    store = MemoryEmbeddingStore()
+    pool = EmbeddingPool(PoolShape(4, 4, DIM, torch.bfloat16))
+    io_a, io_b = CallerRuns(), CallerRuns()
+    a = EmbeddingCache(pool, store, KEYSPACE, executor=io_a)
+    b = EmbeddingCache(EmbeddingPool(pool.shape), store, KEYSPACE, executor=io_b)
+    a.insert_batch([A], [embedding(A, 4)])
+    assert io_a.jobs and a.flush(timeout=1)  # nothing else would have run the put
+    assert io_a.threads == [threading.get_ident()] and a.counters.pushed == 1
+    b.prefetch("r", [A], [4], probe=False)
+    assert b.wait("r", timeout=1) and same(b.get([A])[0], embedding(A, 4))
+    assert b.wait("r", timeout=1) and len(io_b.threads) == 1  # nothing pending: nothing run
+    # an executor that is not joinable is left to its worker: here none, so the wait times out
+    c, io_c = node(store)
+    assert io_c is not None
+    c.insert_batch([B], [embedding(B, 4)])
+    assert not c.flush(timeout=0.01) and len(io_c.jobs) == 1
 
 
 def test_an_inline_executor_completes_the_put_before_commit_returns(

@@ -1,0 +1,190 @@
+"""``ThreadExecutor.run_queued``: a caller about to wait runs the queued jobs itself (issue 20).
+
+Whoever runs a job, the worker or a caller, the jobs run one at a time in submission order, merged
+as the worker merges them. Which side runs which job depends on the threads' timing, so these tests
+check only what holds under every timing, and park the worker in a job when a test needs to know.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from kvstrata.impl.executors import InlineExecutor, Joinable, ManualExecutor, ThreadExecutor
+
+
+class Gate:
+    """A job that keeps the worker busy until :meth:`open` (everything after it stays queued)."""
+
+    def __init__(self) -> None:
+        self.started = threading.Event()
+        self.opened = threading.Event()
+
+    def __call__(self) -> None:
+        self.started.set()
+        self.opened.wait(10)
+
+    def open(self) -> None:
+        self.opened.set()
+
+
+class Recorder:
+    """Jobs that log (name, thread) and fail the test's check when two ever overlap."""
+
+    def __init__(self) -> None:
+        self.log: list[tuple[str, int]] = []
+        self.active = 0
+        self.overlaps = 0
+
+    def job(self, name: str, pause: float = 0.0) -> object:
+        def run() -> None:
+            self.active += 1
+            self.overlaps += self.active > 1
+            if pause:
+                time.sleep(pause)
+            self.log.append((name, threading.get_ident()))
+            self.active -= 1
+
+        return run
+
+
+def parked(executor: ThreadExecutor) -> Gate:
+    """The worker held in a gate job (started, so no caller can take it)."""
+    gate = Gate()
+    executor.submit(gate)
+    assert gate.started.wait(10)
+    return gate
+
+
+def test_thread_executor_is_joinable_and_the_others_are_not() -> None:
+    executor = ThreadExecutor("test-joinable")
+    try:
+        assert isinstance(executor, Joinable)
+        assert not isinstance(ManualExecutor(), Joinable)  # a test decides when its jobs run
+        assert not isinstance(InlineExecutor(), Joinable)  # nothing is ever queued
+    finally:
+        executor.close()
+
+
+@pytest.mark.parametrize("pause", [0.0, 0.002])
+def test_run_queued_runs_every_job_in_order_and_never_beside_the_worker(pause: float) -> None:
+    executor = ThreadExecutor("test-order")
+    recorder = Recorder()
+    try:
+        gate = parked(executor)
+        for i in range(12):
+            executor.submit(recorder.job(f"j{i}", pause))
+        threading.Timer(0.05, gate.open).start()
+        executor.run_queued()  # waits for the gate's job, then takes what the worker has not
+        # everything submitted before the call has finished when it returns
+        assert [name for name, _ in recorder.log] == [f"j{i}" for i in range(12)]
+        assert recorder.overlaps == 0
+        assert not executor.busy
+    finally:
+        executor.close()
+
+
+def test_run_queued_runs_on_the_callers_thread_what_the_worker_did_not_take() -> None:
+    executor = ThreadExecutor("test-caller")
+    recorder = Recorder()
+    try:
+        gate = parked(executor)
+        executor.submit(recorder.job("a"))
+        # the worker is held: a caller with a timeout gives up and leaves the job queued
+        assert executor.run_queued(timeout=0.02) == 0
+        assert recorder.log == []
+        gate.open()
+        assert executor.wait_drained(10)
+        assert [name for name, _ in recorder.log] == ["a"]
+        # with the worker idle and the GIL held until the call, the caller takes the job
+        ran = 0
+        for i in range(20):
+            executor.submit(recorder.job(f"b{i}"))
+            ran += executor.run_queued()
+        mine = sum(ident == threading.get_ident() for _, ident in recorder.log)
+        assert ran == mine
+        assert ran >= 10  # the worker needs the GIL to take a job; the caller holds it
+        assert not executor.busy
+    finally:
+        executor.close()
+
+
+def test_run_queued_merges_as_the_worker_does() -> None:
+    log: list[tuple[str, ...]] = []
+
+    class Job:
+        merge_pages, merge_limit = 1, 3
+
+        def __init__(self, name: str, key: object) -> None:
+            self.name, self.merge_key = name, key
+
+        def __call__(self) -> None:
+            log.append((self.name,))
+
+        def run_merged(self, others: list[Job]) -> None:
+            log.append((self.name, *(other.name for other in others)))
+
+    executor = ThreadExecutor("test-merge-caller", merge=True)
+    try:
+        gate = parked(executor)
+        for name, key in [("a", 1), ("b", 1), ("c", 1), ("d", 1), ("e", 2), ("f", None)]:
+            executor.submit(Job(name, key))
+        threading.Timer(0.05, gate.open).start()
+        executor.run_queued()
+        assert log == [("a", "b", "c"), ("d",), ("e",), ("f",)]
+    finally:
+        executor.close()
+
+
+def test_after_job_and_the_drain_count_the_jobs_a_caller_ran() -> None:
+    bumps: list[int] = []
+    executor = ThreadExecutor("test-after", after_job=lambda: bumps.append(1))
+    recorder = Recorder()
+    try:
+        for i in range(5):
+            executor.submit(recorder.job(f"j{i}"))
+        executor.run_queued()
+        assert executor.wait_drained(0)  # nothing left: the count includes the caller's jobs
+        assert len(bumps) == 5
+    finally:
+        executor.close()
+
+
+def test_run_queued_does_nothing_on_the_worker_or_after_close() -> None:
+    executor = ThreadExecutor("test-reentry")
+    recorder = Recorder()
+    answers: list[int] = []
+
+    def reentrant() -> None:
+        executor.submit(recorder.job("late"))
+        answers.append(executor.run_queued())  # on the worker: it would run ahead of itself
+
+    executor.submit(reentrant)
+    assert executor.wait_drained(10)
+    assert answers == [0]
+    assert [name for name, _ in recorder.log] == ["late"]  # the worker ran it afterwards
+    executor.close()
+    executor.submit(recorder.job("after close"))
+    assert executor.run_queued() == 0
+    assert [name for name, _ in recorder.log] == ["late"]
+
+
+def test_a_job_that_raises_on_the_caller_is_logged_and_the_rest_run() -> None:
+    executor = ThreadExecutor("test-raise")
+    recorder = Recorder()
+
+    def boom() -> None:
+        raise RuntimeError("job failed")
+
+    try:
+        parked_gate = parked(executor)
+        executor.submit(boom)
+        executor.submit(recorder.job("after"))
+        threading.Timer(0.02, parked_gate.open).start()
+        executor.run_queued()
+        assert [name for name, _ in recorder.log] == ["after"]
+        assert not executor.busy
+    finally:
+        executor.close()
