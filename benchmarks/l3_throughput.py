@@ -31,9 +31,10 @@ Rows of the throughput table (per cell; ``time.perf_counter`` around the store c
    the put, ``batch_is_exist`` after it (the confirm), argument checks and status accounting;
    ``exists_first``: the same with ``exists_before_put=True`` (``batch_is_exist`` before the put
    too, then only the missing objects: the backend before issue 20);
-3. ``prefix`` (a what-if, not the library): the same backend whose key space renders each key as a
-   cached prefix plus the page hash's hex (identical strings, checked), to show what the key-rendering
-   cost amounts to;
+3. ``direct_twin``: a second ``MooncakeBackend`` like ``direct`` on the same client and pool: the same
+   code measured twice in one run, so the gap between the two rows is the run's own spread on the
+   kvstrata side (``raw_same`` shows it on the raw side). It replaced a what-if that cached key
+   prefixes: since ``KeySpace.rendered`` the backend renders a batch's keys that way itself;
 4. ``staged``: ``MooncakeBackend`` on a ``page_first`` pool, whose objects pass through the registered
    staging buffer (a gather/transpose copy before each put, a scatter after each get);
 5. ``cache`` (informative): *backup* is the time from the first ``insert`` of ``total / batch``
@@ -52,7 +53,7 @@ Rows of the throughput table (per cell; ``time.perf_counter`` around the store c
    cores as the store's TCP transfer, so the ``cache`` row's backup shares the CPU with it (a GPU's
    copy engine would not); *prefetch* is measured again as in ``cache``.
 
-Method. Rows 1-4 (with ``exists_first``) are interleaved call by call: for each batch the five paths
+Method. Rows 1-4 (with ``exists_first``) are interleaved call by call: for each batch the paths
 issue their call in an order that rotates from batch to batch, so that a burst of load from other
 processes on this shared machine falls on all of them alike; first every put, then every get, then
 ``remove_all(force=True)`` and one 4 KiB primer put (both untimed: the first put after
@@ -74,7 +75,8 @@ third per small call, so the headline ratio is against the instance ``exists`` i
 against ``MooncakeClient.batch_is_exist`` of them (the call ``exists`` makes), interleaved with each
 path first in turn, for stored pages (hits; each grants a lease) and for pages never stored
 (misses): median microseconds, with the time ``KeySpace.rendered`` takes for those pages in Python
-(without the C kernel ``exists`` uses) and the ``prefix`` what-if's ``exists``.
+(without the C kernel ``exists`` uses) and the ``exists`` of a second backend like the first
+(``twin``: the same code again).
 
 Exit status: 0 when everything ran; 1 when a store call failed, bytes came back wrong or a cache op did
 not complete (one line on stderr, no traceback); 2 when the cluster cannot be started here.
@@ -101,7 +103,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-import attrs
 import numpy as np
 import numpy.typing as npt
 import torch
@@ -114,7 +115,7 @@ from kvstrata.impl.storage.base import GetStatus, PutStatus
 from kvstrata.impl.storage.link import Lanes
 from kvstrata.impl.storage.mooncake import LocalCluster, MooncakeBackend, MooncakeClient
 from kvstrata.impl.transfer import Executor, ThreadExecutor
-from kvstrata.model.keys import KeySpace, KVKind, ModelIdentity, Namespace, PageHash, StoreKey
+from kvstrata.model.keys import KeySpace, KVKind, ModelIdentity, Namespace, PageHash
 
 KIB = 1 << 10
 MIB = 1 << 20
@@ -132,7 +133,7 @@ INTERLEAVED = (
     "raw_same",
     "direct",
     "exists_first",
-    "prefix",
+    "direct_twin",
     "staged",
     "raw_one_object",
     "direct_one_object",
@@ -147,7 +148,7 @@ PATH_NAMES = {
     "one_object_parts": "backend, key schema 2, page_first_direct (K and V runs as one object)",
     "direct": "backend, page_first_direct (zero-copy)",
     "exists_first": "direct with `exists_before_put` (before issue 20)",
-    "prefix": "what-if: direct with prefix-cached keys",
+    "direct_twin": "backend, page_first_direct, a second instance (the same code as direct)",
     "staged": "backend, page_first (staged)",
     "cache_raw": "raw, run in each cache repetition",
     "cache": "cache backup / prefetch",
@@ -261,30 +262,6 @@ class RawStore:
             self.native = None
 
 
-# ------------------------------------------------------------------------------------- the what-if
-@attrs.frozen
-class PrefixKeySpace(KeySpace):
-    """What-if (not the library): the same key strings, but everything before the page hash is
-    rendered once per (namespace, pool) by the real ``KeySpace.page_keys`` and cached."""
-
-    # not ``_prefixes``: that name is KeySpace's own memo (one prefix per component), which
-    # ``KeySpace.key`` reads and writes with other keys
-    _page_prefixes: dict[tuple[Namespace, str], tuple[str, ...]] = attrs.field(
-        factory=dict, init=False, eq=False, repr=False
-    )
-
-    def page_keys(
-        self, namespace: Namespace, page_hash: PageHash, pool: str = "kv"
-    ) -> tuple[StoreKey, ...]:
-        prefixes = self._page_prefixes.get((namespace, pool))
-        if prefixes is None:
-            probe = KeySpace.page_keys(self, namespace, PageHash(bytes(32)), pool)
-            prefixes = tuple(key.text[: -len(bytes(32).hex())] for key in probe)
-            self._page_prefixes[(namespace, pool)] = prefixes
-        tail = page_hash.digest.hex()
-        return tuple(StoreKey(prefix + tail) for prefix in prefixes)
-
-
 # -------------------------------------------------------------------------------------------- helpers
 def fresh_pages(label: str, count: int) -> list[PageHash]:
     """``count`` page hashes no other call returns (``label`` makes them unique)."""
@@ -311,14 +288,6 @@ def model_of(cell: Cell) -> ModelIdentity:
 
 def keyspace_of(cell: Cell, schema: int = 1) -> KeySpace:
     return KeySpace(model=model_of(cell), tag="bench", schema=schema)
-
-
-def prefix_keyspace_of(cell: Cell) -> PrefixKeySpace:
-    keyspace = PrefixKeySpace(model=model_of(cell), tag="bench")
-    probe = fresh_pages("probe", 1)[0]
-    if keyspace.page_keys(NAMESPACE, probe) != keyspace_of(cell).page_keys(NAMESPACE, probe):
-        raise BenchError("the prefix what-if renders other keys than KeySpace.page_keys")
-    return keyspace
 
 
 def key_texts(keyspace: KeySpace, pages: Sequence[PageHash]) -> list[str]:
@@ -748,7 +717,7 @@ def run_cell(
     backends = {
         "direct": MooncakeBackend(client, keyspace),
         "exists_first": MooncakeBackend(client, keyspace, exists_before_put=True),
-        "prefix": MooncakeBackend(client, prefix_keyspace_of(cell)),
+        "direct_twin": MooncakeBackend(client, keyspace),
         "staged": MooncakeBackend(client, keyspace),
         "direct_one_object": MooncakeBackend(client, one_object),
         "one_object_parts": MooncakeBackend(client, one_object),
@@ -759,7 +728,7 @@ def run_cell(
     try:
         backends["direct"].attach(direct)
         backends["exists_first"].attach(direct)  # the same registration, counted again
-        backends["prefix"].attach(direct)
+        backends["direct_twin"].attach(direct)
         backends["staged"].attach(staged)
         backends["direct_one_object"].attach(major)
         backends["one_object_parts"].attach(direct)
@@ -770,7 +739,7 @@ def run_cell(
                 "raw_same": RawPath(SameInstance(client), direct, cell, keyspace),
                 "direct": BackendPath(backends["direct"], direct, cell),
                 "exists_first": BackendPath(backends["exists_first"], direct, cell),
-                "prefix": BackendPath(backends["prefix"], direct, cell),
+                "direct_twin": BackendPath(backends["direct_twin"], direct, cell),
                 "staged": BackendPath(backends["staged"], staged, cell),
                 "raw_one_object": RawPath(raw, major, cell, one_object),
                 "direct_one_object": BackendPath(backends["direct_one_object"], major, cell),
@@ -786,7 +755,7 @@ def run_cell(
                     samples[name].put.append(put_s)
                     samples[name].get.append(get_s)
             cached = "direct_one_object" if cache_schema == 2 else "direct"
-            for name in ("prefix", "staged", "exists_first", *ONE_OBJECT):
+            for name in ("direct_twin", "staged", "exists_first", *ONE_OBJECT):
                 if name != cached:
                     backends[name].close()
             if with_cache:
@@ -895,12 +864,12 @@ def exists_paths(
     *,
     spare: RawStore,
 ) -> dict[str, Callable[[], object]]:
-    """The timed calls of one exists row, by name: ``backends`` are kvstrata's and the what-if's
+    """The timed calls of one exists row, by name: ``backends`` are kvstrata's and its twin's
     (``keys``: what ``exists`` renders, issue 20). Raw runs on three native instances of the same
     master: the benchmark's raw client (``native``), kvstrata's own (``raw_same``: the baseline
     of the headline ratio, the same instance ``exists`` calls) and a second raw client set up
     like the first (``raw_second``), which shows how far two instances differ on their own."""
-    backend, whatif = backends
+    backend, twin = backends
     keyspace = backend.keyspace
     rendered = keyspace.rendered(NAMESPACE, pages)
     same, second = SameInstance(client).native, spare.native
@@ -910,7 +879,7 @@ def exists_paths(
         "raw_second": lambda: second.batch_is_exist(texts),
         "client": lambda: client.batch_is_exist(rendered),
         "kvstrata": lambda: backend.exists(NAMESPACE, pages),
-        "prefix": lambda: whatif.exists(NAMESPACE, pages),
+        "twin": lambda: twin.exists(NAMESPACE, pages),
         "keys": lambda: keyspace.rendered(NAMESPACE, pages),
     }
 
@@ -918,19 +887,19 @@ def exists_paths(
 def run_exists(
     cell: Cell, client: MooncakeClient, raw: RawStore, quick: bool
 ) -> list[dict[str, Any]]:
-    """Latency of ``exists`` (kvstrata, and the prefix what-if) and of the raw ``batch_is_exist`` on
+    """Latency of ``exists`` (kvstrata, twice: two backends alike) and of the raw ``batch_is_exist`` on
     the same keys."""
     count = max(EXISTS_SIZES)
     keyspace = keyspace_of(cell)
     host = HostKVPool(shape_of(cell), count, HostLayout.PAGE_FIRST_DIRECT, pin_memory=False)
     fill(host, 5 << 40)
     backend = MooncakeBackend(client, keyspace)
-    whatif = MooncakeBackend(client, prefix_keyspace_of(cell))
+    twin = MooncakeBackend(client, keyspace)
     spare = RawStore(client.config.master, client.config.local_buffer_size)
     rows = []
     try:
         backend.attach(host)
-        whatif.attach(host)
+        twin.attach(host)
         stored = fresh_pages("exists/stored", count)
         for chunk in batches(list(range(count)), 256):
             statuses = backend.put(NAMESPACE, [stored[i] for i in chunk], list(chunk))
@@ -944,7 +913,7 @@ def run_exists(
                 texts = key_texts(keyspace, pages)
                 want_raw = [1 if kind == "hit" else 0] * len(texts)
                 want = n if kind == "hit" else 0
-                calls = exists_paths(native, client, (backend, whatif), texts, pages, spare=spare)
+                calls = exists_paths(native, client, (backend, twin), texts, pages, spare=spare)
                 times: dict[str, list[float]] = {name: [] for name in calls}
                 order = list(calls)
                 for rep in range(reps):
@@ -960,16 +929,16 @@ def run_exists(
                         for name in ("raw_same", "raw_second")
                     ):
                         raise BenchError(f"exists of {n} pages ({kind}): the raw instances differ")
-                    found, found_whatif = answers["kvstrata"], answers["prefix"]
+                    found, found_twin = answers["kvstrata"], answers["twin"]
                     if (
                         codes != want_raw
                         or answers["client"] != want_raw
                         or found != want
-                        or found_whatif != want
+                        or found_twin != want
                     ):
                         raise BenchError(
                             f"exists of {n} pages ({kind}): raw {sorted(set(codes))}, "
-                            f"kvstrata {found}, what-if {found_whatif}"
+                            f"kvstrata {found}, twin {found_twin}"
                         )
                 rows.append(
                     {
@@ -982,13 +951,13 @@ def run_exists(
                         "raw_second_us": median_us(times["raw_second"]),
                         "client_us": median_us(times["client"]),
                         "kvstrata_us": median_us(times["kvstrata"]),
-                        "prefix_us": median_us(times["prefix"]),
+                        "twin_us": median_us(times["twin"]),
                         "key_render_us": median_us(times["keys"]),
                     }
                 )
     finally:
         spare.close()
-        whatif.close()
+        twin.close()
         backend.close()
         clear(client, raw)
     return rows
@@ -1176,7 +1145,7 @@ def print_tables(result: dict[str, Any]) -> None:
         print(
             "| pages (keys) | lookup | raw µs: benchmark's client / second client / kvstrata's "
             "instance | kvstrata's client µs | kvstrata `exists` µs | **÷ raw, same instance** "
-            "| ÷ raw, benchmark's client | ÷ client | key rendering µs | what-if prefix keys µs |"
+            "| ÷ raw, benchmark's client | ÷ client | key rendering µs | a second backend's `exists` µs |"
         )
         print("|---|---|---|---:|---:|---:|---:|---:|---:|---:|")
         for row in result["exists"]:
@@ -1187,7 +1156,7 @@ def print_tables(result: dict[str, Any]) -> None:
                 f"**{row['kvstrata_us'] / row['raw_same_us']:.2f}** | "
                 f"{row['kvstrata_us'] / row['raw_us']:.2f} | "
                 f"{row['kvstrata_us'] / row['client_us']:.2f} | "
-                f"{row['key_render_us']:.0f} | {row['prefix_us']:.0f} |"
+                f"{row['key_render_us']:.0f} | {row['twin_us']:.0f} |"
             )
     print()
     for cell in result["cells"]:
