@@ -113,6 +113,14 @@ class MooncakeClient:
         """This client's segment name (``host:port``) once set up."""
         return self._hostname
 
+    @property
+    def native_store(self) -> Any:
+        """The native ``MooncakeDistributedStore`` this client calls once set up (``None`` before
+        and after close): for calls kvstrata does not wrap, and for benchmarks that time the raw
+        API on the same connection. A call made on it bypasses this client: no gate against a
+        concurrent close, no argument checks, no error classification."""
+        return self._native
+
     def _advance(self, event: ClientEvent) -> None:
         target = TRANSITIONS.get((self._state, event))
         if target is None:  # pragma: no cover - every caller checks first

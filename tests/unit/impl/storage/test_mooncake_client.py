@@ -241,9 +241,10 @@ def test_client_refuses_every_call_before_setup_without_touching_native() -> Non
     ):
         with pytest.raises(StoreUnavailable, match="new"):
             call()
+    assert client.native_store is None  # nothing to call before setup
     client.close()
     client.close()
-    assert client.state is ClientState.CLOSED
+    assert client.state is ClientState.CLOSED and client.native_store is None
     with pytest.raises(StoreUnavailable, match="after close"):
         client.setup()
     with pytest.raises(MisuseError):
@@ -291,6 +292,8 @@ def test_client_round_trip_and_removal(mooncake_store: MooncakeClient) -> None:
         assert torch.equal(buffer[2 * size : 4 * size], buffer[: 2 * size])
         assert client.batch_remove(keys[:1], force=True) == [0]
         assert client.batch_is_exist(keys) == [0, 1]
+        # the native instance the client calls: the same connection, the same objects
+        assert client.native_store.batch_is_exist([k.text for k in keys]) == [0, 1]
         assert client.remove_all(force=True) == 1
         assert client.batch_is_exist([]) == []
     finally:
