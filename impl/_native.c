@@ -17,7 +17,8 @@
  * share.
  *
  * All must give byte for byte what the portable Python versions give (tests/unit/impl/test_kernels.py).
- * Everything is plain C99 over caller-owned buffers; there is no global mutable state.
+ * Everything is plain C99 over caller-owned buffers. The only globals: the NH loop chosen once at
+ * import, and the count of forks kept by the hashing thread's fork handler (_native_hasher.c).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>

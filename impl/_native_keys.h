@@ -2,7 +2,7 @@
 #ifndef KVSTRATA_NATIVE_KEYS_H
 #define KVSTRATA_NATIVE_KEYS_H
 
-#include <Python.h>
+#include "_native.h"
 
 #define JOIN_KEYS_DOC                                                                            \
     "join_keys(prefixes, pages, page_type, /) -> list[str] | None\n\n"                        \
@@ -10,6 +10,6 @@
     "digits: KeySpace.rendered's texts. None where Python must decide: pages not a list or a\n"  \
     "tuple, a page not a page_type, a digest not 32 bytes, a prefix not an ASCII str."
 
-PyObject *join_keys(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
+NATIVE_INTERNAL PyObject *join_keys(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
 
 #endif

@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from typing import Protocol, TypeVar, runtime_checkable
@@ -59,7 +60,9 @@ class Joinable(Protocol):
     """An executor whose queued jobs a caller that is about to wait for them may run itself, on its
     own thread, in their order (:meth:`ThreadExecutor.run_queued`)."""
 
-    def run_queued(self, timeout: float | None = None) -> int: ...
+    def run_queued(
+        self, timeout: float | None = None, until: Callable[[], bool] | None = None
+    ) -> int: ...
 
 
 @runtime_checkable
@@ -102,7 +105,8 @@ class _Group:
         if self.key is None or getattr(job, "merge_key", None) != self.key:
             return False
         first = self.jobs[0]
-        assert isinstance(first, Mergeable) and isinstance(job, Mergeable)
+        if not isinstance(first, Mergeable) or not isinstance(job, Mergeable):
+            return False  # a merge_key alone does not make a job mergeable
         if self.pages + job.merge_pages > first.merge_limit:
             return False
         self.jobs.append(job)
@@ -144,6 +148,7 @@ class ThreadExecutor:
         self._queued = threading.Condition(self._lock)
         self._drained = threading.Condition(self._lock)
         self._running = threading.Lock()  # held while a group is taken and run
+        self._holder: int | None = None  # the caller thread holding _running, if one does
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -163,28 +168,38 @@ class ThreadExecutor:
             return group
 
     def _execute(self, group: _Group) -> None:
+        """Run ``group``; its jobs count as finished whatever happens, also when something other
+        than an ``Exception`` (a ``KeyboardInterrupt`` on a caller's thread) goes through."""
         try:
-            group.run()
-        except Exception:
-            log.exception("kvstrata: background job raised")
-        for _ in group.jobs:
-            if self._after_job is not None:
-                self._after_job()
-        with self._lock:
-            self._unfinished -= len(group.jobs)
-            self._drained.notify_all()
+            try:
+                group.run()
+            except Exception:
+                log.exception("kvstrata: background job raised")
+        finally:
+            try:
+                if self._after_job is not None:
+                    for _ in group.jobs:
+                        self._after_job()
+            finally:
+                with self._lock:
+                    self._unfinished -= len(group.jobs)
+                    self._drained.notify_all()
 
     def _run(self) -> None:
         while True:
             with self._lock:
                 while not self._queue:
                     self._queued.wait()
-                if self._queue[0] is None:
-                    return
-            with self._running:
-                group = self._take()
-                if group is not None:
-                    self._execute(group)
+            with self._running:  # the stop mark too: a caller's job ends before the worker does
+                with self._lock:
+                    if self._queue and self._queue[0] is None:
+                        return
+                try:
+                    group = self._take()
+                    if group is not None:
+                        self._execute(group)
+                except Exception:  # never lose the worker: later jobs would never run
+                    log.exception("kvstrata: the background worker failed on a job")
 
     def submit(self, job: Callable[[], None]) -> None:
         with self._lock:
@@ -192,18 +207,27 @@ class ThreadExecutor:
             self._queue.append(job)
             self._queued.notify()
 
-    def run_queued(self, timeout: float | None = None) -> int:
+    def run_queued(
+        self, timeout: float | None = None, until: Callable[[], bool] | None = None
+    ) -> int:
         """Run on this thread every job queued now or while this runs, in submission order, each
         after the job the worker may be running (never beside it), merged as the worker would;
         how many ran. It stops early when ``timeout`` seconds pass waiting for the worker's job
         (the rest stays queued for the worker), and runs nothing when called from the worker or
-        after :meth:`close`. A job this runs runs to its end: ``timeout`` does not cut it."""
-        if threading.current_thread() is self._thread:
+        after :meth:`close`. A job this runs runs to its end: ``timeout`` does not cut it. With
+        ``until``, it stops before the next job once ``until()`` is true (the caller's own result
+        arrived: the jobs behind it stay with the worker). A job that calls it again on the same
+        thread gets 0 (the jobs must not run ahead of the one running)."""
+        me = threading.get_ident()
+        if threading.current_thread() is self._thread or self._holder == me:
             return 0
+        deadline = None if timeout is None else time.monotonic() + timeout
         ran = 0
-        while True:
-            if not self._running.acquire(timeout=-1 if timeout is None else timeout):
+        while until is None or not until():
+            left = -1.0 if deadline is None else max(deadline - time.monotonic(), 0.0)
+            if not self._running.acquire(timeout=left):
                 return ran
+            self._holder = me
             try:
                 group = self._take()
                 if group is None:
@@ -211,7 +235,9 @@ class ThreadExecutor:
                 self._execute(group)
                 ran += len(group.jobs)
             finally:
+                self._holder = None
                 self._running.release()
+        return ran
 
     @property
     def busy(self) -> bool:

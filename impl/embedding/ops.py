@@ -25,6 +25,7 @@ Invariants upheld here alone:
 from __future__ import annotations
 
 import queue
+import time
 from collections.abc import Sequence
 
 import attrs
@@ -40,6 +41,15 @@ from kvstrata.model.lifecycles import EntryEvent
 __all__ = ["POOL", "Item", "Op", "Ops"]
 
 POOL = "emb"
+
+
+def _deadline(timeout: float | None) -> float | None:
+    return None if timeout is None else time.monotonic() + timeout
+
+
+def _left(deadline: float | None) -> float | None:
+    """Seconds to ``deadline`` (never negative); ``None``: no deadline."""
+    return None if deadline is None else max(deadline - time.monotonic(), 0.0)
 
 
 @attrs.frozen
@@ -81,6 +91,7 @@ class Ops:
         self._requests: dict[str, int | None] = {}
         self._results: queue.SimpleQueue[tuple[int, list[ExtentStatus]]] = queue.SimpleQueue()
         self._next_op = 0
+        self._landed: set[int] = set()  # ops whose result is queued (added on the I/O side)
         self._unit_labels: dict[int, tuple[str, ...]] = {}
 
     # ----------------------------------------------------------------------------- queries
@@ -156,11 +167,14 @@ class Ops:
         call = self.store.put if push else self.store.get
 
         def job() -> None:
+            done = [ExtentStatus.FAILED] * len(extents)
             try:
                 done = call(extents)
             except Exception:  # a job never raises into the executor: the op failed
-                done = [ExtentStatus.FAILED] * len(extents)
-            self._results.put((op.op_id, done))
+                pass
+            finally:  # also for an interrupt on a caller's thread: the op is never left pending
+                self._landed.add(op.op_id)
+                self._results.put((op.op_id, done))
 
         self.executor.submit(job)
         return op.op_id
@@ -175,29 +189,33 @@ class Ops:
         return count
 
     def wait(self, op_id: int | None, timeout: float | None) -> bool:
-        """Apply results until op ``op_id`` was applied; ``False`` if ``timeout`` passed first."""
-        if op_id in self._ops:
-            self._run_queued(timeout)
+        """Apply results until op ``op_id`` was applied; ``False`` if ``timeout`` seconds (in all)
+        passed first. The jobs queued up to this op's run on this thread (see the note below);
+        the ones behind it stay with the worker."""
+        deadline = _deadline(timeout)
+        if op_id in self._ops and self._joinable is not None:
+            landed = self._landed
+            self._joinable.run_queued(_left(deadline), until=lambda: op_id in landed)
         while op_id in self._ops:
-            if not self._apply_next(timeout):
+            if not self._apply_next(_left(deadline)):
                 return False
         return True
 
     def flush(self, timeout: float | None) -> bool:
-        """Apply results until no op is pending; ``False`` if ``timeout`` passed first."""
-        self._run_queued(timeout)
+        """Apply results until no op is pending; ``False`` if ``timeout`` seconds (in all) passed
+        first. The jobs still queued run on this thread (see the note below)."""
+        deadline = _deadline(timeout)
+        if self._ops and self._joinable is not None:
+            self._joinable.run_queued(_left(deadline))
         while self._ops:
-            if not self._apply_next(timeout):
+            if not self._apply_next(_left(deadline)):
                 return False
         return True
 
-    def _run_queued(self, timeout: float | None) -> None:
-        """Before a wait: run the jobs still queued on this thread, when the executor lets a
-        waiter do so (a :class:`~kvstrata.impl.executors.Joinable` thread executor), instead of
-        handing them to its worker and waiting for its wake-up and then for ours (issue 20: on a
-        2-core VM that hand-off cost more than a 128 KiB store call)."""
-        if self._ops and self._joinable is not None:
-            self._joinable.run_queued(timeout)
+    # Why a waiter runs the queued jobs itself (a Joinable thread executor): handing them to the
+    # worker and waiting for its wake-up, then for ours, cost more than a 128 KiB store call on a
+    # 2-core VM (issue 20). The timeout bounds the waiting; a store call made on this thread runs
+    # to its end (bounded by the store client's own timeouts), as with an InlineExecutor.
 
     def _apply_next(self, timeout: float | None) -> bool:
         try:
@@ -213,6 +231,7 @@ class Ops:
         a get item is freed and forgotten). A result list of the wrong length fails what it does
         not cover."""
         op = self._ops.pop(op_id)
+        self._landed.discard(op_id)
         statuses = iter(done)
         ok = failed = full = 0
         for item in op.items:

@@ -5,7 +5,7 @@ Mooncake's per-key codes, and bad input (a typed error, nothing changed)."""
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 import torch
@@ -407,9 +407,11 @@ class CallerRuns(ManualExecutor):
         super().__init__()
         self.threads: list[int] = []
 
-    def run_queued(self, timeout: float | None = None) -> int:
+    def run_queued(
+        self, timeout: float | None = None, until: Callable[[], bool] | None = None
+    ) -> int:
         ran = 0
-        while self.jobs:
+        while self.jobs and not (until is not None and until()):
             self.threads.append(threading.get_ident())
             self.run_next()
             ran += 1
@@ -426,8 +428,11 @@ def test_flush_and_wait_run_the_queued_jobs_on_the_callers_thread() -> None:
     assert io_a.jobs and a.flush(timeout=1)  # nothing else would have run the put
     assert io_a.threads == [threading.get_ident()] and a.counters.pushed == 1
     b.prefetch("r", [A], [4], probe=False)
+    b.prefetch("later", [C], [4], probe=False)
     assert b.wait("r", timeout=1) and same(b.get([A])[0], embedding(A, 4))
+    assert len(io_b.threads) == 1 and len(io_b.jobs) == 1  # the get behind it stays queued
     assert b.wait("r", timeout=1) and len(io_b.threads) == 1  # nothing pending: nothing run
+    assert b.wait("later", timeout=1) and len(io_b.threads) == 2
     # an executor that is not joinable is left to its worker: here none, so the wait times out
     c, io_c = node(store)
     assert io_c is not None
