@@ -202,16 +202,18 @@ class TpModel:
                 if value == CopyFact.FAILED:
                     stopped.add(kind)  # every pending op of the direction failed with it
             elif kind is FactKind.BACKUP and value != BackupFact.PENDING:
-                verb = "ack_backup" if value == BackupFact.STORED else "fail_backup"
-                self._apply(verb, op_id)
+                if value == BackupFact.STORED:  # every rank's job saw all of it: not checked again
+                    self._apply("ack_backup", op_id, agreed=True)
+                else:
+                    self._apply("fail_backup", op_id)
             elif kind is FactKind.READ and value:
                 self._apply("prefetch_finish", op_id, value - 1)
         self._forget_settled()
         self.check()
         return agreed
 
-    def _apply(self, verb: str, *args: int) -> None:
-        results = [getattr(rank, verb)(*args) for rank in self.ranks]
+    def _apply(self, verb: str, *args: int, **kwargs: bool) -> None:
+        results = [getattr(rank, verb)(*args, **kwargs) for rank in self.ranks]
         if any(result != results[0] for result in results[1:]):
             raise InvariantViolation("TP ranks agree", f"an agreed fact gave {results}")
 

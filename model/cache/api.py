@@ -387,15 +387,15 @@ class CacheModel:
         """The store worker starts the oldest queued backup: exists-then-put-missing, puts begun."""
         return self._step(self._backup.start, self._backup.op(BackupState.QUEUED))
 
-    def ack_backup(self, op_id: int | None = None) -> int:
+    def ack_backup(self, op_id: int | None = None, *, agreed: bool = False) -> int:
         """The oldest in-flight backup (or op ``op_id``) completes: its objects become visible, host
-        pins drop. A key another writer held (``begin_put``) may still be invisible: such pages are
-        queued again, not reported backed up (I2, I4). Returns the pages now durable in L3."""
-        return self._step(self._backup.ack, self._backup.op(BackupState.IN_FLIGHT, op_id))
+        pins drop; a page with an object not visible (another writer's key) is queued again (I2,
+        I4), unless ``agreed`` (TP: see ``Backup.ack``). Returns the pages now durable in L3."""
+        in_flight = self._backup.op(BackupState.IN_FLIGHT, op_id)
+        return self._step(self._backup.ack, in_flight, agreed=agreed)
 
     def fail_backup(self, op_id: int | None = None) -> int:
-        """The oldest in-flight backup (or op ``op_id``) fails: its puts are aborted and it is
-        queued again (retried later, never dropped; host pages stay pinned)."""
+        """The oldest in-flight backup (or op ``op_id``) fails: puts aborted, queued again."""
         return self._step(self._backup.fail, self._backup.op(BackupState.IN_FLIGHT, op_id))
 
     def store_evict(self, key: StoreKey) -> bool:

@@ -103,11 +103,16 @@ class Backup:
         op.state = state
         return op.op_id
 
-    def ack(self, op: BackupOp) -> int:
+    def ack(self, op: BackupOp, *, agreed: bool = False) -> int:
         """``op``'s puts complete, then the writer checks what a reader would see: a page counts as
         stored only if every object of it is visible *now* (the store accepted each put, but may
         lag or lose it, and a key another writer held may still be invisible). Stored pages drop
-        their host pins; the rest are queued again, pins kept (I2, I4). Returns the pages stored."""
+        their host pins; the rest are queued again, pins kept (I2, I4). Returns the pages stored.
+
+        ``agreed`` (a TP group's agreed verdict ``STORED``): every rank's job already made that
+        check and saw every object, so it is not made again. Each rank's store may have lost an
+        object of its own shard since (the store's own loss, which a later query sees), and a
+        check made now would end the op differently on different ranks."""
         begun = set(op.begun)
         page_objs = [page_objects(self.config, op.namespace, p) for p in op.pages]
         state_objs = [state_objects(self.config, op.namespace, p) for p in op.states]
@@ -125,8 +130,12 @@ class Backup:
             for component, key in objects:
                 if key in begun:
                     self.store.end_put(key, (named, component))
-        visible_after = [all(self.store.contains(key) for _c, key in objs) for objs in page_objs]
-        states_after = [all(self.store.contains(key) for _c, key in objs) for objs in state_objs]
+        visible_after = [
+            agreed or all(self.store.contains(key) for _c, key in objs) for objs in page_objs
+        ]
+        states_after = [
+            agreed or all(self.store.contains(key) for _c, key in objs) for objs in state_objs
+        ]
         event = BackupEvent.ACK if all(visible_after + states_after) else BackupEvent.RETRY
         state = BACKUP_OP.next(op.state, event)
         done = [page for page, ok in zip(op.pages, visible_after, strict=True) if ok]

@@ -224,6 +224,28 @@ class TpModelMachine(RuleBasedStateMachine):
         rank.store_evict(key)
         event(f"one rank's store lost a {parse_store_key(key).pool} object")
 
+    @rule(data=st.data())
+    def store_loses_in_flight(self, data: st.DataObject) -> None:
+        """One rank's store drops an object of a page whose backup is in flight (one stored
+        before, which that backup does not put again). Each rank's job checked the store when it
+        returned, so an agreed ``stored`` must end the op alike on every rank (the fuzz run's find:
+        an ack that looked at the store again ended it per rank). A no-op when nothing fits, not
+        a precondition (a rule set that swarm testing leaves with only failed preconditions
+        aborts the example)."""
+        pages = {
+            page
+            for op in self.tp.ranks[0].backup_ops
+            if op.state is BackupState.IN_FLIGHT
+            for page in op.pages
+        }
+        rank = self.tp.ranks[self.rank(data)]
+        items = [item for item in rank.store.visible_items() if item[1][0] in pages]
+        if not items:
+            return
+        key, _ = data.draw(st.sampled_from(items), label="lost key")
+        rank.store_evict(key)
+        event("one rank's store lost an object of a page whose backup is in flight")
+
     def everything_lands(self) -> None:
         """Every rank finishes every job it has, successfully, and the ranks agree (twice: the
         backups of the acked write-throughs, then their results)."""

@@ -3,8 +3,21 @@ that differs between ranks is detected, never applied."""
 
 from __future__ import annotations
 
+import attrs
 import pytest
 
+from kvstrata.model.cache import CacheConfig, CacheModel, WritePolicy
+from kvstrata.model.cluster import TpModel
+from kvstrata.model.keys import (
+    DEFAULT_NAMESPACE,
+    KeySpace,
+    KVKind,
+    ModelIdentity,
+    Shard,
+    chain_page_hashes,
+)
+from kvstrata.model.lifecycles import BackupState
+from kvstrata.model.store import StoreModel
 from kvstrata.model.tp import (
     BackupFact,
     CopyFact,
@@ -56,3 +69,69 @@ def test_a_state_is_used_only_when_every_rank_read_the_same_page() -> None:
     assert read_state_agreed(3, 3)
     assert not read_state_agreed(2, 3)
     assert not read_state_agreed(0, 0)
+
+
+def test_an_agreed_backup_ends_alike_on_every_rank_after_one_ranks_store_lost_an_object() -> None:
+    """The fuzz run's find (2026-11-27): a backup op holds a page stored before; one rank's store
+    loses an object of it after the jobs returned. The agreed ``stored`` must end the op on every
+    rank alike, not by each rank's store as it is now."""
+    identity = ModelIdentity("tiny", "bf16", KVKind.MHA, page_size=1)
+    base = CacheConfig(
+        page_size=1,
+        device_pages=7,
+        host_pages=7,
+        write_policy=WritePolicy.WRITE_THROUGH,
+        write_through_threshold=1,
+        prefetch_threshold=1,
+        keys=KeySpace(identity),
+    )
+    tp = TpModel(
+        [
+            CacheModel(
+                attrs.evolve(base, keys=KeySpace(identity, shard=Shard(tp_rank=r, tp_size=2))),
+                StoreModel(),
+            )
+            for r in range(2)
+        ]
+    )
+    tokens = (1, 2, 3, 4)
+    pages = chain_page_hashes(tokens, 1, DEFAULT_NAMESPACE)
+
+    def insert() -> None:
+        result = tp.each("match_prefix", tokens, DEFAULT_NAMESPACE)
+        fresh = tp.each("alloc_device", len(pages) - result.device_pages)
+        for rank in tp.ranks:
+            for slot, page in zip(fresh, pages[result.device_pages :], strict=True):
+                rank.write_device(slot, page)
+        tp.each("insert", tokens, DEFAULT_NAMESPACE, result.device_slots + fresh)
+
+    def land_everything() -> None:
+        for _ in range(3):
+            model = tp.ranks[0]
+            while any(op.state is BackupState.QUEUED for op in model.backup_ops):
+                tp.each("start_backup")
+            for reports in tp.reports:
+                for op in model.write_ops:
+                    reports.copies.setdefault(op.op_id, True)
+                for backup in model.backup_ops:
+                    reports.backups.setdefault(backup.op_id, True)
+            tp.agree()
+
+    insert()
+    land_everything()  # every page in L2 and in every rank's store
+    tp.each("evict", 1)
+    tp.each("evict_host", 1)  # the last page leaves L2 (and L1)
+    insert()  # computed again: its write-through, then a backup of the node's pages
+    for rank in range(2):
+        for _ in tp.ranks[0].write_ops:
+            tp.copy_done(rank, write=True, landed=True)
+    tp.agree()
+    tp.each("start_backup")
+    (op,) = [op for op in tp.ranks[0].backup_ops if op.state is BackupState.IN_FLIGHT]
+    for rank in range(2):
+        tp.backup_done(rank, op.op_id, stored=True)
+    lost = next(key for key, (page, _c) in tp.ranks[0].store.visible_items() if page in op.pages)
+    tp.ranks[0].store_evict(lost)  # rank 0's shard only, after the jobs returned
+    tp.agree()  # no InvariantViolation: the ranks end the op alike
+    assert not any(o.state is BackupState.IN_FLIGHT for o in tp.ranks[0].backup_ops)
+    assert [len(rank.backup_ops) for rank in tp.ranks] == [0, 0]
