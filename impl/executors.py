@@ -31,11 +31,23 @@ __all__ = [
     "Mergeable",
     "Stepped",
     "ThreadExecutor",
+    "deadline_after",
     "drain",
+    "seconds_left",
 ]
 
 log = logging.getLogger("kvstrata.transfer")
 T = TypeVar("T")
+
+
+def deadline_after(timeout: float | None) -> float | None:
+    """The ``time.monotonic()`` reading ``timeout`` seconds from now; ``None``: no deadline."""
+    return None if timeout is None else time.monotonic() + timeout
+
+
+def seconds_left(deadline: float | None) -> float | None:
+    """Seconds to ``deadline`` (never negative); ``None``: no deadline."""
+    return None if deadline is None else max(deadline - time.monotonic(), 0.0)
 
 
 def drain(results: queue.SimpleQueue[T]) -> list[T]:
@@ -221,11 +233,11 @@ class ThreadExecutor:
         me = threading.get_ident()
         if threading.current_thread() is self._thread or self._holder == me:
             return 0
-        deadline = None if timeout is None else time.monotonic() + timeout
+        deadline = deadline_after(timeout)
         ran = 0
         while until is None or not until():
-            left = -1.0 if deadline is None else max(deadline - time.monotonic(), 0.0)
-            if not self._running.acquire(timeout=left):
+            left = seconds_left(deadline)
+            if not self._running.acquire(timeout=-1.0 if left is None else left):
                 return ran
             self._holder = me
             try:

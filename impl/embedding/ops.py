@@ -25,7 +25,6 @@ Invariants upheld here alone:
 from __future__ import annotations
 
 import queue
-import time
 from collections.abc import Sequence
 
 import attrs
@@ -33,7 +32,7 @@ import attrs
 from kvstrata.impl.embedding.entries import Entries, Entry
 from kvstrata.impl.embedding.store import EmbeddingStore, Extent, ExtentStatus
 from kvstrata.impl.errors import InvariantViolation, MisuseError
-from kvstrata.impl.executors import Joinable
+from kvstrata.impl.executors import Joinable, deadline_after, seconds_left
 from kvstrata.impl.transfer import Executor
 from kvstrata.model.keys import KeySpace, Namespace, PageHash, StoreKey
 from kvstrata.model.lifecycles import EntryEvent
@@ -41,15 +40,6 @@ from kvstrata.model.lifecycles import EntryEvent
 __all__ = ["POOL", "Item", "Op", "Ops"]
 
 POOL = "emb"
-
-
-def _deadline(timeout: float | None) -> float | None:
-    return None if timeout is None else time.monotonic() + timeout
-
-
-def _left(deadline: float | None) -> float | None:
-    """Seconds to ``deadline`` (never negative); ``None``: no deadline."""
-    return None if deadline is None else max(deadline - time.monotonic(), 0.0)
 
 
 @attrs.frozen
@@ -192,23 +182,23 @@ class Ops:
         """Apply results until op ``op_id`` was applied; ``False`` if ``timeout`` seconds (in all)
         passed first. The jobs queued up to this op's run on this thread (see the note below);
         the ones behind it stay with the worker."""
-        deadline = _deadline(timeout)
+        deadline = deadline_after(timeout)
         if op_id in self._ops and self._joinable is not None:
             landed = self._landed
-            self._joinable.run_queued(_left(deadline), until=lambda: op_id in landed)
+            self._joinable.run_queued(seconds_left(deadline), until=lambda: op_id in landed)
         while op_id in self._ops:
-            if not self._apply_next(_left(deadline)):
+            if not self._apply_next(seconds_left(deadline)):
                 return False
         return True
 
     def flush(self, timeout: float | None) -> bool:
         """Apply results until no op is pending; ``False`` if ``timeout`` seconds (in all) passed
         first. The jobs still queued run on this thread (see the note below)."""
-        deadline = _deadline(timeout)
+        deadline = deadline_after(timeout)
         if self._ops and self._joinable is not None:
-            self._joinable.run_queued(_left(deadline))
+            self._joinable.run_queued(seconds_left(deadline))
         while self._ops:
-            if not self._apply_next(_left(deadline)):
+            if not self._apply_next(seconds_left(deadline)):
                 return False
         return True
 
