@@ -74,8 +74,8 @@ class MooncakeBackend:
 
     ``store`` is either a set-up :class:`MooncakeClient` (shared, not closed by :meth:`close`) or a
     :class:`MooncakeConfig` (the backend connects now, owns the client and closes it). ``pool`` names
-    the key's pool (``"kv"``). ``staging_bytes`` bounds the staging buffer of a ``page_first`` host
-    pool (at least one page is staged; a larger batch moves in chunks).
+    the key's pool (``"kv"``). ``staging_bytes`` bounds the staging buffers of a ``page_first`` host
+    pool (half for puts, half for gets, each at least one page; a larger batch moves in chunks).
 
     ``exists_before_put`` (issue 20): ask ``batch_is_exist`` before a put and write only the objects
     the store lacks; a page all of whose objects were there is ``EXISTED``. Off by default: the

@@ -28,9 +28,11 @@ write the slots directly (bytes of a page that misses are unspecified, as the co
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from typing import Final, Protocol
 
+import attrs
 import torch
 
 from kvstrata.impl.errors import ConfigError, StoreUnavailable
@@ -140,9 +142,29 @@ class DirectSlabs:
             self.client.release_buffer_later(self.base)
 
 
+@attrs.define(eq=False)
+class _StagingArea:
+    """One registered staging buffer of ``capacity`` object slots and the lock its user holds
+    from the first copy into it to the last copy out of it (one transfer at a time)."""
+
+    buffer: torch.Tensor  # uint8, capacity * object size bytes
+    slots: torch.Tensor  # the same bytes as [slot, planes, L, page, H, D]
+    capacity: int
+    lock: threading.Lock = attrs.Factory(threading.Lock)
+
+    @property
+    def base(self) -> int:
+        return int(self.buffer.data_ptr())
+
+
 class StagedSlabs:
-    """Objects pass through a registered staging buffer of ``capacity`` objects (at least one
-    page's worth), copied to and from the host pool's canonical view."""
+    """Objects pass through registered staging buffers, copied to and from the host pool's
+    canonical view. Puts and gets have a staging area each (half of ``staging_bytes``, at least one
+    page's worth), since the read and write lanes run on threads of their own: a get landing in the
+    slots a put is sending from would store another page's bytes under the put's keys, which no
+    later put can replace (the first bytes of a key stay). Invariant: a staging slot holds the
+    bytes of one transfer, from the gather before the call to the scatter after it (the area's
+    lock is held throughout)."""
 
     def __init__(
         self,
@@ -155,16 +177,23 @@ class StagedSlabs:
         self.client = client
         self.canonical = host.canonical()  # [planes, L, P, page, H, D], a view of the pool
         self.planes = [obj.planes for obj in objects]
-        object_shape = (len(self.planes[0]), shape.layers, shape.page_size, shape.heads)
         self.size = shape.bytes_per_page // len(objects)
-        self.capacity = max(len(objects), staging_bytes // self.size)
-        self.staging = torch.empty(self.capacity * self.size, dtype=torch.uint8)
-        self.objects = self.staging.view(shape.dtype).view(
-            self.capacity, *object_shape, shape.head_dim
-        )  # [slot, planes, L, page, H, D]
-        self.base = self.staging.data_ptr()
-        client.register_buffer(self.base, self.capacity * self.size)
+        capacity = max(len(objects), staging_bytes // 2 // self.size)
+        object_shape = (len(self.planes[0]), shape.layers, shape.page_size, shape.heads)
+        self._areas: list[_StagingArea] = []
+        for _ in ("put", "get"):
+            buffer = torch.empty(capacity * self.size, dtype=torch.uint8)
+            slots = buffer.view(shape.dtype).view(capacity, *object_shape, shape.head_dim)
+            area = _StagingArea(buffer, slots, capacity)
+            client.register_buffer(area.base, capacity * self.size)
+            self._areas.append(area)
+        self._put_area, self._get_area = self._areas
         self._registered = True
+
+    @property
+    def capacity(self) -> int:
+        """Objects one call moves at most (each direction's staging slots)."""
+        return self._put_area.capacity
 
     def _pool(self, number: int) -> torch.Tensor:
         """Object ``number``'s planes of every page of the pool, as a view ``[P, planes, L, page,
@@ -172,75 +201,94 @@ class StagedSlabs:
         planes = self.planes[number]
         return self.canonical[planes.start : planes.stop].permute(2, 0, 1, 3, 4, 5)
 
-    def _slots(self, chunk: Sequence[Obj]) -> tuple[list[int], list[tuple[int, int, list[int]]]]:
-        """Staging slots for ``chunk``: the objects of one kind take consecutive slots, so that one
-        ``index_select`` (put) or ``index_copy_`` (get) moves all of them. Per entry its slot's
-        pointer, and per kind ``(number, first slot, positions in chunk)``."""
+    def _slots(
+        self, area: _StagingArea, chunk: Sequence[Obj]
+    ) -> tuple[list[int], list[tuple[int, int, list[int]]]]:
+        """Slots of ``area`` for ``chunk``: the objects of one kind take consecutive slots, so
+        that one ``index_select`` (put) or ``index_copy_`` (get) moves all of them. Per entry its
+        slot's pointer, and per kind ``(number, first slot, positions in chunk)``."""
         kinds: dict[int, list[int]] = {}
         for position, (_, number) in enumerate(chunk):
             kinds.setdefault(number, []).append(position)
         ptrs, runs, first = [0] * len(chunk), [], 0
+        base = area.base
         for number, positions in sorted(kinds.items()):
             for offset, position in enumerate(positions):
-                ptrs[position] = self.base + (first + offset) * self.size
+                ptrs[position] = base + (first + offset) * self.size
             runs.append((number, first, positions))
             first += len(positions)
         return ptrs, runs
 
     def put(self, keys: Keys, objects: Sequence[Obj]) -> list[int]:
+        area = self._put_area
         codes: list[int] = []
-        for start in range(0, len(objects), self.capacity):
-            chunk = objects[start : start + self.capacity]
-            ptrs, runs = self._slots(chunk)
-            for number, first, positions in runs:  # one gather-transpose copy per kind
-                pages = torch.tensor([chunk[p][0] for p in positions])
-                out = self.objects[first : first + len(positions)]
-                torch.index_select(self._pool(number), 0, pages, out=out)
-            try:
-                codes += self.client.batch_put_from(
-                    keys[start : start + len(chunk)], ptrs, [self.size] * len(chunk)
-                )
-            except StoreUnavailable:
-                codes += [RPC_FAIL] * (len(objects) - start)
-                break
+        with area.lock:
+            for start in range(0, len(objects), area.capacity):
+                chunk = objects[start : start + area.capacity]
+                ptrs, runs = self._slots(area, chunk)
+                for number, first, positions in runs:  # one gather-transpose copy per kind
+                    pages = torch.tensor([chunk[p][0] for p in positions])
+                    out = area.slots[first : first + len(positions)]
+                    torch.index_select(self._pool(number), 0, pages, out=out)
+                try:
+                    codes += self.client.batch_put_from(
+                        keys[start : start + len(chunk)], ptrs, [self.size] * len(chunk)
+                    )
+                except StoreUnavailable:
+                    codes += [RPC_FAIL] * (len(objects) - start)
+                    break
         return codes
 
     def get(self, keys: Keys, objects: Sequence[Obj], width: int) -> list[int]:
+        area = self._get_area
         codes: list[int] = []
-        step = self.capacity // width * width  # whole pages per chunk
-        for start in range(0, len(objects), step):
-            chunk = objects[start : start + step]
-            ptrs, runs = self._slots(chunk)
-            try:
-                got = self.client.batch_get_into(
-                    keys[start : start + len(chunk)], ptrs, [self.size] * len(chunk)
-                )
-            except StoreUnavailable:
-                codes += [RPC_FAIL] * (len(objects) - start)
-                break
-            whole = {
-                position
-                for first in range(0, len(chunk), width)
-                if all(code == self.size for code in got[first : first + width])
-                for position in range(first, first + width)
-            }
-            for number, first, positions in runs:  # only pages whose every object arrived
-                keep = [k for k, position in enumerate(positions) if position in whole]
-                if not keep:
-                    continue
-                if len(keep) == len(positions):
-                    staged = self.objects[first : first + len(positions)]
-                else:
-                    staged = self.objects[torch.tensor([first + k for k in keep])]
-                pages = torch.tensor([chunk[positions[k]][0] for k in keep])
-                self._pool(number).index_copy_(0, pages, staged)
-            codes += got
+        step = area.capacity // width * width  # whole pages per chunk
+        with area.lock:
+            for start in range(0, len(objects), step):
+                chunk = objects[start : start + step]
+                ptrs, runs = self._slots(area, chunk)
+                try:
+                    got = self.client.batch_get_into(
+                        keys[start : start + len(chunk)], ptrs, [self.size] * len(chunk)
+                    )
+                except StoreUnavailable:
+                    codes += [RPC_FAIL] * (len(objects) - start)
+                    break
+                self._scatter(area, chunk, runs, got, width)
+                codes += got
         return codes
+
+    def _scatter(
+        self,
+        area: _StagingArea,
+        chunk: Sequence[Obj],
+        runs: list[tuple[int, int, list[int]]],
+        got: list[int],
+        width: int,
+    ) -> None:
+        """Copy into the pool the pages of ``chunk`` whose every object arrived whole."""
+        whole = {
+            position
+            for first in range(0, len(chunk), width)
+            if all(code == self.size for code in got[first : first + width])
+            for position in range(first, first + width)
+        }
+        for number, first, positions in runs:  # only pages whose every object arrived
+            keep = [k for k, position in enumerate(positions) if position in whole]
+            if not keep:
+                continue
+            if len(keep) == len(positions):
+                staged = area.slots[first : first + len(positions)]
+            else:
+                staged = area.slots[torch.tensor([first + k for k in keep])]
+            pages = torch.tensor([chunk[positions[k]][0] for k in keep])
+            self._pool(number).index_copy_(0, pages, staged)
 
     def release(self) -> None:
         if self._registered:
             self._registered = False
-            self.client.release_buffer_later(self.base)
+            for area in self._areas:
+                self.client.release_buffer_later(area.base)
 
 
 def slab_io(
