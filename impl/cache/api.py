@@ -416,7 +416,9 @@ class HierarchicalRadixCache(Buildable):
 
     # ------------------------------------------------------------------ reset
     def reset(self) -> None:
-        """Drop every cached page (pending copies must have been drained first)."""
+        """Drop every cached page (pending copies must have been drained first). Backups waiting
+        for a store that is down are dropped too (counted in ``backup_dropped_pages``): their host
+        pages are freed here, and L3 must never get another prefix's bytes under their keys."""
         if not self.idle():
             raise MisuseError(
                 "reset with copies, backups or prefetches in flight: "
@@ -424,6 +426,8 @@ class HierarchicalRadixCache(Buildable):
             )
         if any(node.lock_ref for node in self._index.nodes()):
             raise MisuseError("reset while nodes are locked")
+        if self._l3 is not None:
+            self._l3.reset()
         self._tiers.reset()
         self._states.reset()
         self._locks.reset()

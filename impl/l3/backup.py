@@ -213,6 +213,19 @@ class Backups:
         del self.ops[op.op_id]
         self._counters.backup_dropped_pages += op.num_pages
 
+    def drop_all(self) -> int:
+        """Forget every op unwritten, counted as dropped (for ``reset``, which frees the host
+        pages they read: a deferred op resumed later would put whatever then holds those pages
+        under its keys); nothing may be in flight (the cache is idle: every op is deferred, or
+        parked under TP). Returns the pages dropped."""
+        pages = 0
+        for op in list(self.ops.values()):
+            pages += op.num_pages
+            self.drop(op)
+        self.deferred.clear()
+        self._deferred_pages = 0
+        return pages
+
     def _release(self, op: BackupOp) -> None:
         """Unpin every node and state ``op`` pins (it will not read them again)."""
         for node in op.nodes():

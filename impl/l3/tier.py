@@ -161,6 +161,11 @@ class L3Tier:
             return all(op.parked for op in self.backup.ops.values())
         return len(self.backup.ops) == len(self.backup.deferred)
 
+    def reset(self) -> None:
+        """The cache drops every page (it is idle): the backups waiting for the store are
+        dropped with them, never resumed over pages freed and reused meanwhile."""
+        self.backup.drop_all()
+
     def close(self) -> None:
         self.worker.close()
 

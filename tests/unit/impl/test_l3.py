@@ -408,3 +408,54 @@ def test_back_off_of_many_retries_stays_finite() -> None:
     stays a number (2.0 ** 1024 would raise OverflowError on the scheduler thread)."""
     assert StorageConfig(backup_backoff_s=0).backoff(5000) == 0.0
     assert StorageConfig().backoff(10**6) == StorageConfig().backup_backoff_cap_s
+
+
+def test_reset_drops_the_backups_waiting_for_the_store_so_l3_never_gets_reused_pages() -> None:
+    """A backup deferred while the store is down pins its host pages; ``reset`` frees them (the
+    cache is idle: a deferred op is not in flight). Resumed after the store came back, that op
+    would have put the pages' new contents (another prefix) under the old keys, for good."""
+    shared = MemoryStore()
+    config = StorageConfig(backup_retries=1, backup_backoff_s=0, prefetch_threshold=PAGE)
+    rig = Rig(shared, config=config, backend=UnreachableBackend)
+    backend, l3 = rig.backend, rig.cache.l3
+    assert isinstance(backend, UnreachableBackend) and l3 is not None
+    backend.unreachable = True
+    rig.insert(TOKENS)  # fails and takes the link down
+    rig.settle()
+    outage = [t + 500 for t in TOKENS]
+    rig.insert(outage)
+    rig.settle()
+    assert l3.backup.deferred and rig.cache.idle(), "a deferred backup leaves the cache idle"
+    dropped = rig.counters.backup_dropped_pages
+    rig.cache.reset()
+    assert not l3.backup.ops and not l3.backup.deferred and l3.backup.deferred_pages() == 0
+    assert rig.counters.backup_dropped_pages == dropped + 4
+    assert rig.cache.host_free == 16
+    for k in range(4):  # other prefixes take every host page, the outage's among them
+        rig.insert([t + 9000 + 100 * k for t in TOKENS])
+        rig.copies.run_all()
+        rig.cache.check_events()
+    assert rig.cache.host_free == 0
+    backend.unreachable = False
+    rig.clock.now = 1.0  # the probe's back-off is over
+    rig.settle()
+    assert l3.link.state is Health.HEALTHY
+    namespace = rig.cache.namespace_of(None)
+    assert backend.exists(namespace, chain_page_hashes(outage, PAGE)) == 0
+    reader = Rig(shared)
+    op = reader.cache.prefetch(outage)
+    assert op is not None
+    reader.settle()
+    assert reader.cache.prefetch_ready(op) and reader.cache.prefetch_commit(op) == 0
+    later = [t + 9300 for t in TOKENS]  # written since, into the outage's old host pages
+    assert backend.exists(namespace, chain_page_hashes(later, PAGE)) == 4
+    op = reader.cache.prefetch(later)
+    assert op is not None
+    reader.settle()
+    assert reader.cache.prefetch_commit(op) == 4
+    match = reader.cache.match_prefix(later)
+    assert reader.cache.load_back(match.host_node) is not None
+    reader.settle()
+    got = reader.device.read_pages(reader.cache.match_prefix(later).device_indices)
+    want = torch.cat([kv(p) for p in chain_page_hashes(later, PAGE)], dim=2)
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))

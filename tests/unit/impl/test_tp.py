@@ -199,53 +199,58 @@ def test_close_after_a_failed_agreement_still_stops_the_workers() -> None:
     group.tp.close()
 
 
+def _rank_0_unreachable(clock: list[float], config: StorageConfig) -> Ranks:
+    """Two ranks on one memory store, rank 0's backend :class:`UnreachableBackend`, both caches
+    on ``clock``; 16 pages each tier."""
+    group = Ranks(2)
+    group.tp.on_each(lambda r: group.caches[r].close())  # rebuilt below on fresh backends
+    store = MemoryStore()
+    group.backends = [
+        kind(backend.keyspace, store=store)
+        for kind, backend in zip((UnreachableBackend, MemoryBackend), group.backends, strict=True)
+    ]
+
+    def build(rank: int) -> HierarchicalRadixCache:
+        cache = HierarchicalRadixCache.build(
+            RadixCacheConfig(page_size=PAGE, write_through_threshold=1),
+            DeviceKVPool(SHAPE, 16),
+            HostKVPool(SHAPE, 16, HostLayout.PAGE_FIRST),
+            group.copies[rank],
+            storage=group.backends[rank],
+            storage_config=config,
+            storage_executor=group.io[rank],
+            tp_group=group.tp.group(rank),
+        )
+        assert cache.l3 is not None
+        cache.l3._now = lambda: clock[0]
+        return cache
+
+    group.caches = group.tp.on_each(build)
+    return group
+
+
+def _run_all(group: Ranks, rounds: int = 4) -> None:
+    for _ in range(rounds):
+        for executor in (*group.copies, *group.io):
+            executor.run_all()
+        group.agree()
+
+
 def test_the_remount_grace_holds_on_every_rank_once_the_republish_is_agreed() -> None:
     """Only rank 0's link goes down and comes back; the agreed re-publish starts the remount grace
     on rank 1 too, so "full" answers right after it (a restarted master remounting) spend no retry
     on either rank, and nothing is abandoned (rank 1 alone would vote to give up)."""
     clock = [0.0]
-    group = Ranks(2)
+    config = StorageConfig(
+        prefetch_threshold=PAGE, backup_backoff_s=0.0, backup_retries=0, remount_grace_s=5.0
+    )
+    group = _rank_0_unreachable(clock, config)
     try:
-        group.tp.on_each(lambda r: group.caches[r].close())  # rebuilt below on fresh backends
-        store = MemoryStore()
-        group.backends = [
-            kind(backend.keyspace, store=store)
-            for kind, backend in zip(
-                (UnreachableBackend, MemoryBackend), group.backends, strict=True
-            )
-        ]
-        config = StorageConfig(
-            prefetch_threshold=PAGE, backup_backoff_s=0.0, backup_retries=0, remount_grace_s=5.0
-        )
-
-        def build(rank: int) -> HierarchicalRadixCache:
-            cache = HierarchicalRadixCache.build(
-                RadixCacheConfig(page_size=PAGE, write_through_threshold=1),
-                DeviceKVPool(SHAPE, 16),
-                HostKVPool(SHAPE, 16, HostLayout.PAGE_FIRST),
-                group.copies[rank],
-                storage=group.backends[rank],
-                storage_config=config,
-                storage_executor=group.io[rank],
-                tp_group=group.tp.group(rank),
-            )
-            assert cache.l3 is not None
-            cache.l3._now = lambda: clock[0]
-            return cache
-
-        group.caches = group.tp.on_each(build)
         unreachable = group.backends[0]
         assert isinstance(unreachable, UnreachableBackend)
-
-        def run_all(rounds: int = 4) -> None:
-            for _ in range(rounds):
-                for executor in (*group.copies, *group.io):
-                    executor.run_all()
-                group.agree()
-
         unreachable.unreachable = True
         group.insert([1, 2, 3, 4])
-        run_all()
+        _run_all(group)
         links = [cache.l3.link for cache in group.caches if cache.l3 is not None]
         assert links[0].state is Health.DOWN and links[1].state is Health.HEALTHY
         abandoned = [cache.l3.counters.backup_abandoned_pages for cache in group.caches if cache.l3]
@@ -253,7 +258,7 @@ def test_the_remount_grace_holds_on_every_rank_once_the_republish_is_agreed() ->
         for backend in group.backends:  # the re-published puts meet a master still remounting
             backend.fail_next(1, status=PutStatus.FULL, op="put")
         clock[0] = 1.0  # the probe's back-off is over
-        run_all(8)
+        _run_all(group, 8)
         assert links[0].state is Health.HEALTHY and links[0].recoveries == 1
         counters = [cache.l3.counters for cache in group.caches if cache.l3 is not None]
         assert [c.republished_pages for c in counters] == [2, 2]
@@ -263,5 +268,44 @@ def test_the_remount_grace_holds_on_every_rank_once_the_republish_is_agreed() ->
             namespace = group.caches[rank].namespace_of(None)
             pages = group.caches[rank].page_hashes([1, 2, 3, 4])
             assert backend.exists(namespace, list(pages)) == 2, f"rank {rank}"
+    finally:
+        group.close()
+
+
+def test_reset_drops_the_parked_backups_on_every_rank_alike() -> None:
+    """Rank 0's store is down: a backup is deferred there and parked (agreed) on both ranks, so
+    both caches are idle. ``reset`` on every rank drops it on every rank (its host pages are
+    freed); after the store is back nothing resumes it, the ranks keep agreeing, and the outage
+    prefix is in neither rank's store while what came after the reset is in both."""
+    clock = [0.0]
+    config = StorageConfig(prefetch_threshold=PAGE, backup_backoff_s=0.0, backup_retries=0)
+    group = _rank_0_unreachable(clock, config)
+    try:
+        unreachable = group.backends[0]
+        assert isinstance(unreachable, UnreachableBackend)
+        unreachable.unreachable = True
+        group.insert([1, 2, 3, 4])
+        _run_all(group)
+        group.insert([5, 6, 7, 8])  # deferred on rank 0
+        _run_all(group)
+        tiers = [cache.l3 for cache in group.caches if cache.l3 is not None]
+        assert tiers[0].backup.deferred and all(tier.backup.ops for tier in tiers)
+        assert group.tp.on_each(lambda r: group.caches[r].idle()) == [True, True]
+        dropped = [tier.counters.backup_dropped_pages for tier in tiers]
+        group.tp.on_each(lambda r: group.caches[r].reset())
+        assert [tier.counters.backup_dropped_pages for tier in tiers] == [d + 2 for d in dropped]
+        assert not any(tier.backup.ops or tier.backup.deferred for tier in tiers)
+        group.insert([9, 10, 11, 12])  # takes host pages the dropped backup read
+        unreachable.unreachable = False
+        clock[0] = 1.0  # the probe's back-off is over
+        _run_all(group, 8)
+        assert tiers[0].link.state is Health.HEALTHY
+        assert not any(tier.backup.ops for tier in tiers)
+        for rank, backend in enumerate(group.backends):
+            namespace = group.caches[rank].namespace_of(None)
+            outage = group.caches[rank].page_hashes([5, 6, 7, 8])
+            later = group.caches[rank].page_hashes([9, 10, 11, 12])
+            assert backend.exists(namespace, list(outage)) == 0, f"rank {rank}"
+            assert backend.exists(namespace, list(later)) == 2, f"rank {rank}"
     finally:
         group.close()
