@@ -1,11 +1,8 @@
-"""kvstrata: a hierarchical, shareable KV cache for LLM schedulers (SPEC §1).
-
-A paged radix tree over an L1 device pool and an L2 host pool, backed up to an L3 store (Mooncake,
-shared by every instance with the same key space), held to a pure reference model. This module is
-the public face: a scheduler imports from ``kvstrata`` and nothing deeper. ``SchedulerCache`` states
-the contract; docs/scheduler.md shows it in use. Names load on first use, so ``kvstrata.model`` (pure:
-no torch) stays importable on its own; ``tests/unit/test_face.py`` keeps the two lists below equal.
-"""
+"""kvstrata: a hierarchical, shareable KV cache for LLM schedulers (SPEC §1): a paged radix tree over
+L1 device and L2 host pools, backed up to an L3 store (Mooncake, shared by every instance of the same
+key space), held to a pure reference model. The public face: a scheduler imports from ``kvstrata``
+and nothing deeper (``SchedulerCache`` is the contract; docs/scheduler.md). Names load on first use,
+so ``kvstrata.model`` (no torch) stays importable alone; tests/unit/test_face.py checks both lists."""
 
 from __future__ import annotations
 
@@ -31,11 +28,13 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
     "kvstrata.impl.replay.background": ("Progress", "signalling_executor"),
     "kvstrata.impl.storage.file": ("FileBackend",),
     "kvstrata.impl.storage.memory": ("MemoryBackend",),
-    "kvstrata.impl.storage.mooncake": ("LocalCluster", "MooncakeBackend", "MooncakeConfig"),
+    "kvstrata.impl.storage.mooncake": ("LocalCluster", "MooncakeBackend", "MooncakeClient",
+                                        "MooncakeConfig"),
     "kvstrata.impl.tp": ("TorchTpGroup", "TpGroup"),
     "kvstrata.impl.transfer": ("Direction",),
     "kvstrata.model.cache": ("WritePolicy",),
-    "kvstrata.model.keys": ("KeySpace", "KVKind", "ModelIdentity", "Namespace", "Shard"),
+    "kvstrata.model.keys": ("KeySpace", "KVKind", "ModelIdentity", "Namespace", "PageHash", "Shard",
+                            "content_hash"),
     "kvstrata.model.l3.policy": ("PrefetchPolicy",),
 }
 # fmt: on
@@ -70,10 +69,12 @@ if TYPE_CHECKING:  # what type checkers see: the same names, imported eagerly
     from kvstrata.impl.replay.background import Progress, signalling_executor
     from kvstrata.impl.storage.file import FileBackend
     from kvstrata.impl.storage.memory import MemoryBackend
-    from kvstrata.impl.storage.mooncake import LocalCluster, MooncakeBackend, MooncakeConfig
+    from kvstrata.impl.storage.mooncake import LocalCluster, MooncakeBackend, MooncakeClient
+    from kvstrata.impl.storage.mooncake import MooncakeConfig
     from kvstrata.impl.tp import TorchTpGroup, TpGroup
     from kvstrata.impl.transfer import Direction
     from kvstrata.model.cache import WritePolicy
-    from kvstrata.model.keys import KeySpace, KVKind, ModelIdentity, Namespace, Shard
+    from kvstrata.model.keys import KeySpace, KVKind, ModelIdentity, Namespace, PageHash, Shard
+    from kvstrata.model.keys import content_hash
     from kvstrata.model.l3.policy import PrefetchPolicy
     # isort: on

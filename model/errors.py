@@ -7,6 +7,8 @@ so that a caller can catch the same error class from the model and from the impl
 
 from __future__ import annotations
 
+import operator
+
 __all__ = [
     "CapacityError",
     "DoubleRenderError",
@@ -16,6 +18,7 @@ __all__ = [
     "KvStrataError",
     "MisuseError",
     "ModelError",
+    "page_count",
 ]
 
 
@@ -63,3 +66,18 @@ class InvariantViolation(ModelError, AssertionError):
         super().__init__(f"{invariant}: {detail}")
         self.invariant = invariant
         self.detail = detail
+
+
+def page_count(value: object) -> int:
+    """``value`` as a count of pages (an ``int``, or any integer type with ``__index__``, such as a
+    numpy integer), :class:`MisuseError` for anything else, a ``bool`` or a negative count. The one
+    rule of the model and the implementation for the ``pages`` argument of the scheduler's verbs."""
+    if isinstance(value, bool):
+        raise MisuseError(f"pages must be an int >= 0, got {value!r}")
+    try:
+        count = operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        raise MisuseError(f"pages must be an int >= 0, got {value!r}") from None
+    if count < 0:
+        raise MisuseError(f"pages must be an int >= 0, got {value!r}")
+    return count

@@ -42,6 +42,7 @@ from kvstrata.impl.l3 import L3Tier
 from kvstrata.impl.pools.group import PoolGroup
 from kvstrata.impl.tp import TpGroup
 from kvstrata.impl.transfer import Direction, SideCopyFunction, TransferController
+from kvstrata.model.errors import page_count
 from kvstrata.model.keys import Namespace, PageHash
 from kvstrata.model.lifecycles import DEVICE_VALID, HOST_VALID, Residency
 
@@ -50,11 +51,6 @@ __all__ = ["HierarchicalRadixCache"]
 Tokens = Sequence[int] | npt.NDArray[np.integer]
 _DEVICE_VALID_T = tuple(DEVICE_VALID)
 _HOST_VALID_T = tuple(HOST_VALID)
-
-
-def _check_count(pages: object) -> None:
-    if not isinstance(pages, int) or isinstance(pages, bool) or pages < 0:
-        raise MisuseError(f"pages must be an int >= 0, got {pages!r}")
 
 
 @guarded(*MUTATING)
@@ -218,7 +214,7 @@ class HierarchicalRadixCache(Buildable):
         """Fresh L1 pages for a request's new KV (evicting unlocked L1 leaves as needed). Raises
         :class:`CapacityError` if L1 is still short; the caller owns the pages until ``insert`` or
         ``free_device``."""
-        _check_count(pages)
+        pages = page_count(pages)
         self._clock.tick()
         try:
             evictable, tiers = self._locks.evictable_pages, self._tiers
@@ -285,7 +281,7 @@ class HierarchicalRadixCache(Buildable):
 
     def evict(self, pages: int) -> int:
         """Free at least ``pages`` L1 pages if possible (LRU over unlocked L1 leaves)."""
-        _check_count(pages)
+        pages = page_count(pages)
         self._clock.tick()
         freed = self._tiers.evict_device(pages)
         self._finish()
@@ -293,7 +289,7 @@ class HierarchicalRadixCache(Buildable):
 
     def evict_host(self, pages: int) -> int:
         """Free at least ``pages`` L2 pages if possible (LRU over unlocked host-only leaves)."""
-        _check_count(pages)
+        pages = page_count(pages)
         self._clock.tick()
         freed = self._tiers.evict_host(pages)
         self._finish()

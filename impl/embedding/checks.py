@@ -5,6 +5,7 @@ returns the batch in the form the cache plans with."""
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import TypeVar
 
 import torch
 
@@ -15,11 +16,21 @@ from kvstrata.model.keys import PageHash
 
 __all__ = ["check_hashes", "check_insert", "check_sizes"]
 
+T = TypeVar("T")
+
+
+def _listed(values: Iterable[T], what: str) -> tuple[T, ...]:
+    """``values`` as a tuple; :class:`MisuseError` when it is not iterable at all."""
+    try:
+        return tuple(values)
+    except TypeError:
+        raise MisuseError(f"{what} are an iterable, got {type(values).__name__}") from None
+
 
 def check_hashes(hashes: Iterable[PageHash]) -> tuple[PageHash, ...]:
     if isinstance(hashes, PageHash | str | bytes):
         raise MisuseError(f"expected an iterable of PageHash, got {type(hashes).__name__}")
-    out = tuple(hashes)
+    out = _listed(hashes, "media hashes")
     for media in out:
         if not isinstance(media, PageHash):
             raise MisuseError(f"a media hash is a PageHash, got {type(media).__name__}")
@@ -30,7 +41,7 @@ def check_insert(
     entries: Entries, hashes: Iterable[PageHash], tensors: Iterable[torch.Tensor]
 ) -> tuple[list[tuple[PageHash, int]], dict[PageHash, torch.Tensor]]:
     """The batch as (media, tokens) pairs, duplicates merged, and each item's first tensor."""
-    hashes, tensors = check_hashes(hashes), tuple(tensors)
+    hashes, tensors = check_hashes(hashes), _listed(tensors, "embeddings")
     if len(hashes) != len(tensors):
         raise MisuseError(f"insert_batch: {len(hashes)} hashes but {len(tensors)} tensors")
     shape = entries.pool.shape
@@ -59,7 +70,7 @@ def check_sizes(
 ) -> list[tuple[PageHash, int]]:
     """(media, tokens) pairs (duplicates merged when ``merge``); a local entry's token count must
     match when ``merge``."""
-    hashes, counts = check_hashes(hashes), tuple(tokens)
+    hashes, counts = check_hashes(hashes), _listed(tokens, "token counts")
     if len(hashes) != len(counts):
         raise MisuseError(f"{len(hashes)} hashes but {len(counts)} token counts")
     shape = entries.pool.shape

@@ -43,7 +43,7 @@ from kvstrata.model.cache.node import (
 )
 from kvstrata.model.cache.states import States
 from kvstrata.model.cache.tiers import Tiers
-from kvstrata.model.errors import CapacityError, MisuseError
+from kvstrata.model.errors import CapacityError, MisuseError, page_count
 from kvstrata.model.invariants import check_cache, check_i6_reported
 from kvstrata.model.keys import DEFAULT_NAMESPACE, Namespace, PageHash, StoreKey, chain_page_hashes
 from kvstrata.model.l3.backup import Backup, BackupOp
@@ -231,8 +231,7 @@ class CacheModel:
         unlocked L1 leaves as needed. Raises :class:`CapacityError` if L1 still has too few (what
         was evicted stays evicted; nothing is allocated). The caller owns the slots until it hands
         them to :meth:`insert` or gives them back with :meth:`free_device`."""
-        if not isinstance(pages, int) or isinstance(pages, bool) or pages < 0:
-            raise MisuseError(f"pages must be an int >= 0, got {pages!r}")
+        pages = page_count(pages)
         slots = self._step(self._tiers.take_device, pages)
         if slots is None:
             raise CapacityError(f"{pages} L1 pages asked, {self.device.free_count} free")
@@ -364,15 +363,11 @@ class CacheModel:
 
     def evict(self, pages: int) -> int:
         """Free at least ``pages`` L1 pages if possible (LRU over unlocked L1 leaves)."""
-        if not isinstance(pages, int) or pages < 0:
-            raise MisuseError(f"pages must be an int >= 0, got {pages!r}")
-        return self._step(self._tiers.evict_device, pages)
+        return self._step(self._tiers.evict_device, page_count(pages))
 
     def evict_host(self, pages: int) -> int:
         """Free at least ``pages`` L2 pages if possible (LRU over unpinned host-only leaves)."""
-        if not isinstance(pages, int) or pages < 0:
-            raise MisuseError(f"pages must be an int >= 0, got {pages!r}")
-        return self._step(self._tiers.evict_host, pages)
+        return self._step(self._tiers.evict_host, page_count(pages))
 
     def evict_state(self, node_id: int, *, host: bool = False) -> None:
         """Drop the trailing state at the end of ``node_id`` from L1 (or, with ``host``, from L2)

@@ -292,3 +292,18 @@ def test_a_second_thread_is_refused_before_it_changes_anything() -> None:
         cache.match_prefix(list(range(16)))
     assert cache.device_free == free
     cache.close()  # close is free to come from any thread
+
+
+def test_page_counts_take_numpy_integers_never_a_bool_or_a_negative() -> None:
+    """Schedulers compute counts with numpy; the model takes the same (``page_count``)."""
+    cache, device, _ = build(ManualExecutor())
+    pages = cache.alloc_device(np.int64(3))
+    assert len(pages) == 3
+    cache.free_device(pages)
+    assert cache.evict(np.int32(1)) == 0 and cache.evict_host(np.uint8(0)) == 0
+    free = cache.device_free
+    for bad in (True, -1, 1.0, "1", None, np.float64(1.0)):
+        for verb in (cache.alloc_device, cache.evict, cache.evict_host):
+            with pytest.raises(MisuseError, match="pages must be an int"):
+                verb(bad)  # type: ignore[arg-type]
+    assert cache.device_free == free

@@ -224,6 +224,9 @@ def test_wait_with_the_background_thread() -> None:
         ([A, A], [embedding(A, 2), embedding(A, 3)], MisuseError),
         (["not-a-hash"], [embedding(A, 2)], MisuseError),
         ([A], ["not-a-tensor"], MisuseError),
+        ([A], None, MisuseError),  # not iterable at all: typed too, never a bare TypeError
+        (None, [embedding(A, 2)], MisuseError),
+        (5, [embedding(A, 2)], MisuseError),
     ],
 )
 def test_bad_input_raises_typed_and_changes_nothing(
@@ -242,6 +245,22 @@ def test_bad_input_raises_typed_and_changes_nothing(
         store.objects.visible_keys(),
         a.used_units,
     ) == before
+
+
+def test_arguments_that_are_not_iterable_raise_typed_errors() -> None:
+    a, _io = node(MemoryEmbeddingStore())
+    calls = [
+        lambda: a.get(None),  # type: ignore[arg-type]
+        lambda: a.borrow(7),  # type: ignore[arg-type]
+        lambda: a.exists([A], None),  # type: ignore[arg-type]
+        lambda: a.prefetch("r", [A], 3),  # type: ignore[arg-type]
+        lambda: a.reserve([A], None),  # type: ignore[arg-type]
+    ]
+    for call in calls:
+        with pytest.raises(MisuseError, match="iterable"):
+            call()
+    assert a.entries() == () and a.pending_ops() == ()
+    a.prefetch("r", [A], [3])  # the refused prefetch did not take the request id
 
 
 def test_bad_prefetch_and_config() -> None:

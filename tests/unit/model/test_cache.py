@@ -537,3 +537,24 @@ def test_an_impossible_alloc_is_refused_before_anything_is_evicted() -> None:
     assert (repr(cache.page_info), cache.device.allocated()) == before
     assert cache.match_prefix((1, 2, 3, 4, 5, 6)).device_pages == 6
     assert len(cache.alloc_device(8)) == 8  # a possible ask still evicts what it needs
+
+
+class _Index:
+    """An integer type that is not an ``int`` (as numpy's are): it has ``__index__``."""
+
+    def __init__(self, value: int) -> None:
+        self.value = value
+
+    def __index__(self) -> int:
+        return self.value
+
+
+def test_page_counts_take_any_integer_type_never_a_bool_or_a_negative() -> None:
+    cache = make()
+    assert len(cache.alloc_device(_Index(2))) == 2  # type: ignore[arg-type]
+    assert cache.evict(_Index(0)) == 0  # type: ignore[arg-type]
+    assert cache.evict_host(_Index(0)) == 0  # type: ignore[arg-type]
+    for bad in (True, -1, 1.0, "1", None):
+        for verb in (cache.alloc_device, cache.evict, cache.evict_host):
+            with pytest.raises(MisuseError, match="pages must be an int"):
+                verb(bad)  # type: ignore[arg-type]
