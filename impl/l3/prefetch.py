@@ -218,8 +218,10 @@ class Prefetches:
         op.state = PREFETCH_OP.next(op.state, PrefetchEvent.COMPLETE)
 
     def op(self, op_id: object) -> PrefetchOp:
+        """Op ``op_id`` as the scheduler names it; ``MisuseError`` for an unknown id and for an op
+        it already committed or aborted (during the query, or ``CANCELLING`` until the drain)."""
         found = self.ops.get(op_id) if isinstance(op_id, int) else None
-        if found is None or found.cancelled:
+        if found is None or found.cancelled or found.state is PrefetchState.CANCELLING:
             raise MisuseError(f"no prefetch op {op_id!r}")
         return found
 

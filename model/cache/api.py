@@ -433,12 +433,12 @@ class CacheModel:
     def prefetch_commit(self, op_id: int) -> int:
         """Insert the pages that arrived as host-only nodes; returns how many were added. Slots of
         pages still in flight stay reserved until :meth:`prefetch_drain`."""
-        op = self._prefetch.op(op_id, PrefetchEvent.COMMIT)
+        op = self._prefetch.open_op(op_id, PrefetchEvent.COMMIT)
         return self._step(self._prefetch.commit, op)
 
     def prefetch_abort(self, op_id: int) -> None:
         """The request went away: release everything the op reserved (in-flight slots after drain)."""
-        self._step(self._prefetch.abort, self._prefetch.op(op_id, PrefetchEvent.ABORT))
+        self._step(self._prefetch.abort, self._prefetch.open_op(op_id, PrefetchEvent.ABORT))
 
     def prefetch_drain(self, op_id: int) -> None:
         """The I/O worker confirms it will not write into op ``op_id``'s slots any more."""

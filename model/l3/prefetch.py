@@ -113,6 +113,14 @@ class Prefetch:
             PREFETCH_OP.next(op.state, event)
         return op
 
+    def open_op(self, op_id: int, event: PrefetchEvent | None = None) -> PrefetchOp:
+        """Op ``op_id`` as the scheduler names it: :meth:`op`, and ``MisuseError`` for an op it
+        already committed or aborted (``CANCELLING``: only the drain still names it)."""
+        op = self.op(op_id)
+        if op.state is PrefetchState.CANCELLING:
+            raise MisuseError(f"no prefetch op {op_id}: already committed or aborted")
+        return self.op(op_id, event)
+
     def local_hit(self, tokens: tuple[int, ...], namespace: Namespace) -> int:
         """Pages this store serves after the local match of ``tokens`` (a pure query: what one TP
         rank reports before the ranks agree on the minimum, ``kvstrata.model.tp``)."""
@@ -258,7 +266,7 @@ class Prefetch:
 
     def ready(self, op_id: int) -> bool:
         """Whether the scheduler stops waiting for ``op_id`` now, under the configured policy."""
-        op = self.op(op_id)
+        op = self.open_op(op_id)
         return wait_over(
             self.config.prefetch_policy,
             loading=op.state is PrefetchState.LOADING,

@@ -296,7 +296,7 @@ def test_a_second_thread_is_refused_before_it_changes_anything() -> None:
 
 def test_page_counts_take_numpy_integers_never_a_bool_or_a_negative() -> None:
     """Schedulers compute counts with numpy; the model takes the same (``page_count``)."""
-    cache, device, _ = build(ManualExecutor())
+    cache, _device, _ = build(ManualExecutor())
     pages = cache.alloc_device(np.int64(3))
     assert len(pages) == 3
     cache.free_device(pages)

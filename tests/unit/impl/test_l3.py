@@ -459,3 +459,28 @@ def test_reset_drops_the_backups_waiting_for_the_store_so_l3_never_gets_reused_p
     got = reader.device.read_pages(reader.cache.match_prefix(later).device_indices)
     want = torch.cat([kv(p) for p in chain_page_hashes(later, PAGE)], dim=2)
     assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+
+
+def test_a_committed_or_aborted_prefetch_is_gone_for_the_scheduler_while_its_read_drains() -> None:
+    """After ``prefetch_commit`` or ``prefetch_abort`` of an op whose fetch is still out, a second
+    commit, abort or ready is ``MisuseError`` (as for an unknown id), and changes nothing: not the
+    slots the read may still write, not the step clock (the model's ``open_op``)."""
+    shared = MemoryStore()
+    writer = Rig(shared)
+    writer.insert(TOKENS)
+    writer.settle()
+    for first in ("commit", "abort"):
+        reader = Rig(shared)
+        op = reader.cache.prefetch(TOKENS)
+        assert op is not None
+        reader.io.run_all()  # the query
+        reader.cache.check_events()  # its result: slots reserved, the fetch submitted, not run
+        getattr(reader.cache, f"prefetch_{first}")(op)
+        before = (reader.cache.clock, reader.cache.prefetch_reserved(), reader.cache.host_free)
+        for verb in ("prefetch_ready", "prefetch_commit", "prefetch_abort"):
+            with pytest.raises(MisuseError, match="no prefetch op"):
+                getattr(reader.cache, verb)(op)
+        after = (reader.cache.clock, reader.cache.prefetch_reserved(), reader.cache.host_free)
+        assert after == before and before[1] == 4, "the in-flight read keeps its slots"
+        reader.settle()  # the read lands and drains the op
+        assert reader.cache.prefetch_reserved() == 0 and reader.cache.host_free == 16

@@ -136,6 +136,27 @@ def test_prefetch_from_another_instance_commit_and_drain() -> None:
         reader.prefetch_drain(op)
 
 
+def test_a_committed_or_aborted_prefetch_is_gone_for_the_scheduler_until_its_drain() -> None:
+    store = StoreModel()
+    writer = make(store=store)
+    request(writer, (1, 2, 3, 4))
+    drain(writer)
+    for first in ("commit", "abort"):
+        reader = make(store=store)
+        op = reader.prefetch((1, 2, 3, 4))
+        assert op is not None
+        reader.prefetch_arrive(op, 2)
+        getattr(reader, f"prefetch_{first}")(op)
+        assert reader.prefetch_ops[op].state is PrefetchState.CANCELLING
+        before = attrs.evolve(reader.prefetch_ops[op]), reader.host.used_count, reader.clock
+        for verb in (reader.prefetch_ready, reader.prefetch_commit, reader.prefetch_abort):
+            with pytest.raises(MisuseError, match="no prefetch op"):
+                verb(op)
+        assert (reader.prefetch_ops[op], reader.host.used_count, reader.clock) == before
+        reader.prefetch_drain(op)  # the I/O side still names it
+        assert op not in reader.prefetch_ops
+
+
 def test_prefetch_commit_waits_for_a_readable_parent_so_a_failed_write_keeps_i3() -> None:
     """Found by the fuzz run: a prefetch committed under a node whose write-through is still in
     flight, then that write fails. The commit gives its pages back instead of attaching a host-only
