@@ -53,12 +53,20 @@ class Reservation:
     hold: int
     new: tuple[PageHash, ...]
     skipped_no_space: int
-    views: Mapping[PageHash, torch.Tensor | None]
-    """Each new entry's ``[tokens, dim]`` view of the pool; ``None`` when its units are apart."""
+    _views: Mapping[PageHash, torch.Tensor | None] = attrs.field(alias="views", repr=False)
     places: Mapping[PageHash, tuple[tuple[int, ...], int]] = attrs.field(repr=False)
     """Each new entry's units and token count."""
     pool: EmbeddingPool = attrs.field(repr=False)
     closed: bool = False
+
+    @property
+    def views(self) -> Mapping[PageHash, torch.Tensor | None]:
+        """Each new entry's ``[tokens, dim]`` view of the pool; ``None`` when its units are apart.
+        Gone once the reservation is committed or aborted (:class:`MisuseError`): a view written
+        then would change a READY entry, or one the store is being sent (keep no reference)."""
+        if self.closed:
+            raise MisuseError(f"reservation {self.hold} is closed: its views are gone")
+        return self._views
 
     def write(self, media: PageHash, tensor: torch.Tensor) -> None:
         """Copy ``tensor`` (``[tokens, dim]``, the pool's dtype, any device) into ``media``'s

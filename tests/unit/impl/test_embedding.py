@@ -533,3 +533,17 @@ def test_room_is_planned_from_the_lru_end_without_walking_the_pool() -> None:
     assert report.new == 1
     assert seen == [media[1]], "the LRU victim, and nothing past it"
     assert cache.entry(media[1]) is None and cache.entry(media[0]) is not None
+
+
+def test_a_closed_reservation_hands_out_no_views() -> None:
+    """After ``commit`` (or ``abort``) a view written would change a READY entry, or bytes the
+    store is being sent: the views are gone, as ``write`` is."""
+    for close in ("commit", "abort"):
+        a, _io = node(MemoryEmbeddingStore())
+        reservation = a.reserve([A], [3])
+        assert reservation.views[A] is not None
+        getattr(a, close)(reservation)
+        with pytest.raises(MisuseError, match="closed"):
+            _ = reservation.views
+        with pytest.raises(MisuseError):
+            reservation.write(A, embedding(A, 3))
