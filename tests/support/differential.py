@@ -291,10 +291,16 @@ class DifferentialMachine(RuleBasedStateMachine):
         raise NotImplementedError
 
     def do_request(self, data: st.DataObject, *, with_state: bool) -> None:
-        self.request_tokens(*self.draw_tokens(data), with_state=with_state)
+        tokens, ns = self.draw_tokens(data)
+        running = data.draw(st.sampled_from([False, False, False, True]), label="keeps running")
+        self.request_tokens(tokens, ns, with_state=with_state, running=running)
 
-    def request_tokens(self, tokens: tuple[int, ...], ns: Namespace, *, with_state: bool) -> None:
-        """One request on both: match, lock the L1 prefix, allocate, compute, insert, unlock."""
+    def request_tokens(
+        self, tokens: tuple[int, ...], ns: Namespace, *, with_state: bool, running: bool = False
+    ) -> None:
+        """One request on both: match, lock the L1 prefix, allocate, compute, insert, unlock.
+        ``running``: the request goes on (a scheduler keeps its prefix locked while it decodes),
+        so the node its tokens end at stays locked, for :meth:`unlock` to release later."""
         expected, actual = self.both_match(tokens, ns)
         pages = chain_page_hashes(tokens, self.page_size, ns)
         node_id = expected.device_node  # type: ignore[attr-defined]
@@ -349,6 +355,18 @@ class DifferentialMachine(RuleBasedStateMachine):
         if locked:
             self.model.unlock(node_id)
             self.impl.unlock(actual.device_node)  # type: ignore[attr-defined]
+        if running and model_fresh is not None:
+            self.lock_match(tokens, ns)
+            event("a running request keeps its node locked")
+
+    def lock_match(self, tokens: tuple[int, ...], ns: Namespace) -> None:
+        """Lock, on both, the L1 node the match of ``tokens`` ends at (not the root)."""
+        expected, actual = self.both_match(tokens, ns)
+        node_id = expected.device_node  # type: ignore[attr-defined]
+        if not self.model.tree.nodes[node_id].is_root:
+            self.model.lock(node_id)
+            self.impl.lock(actual.device_node)  # type: ignore[attr-defined]
+            self.locked.append(node_id)
 
     @rule(data=st.data())
     def match(self, data: st.DataObject) -> None:
@@ -360,12 +378,7 @@ class DifferentialMachine(RuleBasedStateMachine):
 
     @rule(data=st.data())
     def lock(self, data: st.DataObject) -> None:
-        expected, actual = self.both_match(*self.draw_tokens(data))
-        node_id = expected.device_node  # type: ignore[attr-defined]
-        if not self.model.tree.nodes[node_id].is_root:
-            self.model.lock(node_id)
-            self.impl.lock(actual.device_node)  # type: ignore[attr-defined]
-            self.locked.append(node_id)
+        self.lock_match(*self.draw_tokens(data))
 
     @precondition(lambda self: self.ready and self.locked)
     @rule(data=st.data())
@@ -374,6 +387,7 @@ class DifferentialMachine(RuleBasedStateMachine):
         self.locked.remove(node_id)
         self.model.unlock(node_id)
         self.impl.unlock(self.impl_node(node_id))
+        event("a node unlocked")
 
     @rule(pages=st.integers(0, 4), host=st.booleans())
     def evict(self, pages: int, host: bool) -> None:
