@@ -21,6 +21,7 @@ from __future__ import annotations
 import hypothesis.strategies as st
 from hypothesis import event, note, settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from support.running import keep_running
 
 from kvstrata.model.cache import DEVICE_VALID, HOST_VALID, CacheConfig, CacheModel, WritePolicy
 from kvstrata.model.errors import CapacityError, IllegalTransition, MisuseError
@@ -263,7 +264,7 @@ class HybridCacheMachine(RuleBasedStateMachine):
             self.inserted[index].add((ns, tokens))
             if tokens not in self.known:
                 self.known.append(tokens)
-            self.keep_running(data, index, tokens, ns)
+            keep_running(data, cache, self.locked[index], tokens, ns)
 
     @rule(data=st.data())
     def insert_and_write_through(self, data: st.DataObject) -> None:
@@ -289,22 +290,6 @@ class HybridCacheMachine(RuleBasedStateMachine):
         if not cache.tree.nodes[node].is_root:
             cache.lock(node)
             self.locked[index].append(node)
-
-    def keep_running(
-        self, data: st.DataObject, index: int, tokens: tuple[int, ...], ns: Namespace
-    ) -> None:
-        """A quarter of the requests go on after their insert (a scheduler keeps a decoding
-        request's prefix locked): the node its tokens end at stays locked, for :meth:`unlock`.
-        Random tokens in a random namespace rarely match a cached node, so without this a lock
-        hardly ever met an eviction, a backup or a prefetch."""
-        if not data.draw(st.sampled_from([False, False, False, True]), label="keeps running"):
-            return
-        cache = self.caches[index]
-        node = cache.match_prefix(tokens, ns).device_node
-        if not cache.tree.nodes[node].is_root:
-            cache.lock(node)
-            self.locked[index].append(node)
-            event("a running request keeps its node locked")
 
     @precondition(lambda self: any(self.locked))
     @rule(data=st.data())

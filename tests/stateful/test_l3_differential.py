@@ -625,8 +625,10 @@ class L3Differential(DifferentialMachine):
         their queries land first, so their fetches wait on the read lane back to back and the
         lane runs those of one namespace as one get (``prefetch_merge_pages``); the store may
         lose an object of one op's pages first, so each op's share of the get's statuses
-        differs. Each then commits or aborts."""
+        differs. Each then commits or aborts. The running requests end first (their locks
+        would keep their pages in L1, and a prefetch of them would find nothing to fetch)."""
         self.drain()
+        self.unlock_all()
         total = 64  # more than any pool here
         assert self.impl.evict(total) == self.model.evict(total)
         assert self.impl.evict_host(total) == self.model.evict_host(total)

@@ -380,6 +380,13 @@ class DifferentialMachine(RuleBasedStateMachine):
     def lock(self, data: st.DataObject) -> None:
         self.lock_match(*self.draw_tokens(data))
 
+    def unlock_all(self) -> None:
+        """Every running request ends: each lock this machine holds is released, on both."""
+        while self.locked:
+            node_id = self.locked.pop()
+            self.model.unlock(node_id)
+            self.impl.unlock(self.impl_node(node_id))
+
     @precondition(lambda self: self.ready and self.locked)
     @rule(data=st.data())
     def unlock(self, data: st.DataObject) -> None:

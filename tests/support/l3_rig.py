@@ -82,6 +82,20 @@ class Rig:
                 return
         raise AssertionError("jobs keep coming")
 
+    def read_back(self, tokens: list[int], pages: int) -> None:
+        """Prefetch ``tokens`` from the store, commit (``pages`` gained), load them back to L1 and
+        check the bytes there against the page hashes' KV, bit for bit."""
+        op = self.cache.prefetch(tokens)
+        assert op is not None
+        self.settle()
+        assert self.cache.prefetch_commit(op) == pages
+        match = self.cache.match_prefix(tokens)
+        assert self.cache.load_back(match.host_node) is not None
+        self.settle()
+        got = self.device.read_pages(self.cache.match_prefix(tokens).device_indices)
+        want = torch.cat([kv(p) for p in chain_page_hashes(tokens, PAGE)], dim=2)
+        assert torch.equal(got.view(torch.int16), want.view(torch.int16)), "L3 bytes differ"
+
     @property
     def counters(self):  # type: ignore[no-untyped-def]
         assert self.cache.l3 is not None

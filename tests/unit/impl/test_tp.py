@@ -199,9 +199,24 @@ def test_close_after_a_failed_agreement_still_stops_the_workers() -> None:
     group.tp.close()
 
 
+def _rank_0_down(clock: list[float], config: StorageConfig) -> tuple[Ranks, UnreachableBackend]:
+    """Two ranks on one memory store, rank 0's backend :class:`UnreachableBackend` (returned),
+    both caches on ``clock``, 16 pages each tier; rank 0's store has gone down under a request of
+    tokens 1-4 (its link is down, rank 1's healthy)."""
+    group = _rank_0_unreachable(clock, config)
+    try:
+        unreachable = group.backends[0]
+        assert isinstance(unreachable, UnreachableBackend)
+        unreachable.unreachable = True
+        group.insert([1, 2, 3, 4])
+        _run_all(group)
+    except BaseException:
+        group.close()
+        raise
+    return group, unreachable
+
+
 def _rank_0_unreachable(clock: list[float], config: StorageConfig) -> Ranks:
-    """Two ranks on one memory store, rank 0's backend :class:`UnreachableBackend`, both caches
-    on ``clock``; 16 pages each tier."""
     group = Ranks(2)
     group.tp.on_each(lambda r: group.caches[r].close())  # rebuilt below on fresh backends
     store = MemoryStore()
@@ -244,13 +259,8 @@ def test_the_remount_grace_holds_on_every_rank_once_the_republish_is_agreed() ->
     config = StorageConfig(
         prefetch_threshold=PAGE, backup_backoff_s=0.0, backup_retries=0, remount_grace_s=5.0
     )
-    group = _rank_0_unreachable(clock, config)
+    group, unreachable = _rank_0_down(clock, config)
     try:
-        unreachable = group.backends[0]
-        assert isinstance(unreachable, UnreachableBackend)
-        unreachable.unreachable = True
-        group.insert([1, 2, 3, 4])
-        _run_all(group)
         links = [cache.l3.link for cache in group.caches if cache.l3 is not None]
         assert links[0].state is Health.DOWN and links[1].state is Health.HEALTHY
         abandoned = [cache.l3.counters.backup_abandoned_pages for cache in group.caches if cache.l3]
@@ -279,13 +289,8 @@ def test_reset_drops_the_parked_backups_on_every_rank_alike() -> None:
     prefix is in neither rank's store while what came after the reset is in both."""
     clock = [0.0]
     config = StorageConfig(prefetch_threshold=PAGE, backup_backoff_s=0.0, backup_retries=0)
-    group = _rank_0_unreachable(clock, config)
+    group, unreachable = _rank_0_down(clock, config)
     try:
-        unreachable = group.backends[0]
-        assert isinstance(unreachable, UnreachableBackend)
-        unreachable.unreachable = True
-        group.insert([1, 2, 3, 4])
-        _run_all(group)
         group.insert([5, 6, 7, 8])  # deferred on rank 0
         _run_all(group)
         tiers = [cache.l3 for cache in group.caches if cache.l3 is not None]

@@ -16,7 +16,7 @@ from kvstrata.impl.executors import ManualExecutor, Mergeable, ThreadExecutor
 from kvstrata.impl.storage.base import GetStatus, PutStatus
 from kvstrata.impl.storage.memory import MemoryBackend, MemoryStore
 from kvstrata.impl.storage.worker import BackupResult, FetchResult, StorageWorker
-from kvstrata.model.keys import Namespace, PageHash, chain_page_hashes
+from kvstrata.model.keys import Namespace, PageHash
 from kvstrata.model.l3.health import Lane
 from kvstrata.model.lifecycles import Health
 
@@ -297,13 +297,4 @@ def test_a_backlog_of_backups_is_one_store_call_and_every_page_reads_back(merge:
     assert all(node.backup_pins == 0 for node in writer.cache.nodes())
     reader = Rig(shared, config=config)
     for tokens in requests:
-        op = reader.cache.prefetch(tokens)
-        assert op is not None
-        reader.settle()
-        assert reader.cache.prefetch_commit(op) == 2
-        match = reader.cache.match_prefix(tokens)
-        assert reader.cache.load_back(match.host_node) is not None
-        reader.settle()
-        got = reader.device.read_pages(reader.cache.match_prefix(tokens).device_indices)
-        want = torch.cat([kv(p) for p in chain_page_hashes(tokens, PAGE)], dim=2)
-        assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+        reader.read_back(tokens, 2)
