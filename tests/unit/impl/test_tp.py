@@ -285,8 +285,8 @@ def test_the_remount_grace_holds_on_every_rank_once_the_republish_is_agreed() ->
 def test_reset_drops_the_parked_backups_on_every_rank_alike() -> None:
     """Rank 0's store is down: a backup is deferred there and parked (agreed) on both ranks, so
     both caches are idle. ``reset`` on every rank drops it on every rank (its host pages are
-    freed); after the store is back nothing resumes it, the ranks keep agreeing, and the outage
-    prefix is in neither rank's store while what came after the reset is in both."""
+    freed); after the store is back nothing resumes it on rank 0, the ranks keep agreeing, and
+    what came after the reset is in both stores."""
     clock = [0.0]
     config = StorageConfig(prefetch_threshold=PAGE, backup_backoff_s=0.0, backup_retries=0)
     group, unreachable = _rank_0_down(clock, config)
@@ -297,6 +297,7 @@ def test_reset_drops_the_parked_backups_on_every_rank_alike() -> None:
         assert tiers[0].backup.deferred and all(tier.backup.ops for tier in tiers)
         assert group.tp.on_each(lambda r: group.caches[r].idle()) == [True, True]
         dropped = [tier.counters.backup_dropped_pages for tier in tiers]
+        outage = [group.caches[r].page_hashes([5, 6, 7, 8]) for r in range(2)]  # before reset
         group.tp.on_each(lambda r: group.caches[r].reset())
         assert [tier.counters.backup_dropped_pages for tier in tiers] == [d + 2 for d in dropped]
         assert not any(tier.backup.ops or tier.backup.deferred for tier in tiers)
@@ -306,11 +307,11 @@ def test_reset_drops_the_parked_backups_on_every_rank_alike() -> None:
         _run_all(group, 8)
         assert tiers[0].link.state is Health.HEALTHY
         assert not any(tier.backup.ops for tier in tiers)
+        namespace = group.caches[0].namespace_of(None)
+        assert len(outage[0]) == 2
+        assert group.backends[0].exists(namespace, list(outage[0])) == 0, "rank 0 resumed it"
         for rank, backend in enumerate(group.backends):
-            namespace = group.caches[rank].namespace_of(None)
-            outage = group.caches[rank].page_hashes([5, 6, 7, 8])
             later = group.caches[rank].page_hashes([9, 10, 11, 12])
-            assert backend.exists(namespace, list(outage)) == 0, f"rank {rank}"
             assert backend.exists(namespace, list(later)) == 2, f"rank {rank}"
     finally:
         group.close()
