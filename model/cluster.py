@@ -8,8 +8,10 @@ changes nothing until :meth:`TpModel.agree`, which every rank joins, applies the
 
 - write-through and load-back copies: ``CopyFact`` per pending op, FIFO per direction;
 - backups: ``BackupFact`` per in-flight op (the model never gives up: it retries forever);
-- prefetch reads: each rank's read delivers what its own store holds (``readable``); the agreed
-  minimum arrives on every rank and the rest is a miss;
+- prefetch reads: each rank's read delivers what its own store holds when it runs (``read``);
+  the agreed minimum of those pages arrives on every rank, each rank's own bytes as read (its
+  store may lose a page after the read: the bytes are in its host slots already), and the rest is
+  a miss;
 - prefetch queries: the minimum of the ranks' hits is what every rank reserves (the implementation
   agrees on it at the next ``check_events``; the model at once, as one agreement).
 
@@ -47,7 +49,8 @@ class RankReports:
 
     copies: dict[int, bool] = attrs.field(factory=dict)  # landed (True) or failed
     backups: dict[int, bool] = attrs.field(factory=dict)  # stored all of it, or must retry
-    reads: dict[int, int] = attrs.field(factory=dict)  # pages the read delivered
+    #: what each read delivered: the pages' contents, in order, as its store held them then
+    reads: dict[int, tuple[Hashable, ...]] = attrs.field(factory=dict)
 
 
 def rank_view(rank: CacheModel) -> Hashable:
@@ -129,9 +132,9 @@ class TpModel:
         op = model.prefetch_ops.get(op_id)
         if op is None or op.state is not PrefetchState.LOADING:
             raise MisuseError(f"no prefetch op {op_id} is reading")
-        delivered: int = model.prefetches.readable(op)
+        delivered: tuple[Hashable, ...] = model.prefetches.read(op)
         self.reports[rank].reads[op_id] = delivered
-        return delivered
+        return len(delivered)
 
     # ------------------------------------------------------------------ agreements
     def prefetch(self, tokens: tuple[int, ...], namespace: Any) -> int | None:
@@ -177,7 +180,7 @@ class TpModel:
                 return BackupFact.PENDING
             return BackupFact.STORED if stored else BackupFact.RETRY
         read = reports.reads.get(op_id)
-        return 0 if read is None else 1 + read
+        return 0 if read is None else 1 + len(read)
 
     def agree(self) -> list[int]:
         """Every rank reports, the minimum is applied to every rank; returns the agreed values."""
@@ -207,7 +210,7 @@ class TpModel:
                 else:
                     self._apply("fail_backup", op_id)
             elif kind is FactKind.READ and value:
-                self._apply("prefetch_finish", op_id, value - 1)
+                self._apply_read(op_id, value - 1)
         self._forget_settled()
         self.check()
         return agreed
@@ -216,6 +219,15 @@ class TpModel:
         results = [getattr(rank, verb)(*args, **kwargs) for rank in self.ranks]
         if any(result != results[0] for result in results[1:]):
             raise InvariantViolation("TP ranks agree", f"an agreed fact gave {results}")
+
+    def _apply_read(self, op_id: int, pages: int) -> None:
+        """The agreed read: every rank takes ``pages`` pages out of what its own read delivered."""
+        results = [
+            rank.prefetch_finish(op_id, pages, reports.reads[op_id])
+            for rank, reports in zip(self.ranks, self.reports, strict=True)
+        ]
+        if any(result != results[0] for result in results[1:]):
+            raise InvariantViolation("TP ranks agree", f"an agreed read gave {results}")
 
     def _forget_settled(self) -> None:
         """Drop reports of ops that are no longer pending (applied, or failed with a batch)."""

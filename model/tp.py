@@ -18,8 +18,13 @@ it has to report. The encodings below make the minimum the agreed fact:
   pages (each rank releases its pages beyond it); a state read with it is used only if every rank
   read the same page's state (the minimum equals the maximum); the op is overdue once any rank's
   clock says so;
-- a backup op is parked (nothing finishes it while a store is down: the cache counts as idle)
-  when any rank deferred it;
+- a backup op is parked (nothing finishes it while a store is down) when any rank deferred it,
+  and quiet when no rank runs a job of it or has one due without an agreement (each rank's job is
+  deferred, holds its result for the agreement, or was dropped); the cache counts as idle when
+  every backup op is parked and quiet. A rank whose store came back starts a deferred op's job
+  only when the ranks agree that no rank defers it any more, so no job starts between the
+  agreement that made the cache idle and the next one (``reset`` frees the pages such a job
+  would read);
 - L2 is re-published when any rank's store came back empty.
 
 The layout of one agreement (which facts, in which order) derives from agreed state only (the
@@ -68,6 +73,7 @@ class FactKind(enum.IntEnum):
     OVERDUE = 7  # a prefetch op: 0 overdue on this rank's clock, 1 not
     REPUBLISH = 8  # the store came back empty: 0 re-publish wanted, 1 not
     PARKED = 9  # a backup op: 0 deferred here (this rank's store is down), 1 not
+    QUIET = 10  # a backup op: 1 no job of it runs here or is due here unagreed, 0 one does
 
 
 class CopyFact(enum.IntEnum):

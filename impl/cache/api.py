@@ -147,7 +147,10 @@ class HierarchicalRadixCache(Buildable):
         return PendingWork(len(copies.write), len(copies.load), **store)
 
     def idle(self) -> bool:
-        """Whether every copy, backup and prefetch has been applied (nothing pending)."""
+        """Whether every copy, backup and prefetch has been applied (nothing pending), backups
+        deferred while the store is down excepted. Under TP it derives from agreed facts only
+        (alike on every rank): a backup one rank deferred counts only once no rank runs a job of
+        it or has one due (``kvstrata.model.tp``: ``PARKED`` and ``QUIET``)."""
         copies = self._tiers.copies
         return not copies.write and not copies.load and (self._l3 is None or self._l3.idle())
 

@@ -103,7 +103,11 @@ class SchedulerCache(Protocol):
         """Background work not applied yet, per kind (copies, backups, prefetches)."""
 
     def idle(self) -> bool:
-        """Whether nothing is pending: every copy, backup and prefetch has been applied."""
+        """Whether nothing is pending: every copy, backup and prefetch has been applied (backups
+        deferred while the store is down excepted; under TP, from agreed facts only)."""
+
+    def reset(self) -> None:
+        """Drop every cached page (``MisuseError`` unless idle and unlocked; nothing changed)."""
 
     def close(self) -> None:
         """Finish queued work, stop the workers, close the store."""

@@ -50,8 +50,17 @@ class L3Reports:
         values = [0 if self.republish else 1]
         deferred = {id(op) for op in backups.deferred}
         for backup in backups.ops.values():
-            layout += [(FactKind.BACKUP, backup.op_id), (FactKind.PARKED, backup.op_id)]
-            values += [self._backup_fact(backups, backup), 0 if id(backup) in deferred else 1]
+            layout += [
+                (FactKind.BACKUP, backup.op_id),
+                (FactKind.PARKED, backup.op_id),
+                (FactKind.QUIET, backup.op_id),
+            ]
+            quiet = backups.quiet_here(backup, backup.op_id in self.backups)
+            values += [
+                self._backup_fact(backups, backup),
+                0 if id(backup) in deferred else 1,
+                1 if quiet else 0,
+            ]
         for op_id, prefetch in prefetches.ops.items():
             for kind, value in self._prefetch_facts(prefetches, prefetch):
                 layout.append((kind, op_id))
@@ -89,7 +98,12 @@ class L3Reports:
         by_slot = dict(zip(layout, agreed, strict=True))
         for (kind, op_id), value in zip(layout, agreed, strict=True):
             if kind is FactKind.PARKED and op_id in backups.ops:
-                backups.ops[op_id].parked = value == 0
+                if value == 0:
+                    backups.ops[op_id].parked = True
+                else:
+                    backups.unpark(backups.ops[op_id])
+            elif kind is FactKind.QUIET and op_id in backups.ops:
+                backups.ops[op_id].quiet = value == 1
             elif kind is FactKind.BACKUP and value != BackupFact.PENDING and op_id in backups.ops:
                 self._apply_backup(backups, op_id, BackupFact(value))
             elif kind is FactKind.OVERDUE and op_id in prefetches.ops:
@@ -113,8 +127,6 @@ class L3Reports:
         op = backups.ops[op_id]
         result = self.backups.pop(op_id, None)
         if op.dropped or result is None:  # dropped here; given up everywhere (GIVE_UP is least)
-            if op in backups.deferred:
-                backups.deferred.remove(op)
-            backups.drop(op)
+            backups.forget(op)
             return
         backups.apply(result, agreed=verdict)

@@ -83,6 +83,7 @@ class BackupOp:
     state_slots: Pages = attrs.field(factory=lambda: np.zeros(0, dtype=np.int64))
     dropped: bool = False  # TP: dropped from the deferred queue here, released once agreed
     parked: bool = False  # TP: deferred on some rank (agreed): nothing finishes it while down
+    quiet: bool = False  # TP: no rank runs a job of it or has one due (agreed)
 
     @property
     def num_pages(self) -> int:
@@ -106,6 +107,10 @@ class Backups:
         self.ops: dict[int, BackupOp] = {}
         self._retry: list[BackupOp] = []
         self.deferred: collections.deque[BackupOp] = collections.deque()  # oldest first
+        #: TP: deferred ops whose store came back here; each starts when the ranks agree that no
+        #: rank defers it any more (:meth:`unpark`), never on its own: an op agreed parked and
+        #: quiet (the cache idle) must not start a job before the next agreement says so
+        self.ready: list[BackupOp] = []
         #: TP (``kvstrata.model.tp``): pins drop only by agreed facts, so a dropped op is marked
         #: and reported, never released here
         self.agreed = False
@@ -216,15 +221,45 @@ class Backups:
     def drop_all(self) -> int:
         """Forget every op unwritten, counted as dropped (for ``reset``, which frees the host
         pages they read: a deferred op resumed later would put whatever then holds those pages
-        under its keys); nothing may be in flight (the cache is idle: every op is deferred, or
-        parked under TP). Returns the pages dropped."""
+        under its keys). No job of any op may be running or due (the cache is idle: every op is
+        deferred; under TP every op is parked and quiet, so here each is deferred, waiting for
+        the ranks to agree that it may resume, dropped, or holding its result). Returns the
+        pages dropped."""
         pages = 0
         for op in list(self.ops.values()):
             pages += op.num_pages
             self.drop(op)
         self.deferred.clear()
+        self.ready.clear()
+        self._retry.clear()
+        self._judged.clear()
         self._deferred_pages = 0
         return pages
+
+    def forget(self, op: BackupOp) -> None:
+        """TP: ``op`` was given up by every rank while not in flight here (dropped from the
+        deferred queue here or on another rank): drop it from whichever queue holds it."""
+        if op in self.deferred:
+            self.deferred.remove(op)
+            self._deferred_pages -= op.num_pages
+        if op in self.ready:
+            self.ready.remove(op)
+        self.drop(op)
+
+    def quiet_here(self, op: BackupOp, result_held: bool) -> bool:
+        """TP: whether no job of ``op`` runs on this rank or is due without an agreement: it is
+        deferred (or waits for the ranks to agree it may resume), dropped, or its result is
+        held for the agreement. An op waiting for its retry's back-off is not: it starts on this
+        rank's clock."""
+        return result_held or op.dropped or op in self.deferred or op in self.ready
+
+    def unpark(self, op: BackupOp) -> None:
+        """TP: the ranks agreed that none defers ``op``: it is no longer parked, and if it was
+        waiting here for that (its store came back), its job starts now."""
+        op.parked = False
+        if op in self.ready:
+            self.ready.remove(op)
+            self._start_backup(op)
 
     def _release(self, op: BackupOp) -> None:
         """Unpin every node and state ``op`` pins (it will not read them again)."""
@@ -234,9 +269,13 @@ class Backups:
             info.host_pins -= 1
 
     def resume(self) -> None:
-        """The store is back: issue every deferred op again, oldest first."""
+        """The store is back: issue every deferred op again, oldest first (TP: each waits in
+        :attr:`ready` until the ranks agree that no rank defers it, :meth:`unpark`)."""
         deferred, self.deferred = self.deferred, collections.deque()
         self._deferred_pages = 0
+        if self.agreed:
+            self.ready.extend(deferred)
+            return
         for op in deferred:
             self._start_backup(op)
 

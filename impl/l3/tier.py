@@ -145,7 +145,7 @@ class L3Tier:
     def pending(self) -> dict[str, int]:
         """Backup and prefetch ops not finished; ``deferred``: backup ops waiting for the store
         to come back (not in flight: nothing will finish them while it is down)."""
-        deferred = len(self.backup.deferred)
+        deferred = len(self.backup.deferred) + len(self.backup.ready)
         return {
             "backup": len(self.backup.ops) - deferred,
             "prefetch": len(self.prefetch.ops),
@@ -158,13 +158,16 @@ class L3Tier:
         if self.prefetch.ops:
             return False
         if self.reports is not None:  # TP: what every rank agreed on (a deferral is local)
-            return all(op.parked for op in self.backup.ops.values())
+            return all(op.parked and op.quiet for op in self.backup.ops.values())
         return len(self.backup.ops) == len(self.backup.deferred)
 
     def reset(self) -> None:
         """The cache drops every page (it is idle): the backups waiting for the store are
-        dropped with them, never resumed over pages freed and reused meanwhile."""
+        dropped with them, never resumed over pages freed and reused meanwhile (TP: with the
+        results held for them)."""
         self.backup.drop_all()
+        if self.reports is not None:
+            self.reports.backups.clear()
 
     def close(self) -> None:
         self.worker.close()

@@ -101,7 +101,7 @@ class CacheModel:
     load_ops = View[deque[CopyOp]]("_tiers", "load_ops")
     backup_ops = View[list[BackupOp]]("_backup", "ops")
     prefetch_ops = View[dict[int, PrefetchOp]]("_prefetch", "ops")
-    prefetches = property(lambda self: self._prefetch)  # pure queries: local_hit, readable (TP)
+    prefetches = property(lambda self: self._prefetch)  # pure queries: local_hit, read (TP)
     scheduler_slots = View[set[int]]("_tiers", "scheduler_slots")
     scheduler_state_slots = View[set[int]]("_states", "scheduler_slots")
     clock = View[int]("_clock", "now")
@@ -413,10 +413,11 @@ class CacheModel:
         )
         return None if op is None else op.op_id
 
-    def prefetch_finish(self, op_id: int, pages: int) -> int:
-        """The read of ``op_id`` ends with ``pages`` more pages (TP: agreed); the rest misses."""
+    def prefetch_finish(self, op_id: int, pages: int, delivered: Sequence[Hashable]) -> int:
+        """The read of ``op_id`` ends with ``pages`` more pages (TP: agreed) out of ``delivered``,
+        what this rank's read got when it ran; the rest misses."""
         op = self._prefetch.op(op_id, PrefetchEvent.ARRIVE)
-        return self._step(self._prefetch.finish, op, pages)
+        return self._step(self._prefetch.finish, op, pages, delivered)
 
     def prefetch_arrive(self, op_id: int, pages: int = 1) -> int:
         """Up to ``pages`` more pages of op ``op_id`` are read from the store, in order; a page whose

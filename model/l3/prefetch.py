@@ -20,6 +20,7 @@ forgotten with every slot it still held.
 
 from __future__ import annotations
 
+from collections.abc import Hashable, Sequence
 from typing import TYPE_CHECKING
 
 import attrs
@@ -202,47 +203,52 @@ class Prefetch:
         the KV range is known the state is read (:meth:`_read_state`): that of the last arrived
         page, or of the deepest arrived page whose state is still in the store (the pages after it
         are dropped: usable only up to a state, I6)."""
-        for _ in range(pages):
-            if op.arrived >= op.limit:
-                break
-            index = op.arrived
-            page = op.pages[index]
-            keys = [key for _component, key in page_objects(self.config, op.namespace, page)]
-            contents = [self.store.get(key) for key in keys]
-            if any(content is None for content in contents):
-                op.limit = index
-                break
-            first = contents[0]
-            assert isinstance(first, tuple)
-            self.tiers.host.write(op.host_slots[index], first[0])
-            op.arrived += 1
+        read = self.read(op)[:pages]
+        self._deliver(op, read)
+        if len(read) < pages:
+            op.limit = op.arrived
         if op.arrived >= op.limit:
-            if op.state_slot is not None:
-                self._read_state(op)
-            op.state = PREFETCH_OP.next(op.state, PrefetchEvent.COMPLETE)
+            self._complete(op)
         return op.arrived
 
-    def finish(self, op: PrefetchOp, pages: int) -> int:
-        """``op``'s read ends with ``pages`` more pages (TP: the ranks' agreed minimum; each rank's
-        store holds at least that many): they arrive and the rest is a miss."""
-        op.limit = min(op.limit, op.arrived + pages)
-        if pages > 0:
-            return self.arrive(op, pages)
+    def read(self, op: PrefetchOp) -> tuple[Hashable, ...]:
+        """What one read of ``op`` gets from this store now (pure): the KV content of each page
+        after the arrived ones, in order, up to the first page whose objects (KV and every
+        ``ALL_PAGES`` side object) are not all in the store, or ``op``'s limit."""
+        contents: list[Hashable] = []
+        for index in range(op.arrived, op.limit):
+            objects = [
+                self.store.get(key)
+                for _component, key in page_objects(self.config, op.namespace, op.pages[index])
+            ]
+            if any(item is None for item in objects):
+                break
+            first = objects[0]
+            assert isinstance(first, tuple)
+            contents.append(first[0])
+        return tuple(contents)
+
+    def finish(self, op: PrefetchOp, pages: int, delivered: Sequence[Hashable]) -> int:
+        """``op``'s read ends with ``pages`` more pages (TP: the ranks' agreed minimum), taken
+        from ``delivered``: what this rank's own read got when it ran (:meth:`read`; its store
+        may have lost a page since, but the bytes read are in the host slots already). The rest
+        is a miss."""
+        if pages > len(delivered):
+            raise MisuseError(f"{pages} pages agreed, this rank's read delivered {len(delivered)}")
+        self._deliver(op, delivered[:pages])
+        op.limit = op.arrived
+        self._complete(op)
+        return op.arrived
+
+    def _deliver(self, op: PrefetchOp, contents: Sequence[Hashable]) -> None:
+        for content in contents:
+            self.tiers.host.write(op.host_slots[op.arrived], content)
+            op.arrived += 1
+
+    def _complete(self, op: PrefetchOp) -> None:
         if op.state_slot is not None:
             self._read_state(op)
         op.state = PREFETCH_OP.next(op.state, PrefetchEvent.COMPLETE)
-        return op.arrived
-
-    def readable(self, op: PrefetchOp) -> int:
-        """Pages of ``op`` after the arrived ones that this store can serve now (pure: what one TP
-        rank's read would deliver)."""
-        count = op.arrived
-        while count < op.limit and all(
-            self.store.contains(key)
-            for _component, key in page_objects(self.config, op.namespace, op.pages[count])
-        ):
-            count += 1
-        return count - op.arrived
 
     def _read_state(self, op: PrefetchOp) -> None:
         """The KV range of ``op`` is known: read the state of its deepest arrived page that has

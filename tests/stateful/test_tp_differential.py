@@ -15,6 +15,10 @@ Checked after every step:
   rank's shard of the page's KV (MLA, in half the examples: the replicated KV, written to the store
   by rank 0 alone, whose backups every rank then counts as stored, and read by every rank);
 * the same ``prefetch`` op ids and ``prefetch_ready`` answers on every rank;
+* ``idle()`` answers alike on every rank, and ``reset`` when it is true drops every page on every
+  rank, with no job left reading them; at the end of each example (every job left run), every page
+  of every inserted sequence that the shared store holds under a rank's keys holds that rank's
+  shard of its KV;
 * outages (issue 20): some ranks' store unreachable (every put and query raises), or the master
   restarted (every object gone), then back; every rank reads one clock the test moves. After a
   restart that a rank's link saw (it recovered since), the re-publish is agreed and done on every
@@ -44,7 +48,8 @@ from kvstrata.impl.cache import HierarchicalRadixCache
 from kvstrata.impl.config import RadixCacheConfig, StorageConfig
 from kvstrata.impl.errors import CapacityError
 from kvstrata.impl.pools import DeviceKVPool, HostKVPool, HostLayout, KVShape
-from kvstrata.impl.storage.memory import MemoryStore
+from kvstrata.impl.storage.base import GetStatus
+from kvstrata.impl.storage.memory import MemoryBackend, MemoryStore
 from kvstrata.impl.transfer import Direction, ManualExecutor
 from kvstrata.model.keys import (
     KeySpace,
@@ -212,8 +217,37 @@ class TpDifferential(RuleBasedStateMachine):
 
     def teardown(self) -> None:
         if self.tp is not None:
+            for rank in range(self.size):  # every job left runs, as a closing engine's would
+                self.copy_workers[rank].run_all()
+                self.store_workers[rank].run_all()
             self.tp.on_each(lambda rank: self.caches[rank].close())
             self.tp.close()
+            self.store_holds_the_right_bytes()
+
+    def store_holds_the_right_bytes(self) -> None:
+        """Every page of every sequence inserted that the shared store holds under a rank's keys
+        holds that rank's shard of the page's KV: no job put another page's bytes (a freed and
+        reused host page) under its keys. Read back through a backend of the rank's key space
+        into a pool of its own."""
+        pages_of = {
+            page: ns
+            for tokens, ns in self.inserted
+            for page in chain_page_hashes(tokens, self.page_size, ns)
+        }
+        if not pages_of:
+            return
+        for rank in range(self.size if not self.mla else 1):
+            reader = MemoryBackend(self.backends[rank].keyspace, store=self.store)
+            pool = HostKVPool(self.shape, 1, HostLayout.PAGE_FIRST)
+            reader.attach(pool)
+            for page, ns in pages_of.items():
+                if reader.get(ns, [page], [0]) != [GetStatus.LOADED]:
+                    continue
+                want = shard_kv(self.shape, page, self.kv_rank(rank))
+                got = pool.read_pages(torch.tensor([0]))
+                same = torch.equal(got.view(torch.int16), want.view(torch.int16))
+                assert same, f"rank {rank}: the store holds another page's bytes under its keys"
+            reader.close()
 
     # ------------------------------------------------------------ helpers
     def each(self, verb: str, *args: Any) -> Any:
@@ -507,6 +541,98 @@ class TpDifferential(RuleBasedStateMachine):
             events = self.each("check_events")
             if events[0]:
                 event("an agreement applied copies")
+
+    @precondition(lambda self: self.tp is not None)
+    @rule()
+    def reset_when_idle(self) -> None:
+        """The scheduler resets once the cache is idle: ``idle()`` answers alike on every rank (it
+        derives from agreed facts only: a backup parked because one rank's store is down keeps
+        every rank busy while another rank's job of it runs or is due), and then ``reset`` on
+        every rank drops every page. Requests after it reuse the freed host pages; a job still
+        reading them would put their new bytes under the old pages' keys, which ``round_trip``
+        reads back."""
+        if not self.each_call(lambda rank: self.caches[rank].idle())[0]:
+            return
+        parked = any(cache.l3 is not None and cache.l3.backups for cache in self.caches)
+        self.each_call(lambda rank: self.caches[rank].reset())
+        event("reset on every rank (idle)")
+        if parked:
+            event("reset dropped a backup parked by an outage")
+
+    def fresh_request(self, data: st.DataObject) -> None:
+        """A sequence never seen before, with room made in L1 (L2 copies stay), its copies landed
+        and agreed: its backups are queued, or deferred on a rank whose store is down."""
+        self.fresh += 1
+        tokens = tuple(range(10_000 * self.fresh, 10_000 * self.fresh + 2 * self.page_size))
+        self.evict(32, host=False)
+        self.request_on_every_rank(tokens, data.draw(st.sampled_from(NAMESPACES)))
+        for rank in range(self.size):
+            self.copy_workers[rank].run_all()
+        self.agree_now()
+        self.agree_now()
+
+    def idle_means_no_job_due(self) -> bool:
+        """Whether the cache is idle (alike on every rank); if so, no rank whose store is healthy
+        (so no probe is queued there) has a store job queued: it would be a backup's, reading
+        host pages that a ``reset`` now frees."""
+        idle: bool = self.each_call(lambda rank: self.caches[rank].idle())[0]
+        if idle:
+            for rank in range(self.size):
+                healthy = self.link(rank).state is Health.HEALTHY
+                assert not (healthy and self.store_workers[rank].jobs), f"rank {rank}: a job due"
+        return idle
+
+    @precondition(
+        lambda self: (
+            self.tp is not None
+            and not self.restarted
+            and not any(b.unreachable for b in self.backends)
+        )
+    )
+    @rule(data=st.data(), back_first=st.booleans())
+    def reset_after_an_outage(self, data: st.DataObject, back_first: bool) -> None:
+        """Some ranks' store goes down; a new sequence's backup is deferred there (parked on every
+        rank) while the other ranks' jobs of it have not run. No rank may answer idle while one of
+        those jobs is due; once they ran (and, with ``back_first``, once the down ranks' stores came
+        back during a ``check_events``: their deferred jobs must wait for the agreement, not start
+        then), the scheduler resets on every rank and a newer sequence takes the freed host pages.
+        Once everything settled, the store holds every page's own bytes (a job that read a freed
+        page would have put the newer sequence's bytes under the older one's keys)."""
+        self.settle(3)
+        down = data.draw(
+            st.lists(
+                st.integers(0, self.size - 1), min_size=1, max_size=self.size - 1, unique=True
+            ),
+            label="ranks whose store goes down",
+        )
+        for rank in down:
+            self.backends[rank].unreachable = True
+        self.fresh_request(data)
+        self.settle(2)  # the down ranks' links fail their calls and go down
+        self.fresh_request(data)  # deferred on the down ranks, queued on the others
+        self.idle_means_no_job_due()
+        for rank in range(self.size):
+            if rank not in down:
+                self.store_workers[rank].run_all()
+        self.agree_now()
+        self.agree_now()
+        if back_first:
+            for rank in down:
+                self.backends[rank].unreachable = False
+            self.clock[0] += 1.0  # the probes' back-off is over
+            self.each("check_events")  # the probes are issued
+            for rank in down:
+                self.store_workers[rank].run_all()
+            self.each("check_events")  # their answers: the links are back
+        if self.idle_means_no_job_due():
+            self.each_call(lambda rank: self.caches[rank].reset())
+            event("reset after an outage, a backup parked")
+            self.fresh_request(data)  # takes the host pages the parked backup read
+        for backend in self.backends:
+            backend.unreachable = False
+        self.clock[0] += 1.0
+        self.settle(8)
+        self.store_holds_the_right_bytes()
 
     @precondition(lambda self: self.tp is not None and self.inserted)
     @rule(data=st.data())

@@ -87,6 +87,7 @@ class TpModelMachine(RuleBasedStateMachine):
         ]
         self.tp = TpModel(ranks)
         self.page_size = page_size
+        self.host_pages = host_pages
 
     def draw_tokens(self, data: st.DataObject) -> tuple[tuple[int, ...], Namespace]:
         tokens = data.draw(related_tokens(self.known), label="tokens")
@@ -148,10 +149,19 @@ class TpModelMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def prefetch(self, data: st.DataObject) -> None:
         tokens, ns = self.draw_tokens(data)
-        if self.inserted and data.draw(st.booleans(), label="an inserted sequence"):
-            tokens, ns = data.draw(st.sampled_from(self.inserted), label="inserted")
+        # a prefetch reserves at most half of L2: longer sequences are never fetched
+        fits = [
+            (t, n) for t, n in self.inserted if len(t) // self.page_size <= self.host_pages // 2
+        ]
+        if fits and data.draw(st.booleans(), label="an inserted sequence"):
+            tokens, ns = data.draw(st.sampled_from(fits), label="inserted")
+            if data.draw(st.booleans(), label="cold: settled, then out of L1 and L2"):
+                self.everything_lands()  # in every rank's store (unless a store lost it)
+                self.evict(1 << 10, host=True)  # what no lock or pin keeps
         if self.tp.prefetch(tokens, ns) is not None:
             event("prefetch started")
+        else:
+            event("prefetch: nothing to fetch, or no room")
 
     @precondition(lambda self: self.tp.ranks[0].prefetch_ops)
     @rule(data=st.data(), commit=st.booleans())
@@ -212,6 +222,22 @@ class TpModelMachine(RuleBasedStateMachine):
         for rank in self.ranks(data):
             if self.tp.read_done(rank, op_id) < ops[op_id].limit - ops[op_id].arrived:
                 event("one rank's read came back short")
+            if data.draw(st.booleans(), label="then its store loses a page it read"):
+                self.lose_read_page(rank, op_id)
+
+    def lose_read_page(self, rank_index: int, op_id: int) -> None:
+        """Rank ``rank_index``'s store drops an object of a page its read of ``op_id`` delivered,
+        before the ranks agree on that read: the agreed pages are the bytes each rank read (the
+        fuzz run's find: a read applied from the store as it was then ended the op per rank)."""
+        rank = self.tp.ranks[rank_index]
+        op = rank.prefetch_ops[op_id]
+        if not self.tp.reports[rank_index].reads[op_id]:
+            return
+        first = op.pages[op.arrived]  # every page the ranks may agree on comes after it
+        items = [item for item in rank.store.visible_items() if item[1][0] == first]
+        if items:
+            rank.store_evict(items[0][0])
+            event("one rank's store lost an object of a page its read delivered, before agreeing")
 
     @rule(data=st.data())
     def store_loses(self, data: st.DataObject) -> None:

@@ -15,7 +15,7 @@ from support.unreachable import UnreachableBackend
 
 from kvstrata.impl.cache import HierarchicalRadixCache
 from kvstrata.impl.config import RadixCacheConfig, StorageConfig
-from kvstrata.impl.errors import CacheClosed, ConfigError, TpAgreementError
+from kvstrata.impl.errors import CacheClosed, ConfigError, MisuseError, TpAgreementError
 from kvstrata.impl.pools import DeviceKVPool, HostKVPool, HostLayout, KVShape
 from kvstrata.impl.storage.base import PutStatus
 from kvstrata.impl.storage.memory import MemoryBackend, MemoryStore
@@ -278,6 +278,86 @@ def test_the_remount_grace_holds_on_every_rank_once_the_republish_is_agreed() ->
             namespace = group.caches[rank].namespace_of(None)
             pages = group.caches[rank].page_hashes([1, 2, 3, 4])
             assert backend.exists(namespace, list(pages)) == 2, f"rank {rank}"
+    finally:
+        group.close()
+
+
+def _check_events(group: Ranks) -> None:
+    group.tp.on_each(lambda r: group.caches[r].check_events())
+
+
+def test_a_parked_backup_whose_job_runs_on_another_rank_keeps_every_rank_busy() -> None:
+    """Rank 0's store is down, rank 1's is not: a backup is deferred on rank 0 (parked on both
+    ranks) while rank 1's job of it has not run. Neither cache is idle and ``reset`` refuses on
+    both, nothing changed (it would free host pages rank 1's job still reads, and put the bytes
+    of whatever took them under the op's keys); once rank 1's result is held both are idle, and
+    ``reset`` drops the op and that result on every rank."""
+    clock = [0.0]
+    config = StorageConfig(prefetch_threshold=PAGE, backup_backoff_s=0.0, backup_retries=0)
+    group, unreachable = _rank_0_down(clock, config)
+    try:
+        group.insert([5, 6, 7, 8])
+        for executor in group.copies:
+            executor.run_all()
+        for _ in range(3):  # the copy lands, the backup is queued, its facts are agreed
+            _check_events(group)
+        tiers = [cache.l3 for cache in group.caches if cache.l3 is not None]
+        assert tiers[0].backup.deferred and group.io[1].jobs, "rank 1's job has not run"
+        assert all(op.parked for tier in tiers for op in tier.backup.ops.values())
+        assert group.tp.on_each(lambda r: group.caches[r].idle()) == [False, False]
+        for rank in range(2):
+            with pytest.raises(MisuseError, match="in flight"):
+                group.tp.on_rank(rank, group.caches[rank].reset)
+        assert all(tier.backup.ops for tier in tiers), "a refused reset changed something"
+        group.io[1].run_all()
+        for _ in range(2):  # rank 1 holds its result; the ranks agree that no job runs
+            _check_events(group)
+        assert tiers[1].reports is not None and tiers[1].reports.backups
+        assert group.tp.on_each(lambda r: group.caches[r].idle()) == [True, True]
+        dropped = [tier.counters.backup_dropped_pages for tier in tiers]
+        group.tp.on_each(lambda r: group.caches[r].reset())
+        assert [tier.counters.backup_dropped_pages for tier in tiers] == [d + 2 for d in dropped]
+        assert not tiers[1].reports.backups, "a result held for a dropped op"
+        unreachable.unreachable = False
+        clock[0] = 1.0
+        _run_all(group, 8)
+        assert not any(tier.backup.ops for tier in tiers)
+    finally:
+        group.close()
+
+
+def test_a_store_back_under_an_idle_tp_cache_starts_no_job_before_the_ranks_agree() -> None:
+    """Both caches are idle (a backup parked and quiet: deferred on rank 0, its result held on
+    rank 1). Rank 0's store comes back during a ``check_events``: its deferred op waits until the
+    ranks agree that no rank defers it, so that call leaves both caches idle with no job queued
+    on rank 0 (one started there would read pages a ``reset`` now frees); the next agreement
+    starts it, and the op is stored on every rank."""
+    clock = [0.0]
+    config = StorageConfig(prefetch_threshold=PAGE, backup_backoff_s=0.0, backup_retries=0)
+    group, unreachable = _rank_0_down(clock, config)
+    try:
+        group.insert([5, 6, 7, 8])  # deferred on rank 0
+        _run_all(group)
+        tiers = [cache.l3 for cache in group.caches if cache.l3 is not None]
+        assert tiers[0].backup.deferred
+        assert group.tp.on_each(lambda r: group.caches[r].idle()) == [True, True]
+        unreachable.unreachable = False
+        clock[0] = 1.0  # the probe's back-off is over
+        _check_events(group)  # the probe is issued
+        group.io[0].run_all()
+        _check_events(group)  # the probe's answer: the link is back, the op waits to resume
+        assert tiers[0].link.state is Health.HEALTHY
+        assert tiers[0].backup.ready and not group.io[0].jobs, "started before the ranks agreed"
+        assert group.tp.on_each(lambda r: group.caches[r].idle()) == [True, True]
+        _check_events(group)  # agreed: no rank defers it; its job starts on rank 0
+        assert not tiers[0].backup.ready and group.io[0].jobs
+        assert group.tp.on_each(lambda r: group.caches[r].idle()) == [False, False]
+        _run_all(group, 8)
+        assert not any(tier.backup.ops for tier in tiers)
+        namespace = group.caches[0].namespace_of(None)
+        for rank, backend in enumerate(group.backends):
+            hashes = group.caches[rank].page_hashes([5, 6, 7, 8])
+            assert backend.exists(namespace, list(hashes)) == 2, f"rank {rank}"
     finally:
         group.close()
 

@@ -135,3 +135,59 @@ def test_an_agreed_backup_ends_alike_on_every_rank_after_one_ranks_store_lost_an
     tp.agree()  # no InvariantViolation: the ranks end the op alike
     assert not any(o.state is BackupState.IN_FLIGHT for o in tp.ranks[0].backup_ops)
     assert [len(rank.backup_ops) for rank in tp.ranks] == [0, 0]
+
+
+def test_an_agreed_read_delivers_each_ranks_bytes_as_read_after_its_store_lost_a_page() -> None:
+    """The fuzz run's find (2026-11-28): one rank's read of a prefetch returned, then its store
+    lost an object of a page that read delivered, then the other rank's read returned. The agreed
+    pages are the bytes each rank read (in its host slots already), not its store as it is now:
+    every rank ends the op alike, with the pages' contents."""
+    identity = ModelIdentity("tiny", "bf16", KVKind.MHA, page_size=1)
+    base = CacheConfig(
+        page_size=1,
+        device_pages=4,
+        host_pages=4,
+        write_policy=WritePolicy.WRITE_THROUGH,
+        write_through_threshold=1,
+        prefetch_threshold=1,
+        keys=KeySpace(identity),
+    )
+    store = [StoreModel() for _ in range(2)]
+    tp = TpModel(
+        [
+            CacheModel(
+                attrs.evolve(base, keys=KeySpace(identity, shard=Shard(tp_rank=r, tp_size=2))),
+                store[r],
+            )
+            for r in range(2)
+        ]
+    )
+    tokens = (1, 2)
+    pages = chain_page_hashes(tokens, 1, DEFAULT_NAMESPACE)
+    fresh = tp.each("alloc_device", 2)
+    for rank in tp.ranks:
+        for slot, page in zip(fresh, pages, strict=True):
+            rank.write_device(slot, page)
+    tp.each("insert", tokens, DEFAULT_NAMESPACE, fresh)
+    for _ in range(3):  # write-through, backup, every rank's store holds both pages
+        while any(op.state is BackupState.QUEUED for op in tp.ranks[0].backup_ops):
+            tp.each("start_backup")
+        for reports in tp.reports:
+            for op in tp.ranks[0].write_ops:
+                reports.copies.setdefault(op.op_id, True)
+            for backup in tp.ranks[0].backup_ops:
+                reports.backups.setdefault(backup.op_id, True)
+        tp.agree()
+    tp.each("evict", 2)
+    tp.each("evict_host", 2)  # L1 and L2 forget them; the stores keep them
+    op_id = tp.prefetch(tokens, DEFAULT_NAMESPACE)
+    assert op_id is not None
+    assert tp.read_done(0, op_id) == 2
+    lost = next(key for key, (page, _c) in store[0].visible_items() if page == pages[1])
+    tp.ranks[0].store_evict(lost)  # after rank 0's read returned
+    assert tp.read_done(1, op_id) == 2
+    tp.agree()  # no InvariantViolation: both ranks take the 2 pages they read
+    ops = [rank.prefetch_ops[op_id] for rank in tp.ranks]
+    assert [op.arrived for op in ops] == [2, 2]
+    slots = ops[0].host_slots
+    assert [rank.host_content(slots) for rank in tp.ranks] == [tuple(pages)] * 2
