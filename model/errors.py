@@ -68,16 +68,24 @@ class InvariantViolation(ModelError, AssertionError):
         self.detail = detail
 
 
-def page_count(value: object) -> int:
-    """``value`` as a count of pages (an ``int``, or any integer type with ``__index__``, such as a
-    numpy integer), :class:`MisuseError` for anything else, a ``bool`` or a negative count. The one
-    rule of the model and the implementation for the ``pages`` argument of the scheduler's verbs."""
+def whole_count(value: object, what: str, *, least: int = 0) -> int:
+    """``value`` as a count of ``what`` (an ``int``, or any integer type with ``__index__``, such as
+    a numpy integer, which schedulers compute with), :class:`MisuseError` for anything else, a
+    ``bool`` or a count below ``least``. The one rule of the model and the implementation for the
+    counts callers pass: pages, units, token counts, sizes."""
+    problem = f"{what} must be an int >= {least}, got {value!r}"
     if isinstance(value, bool):
-        raise MisuseError(f"pages must be an int >= 0, got {value!r}")
+        raise MisuseError(problem)
     try:
         count = operator.index(value)  # type: ignore[arg-type]
     except TypeError:
-        raise MisuseError(f"pages must be an int >= 0, got {value!r}") from None
-    if count < 0:
-        raise MisuseError(f"pages must be an int >= 0, got {value!r}")
+        raise MisuseError(problem) from None
+    if count < least:
+        raise MisuseError(problem)
     return count
+
+
+def page_count(value: object) -> int:
+    """``value`` as a count of pages (:func:`whole_count`, at least 0): the ``pages`` argument of
+    the scheduler's verbs."""
+    return whole_count(value, "pages")

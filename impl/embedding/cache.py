@@ -63,6 +63,7 @@ from kvstrata.impl.errors import MisuseError
 from kvstrata.impl.guard import Guard, guarded
 from kvstrata.impl.transfer import Executor, ThreadExecutor
 from kvstrata.model.embedding.entries import PUSHABLE, READABLE
+from kvstrata.model.errors import whole_count
 from kvstrata.model.keys import DEFAULT_NAMESPACE, KeySpace, KVKind, Namespace, PageHash, StoreKey
 from kvstrata.model.lifecycles import EntryEvent
 
@@ -323,8 +324,7 @@ class EmbeddingCache:
 
     def evict(self, n_units: int) -> int:
         """Evict READY entries in LRU order until ``n_units`` units were freed; the units freed."""
-        if isinstance(n_units, bool) or not isinstance(n_units, int) or n_units < 0:
-            raise MisuseError(f"evict takes an int >= 0, got {n_units!r}")
+        n_units = whole_count(n_units, "evict's n_units")
         self._ops.poll()  # already guarded: the verb itself checked the caller
         freed = 0
         for victim in self._entries.lru(frozenset()):

@@ -12,6 +12,7 @@ import torch
 from kvstrata.impl.embedding.entries import Entries
 from kvstrata.impl.embedding.pool import PoolShape
 from kvstrata.impl.errors import CapacityError, MisuseError
+from kvstrata.model.errors import whole_count
 from kvstrata.model.keys import PageHash
 
 __all__ = ["check_hashes", "check_insert", "check_sizes"]
@@ -20,11 +21,13 @@ T = TypeVar("T")
 
 
 def _listed(values: Iterable[T], what: str) -> tuple[T, ...]:
-    """``values`` as a tuple; :class:`MisuseError` when it is not iterable at all."""
+    """``values`` as a tuple; :class:`MisuseError` when it is not iterable at all (an error the
+    caller's own iterator raises while it runs is theirs, and propagates as it is)."""
     try:
-        return tuple(values)
+        iterator = iter(values)
     except TypeError:
         raise MisuseError(f"{what} are an iterable, got {type(values).__name__}") from None
+    return tuple(iterator)
 
 
 def check_hashes(hashes: Iterable[PageHash]) -> tuple[PageHash, ...]:
@@ -76,9 +79,8 @@ def check_sizes(
     shape = entries.pool.shape
     batch: dict[PageHash, int] = {}
     pairs = []
-    for media, count in zip(hashes, counts, strict=True):
-        if isinstance(count, bool) or not isinstance(count, int) or count <= 0:
-            raise MisuseError(f"a token count is an int > 0, got {count!r}")
+    for media, given in zip(hashes, counts, strict=True):
+        count = whole_count(given, "a token count", least=1)
         units = shape.units_for(count)
         if units > shape.units:
             raise CapacityError(f"{count} tokens take {units} units, the pool has {shape.units}")

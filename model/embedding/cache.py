@@ -61,7 +61,7 @@ from kvstrata.model.embedding.results import (
     PrefetchResult,
     ReserveResult,
 )
-from kvstrata.model.errors import CapacityError, InvariantViolation, MisuseError
+from kvstrata.model.errors import CapacityError, InvariantViolation, MisuseError, whole_count
 from kvstrata.model.keys import (
     DEFAULT_NAMESPACE,
     KeySpace,
@@ -373,8 +373,7 @@ class EmbeddingCacheModel:
     def evict(self, n_units: int) -> int:
         """Evict unpinned READY entries in LRU order until ``n_units`` units were freed (or none is
         left). Returns the units freed."""
-        if isinstance(n_units, bool) or not isinstance(n_units, int) or n_units < 0:
-            raise MisuseError(f"{self.name}: evict takes an int >= 0, got {n_units!r}")
+        n_units = whole_count(n_units, f"{self.name}: evict's n_units")
         freed = 0
         for victim in self._entries.lru(frozenset()):
             if freed >= n_units:
@@ -420,9 +419,8 @@ class EmbeddingCacheModel:
         if len(hashes) != len(sizes):
             raise MisuseError(f"{self.name}: {len(hashes)} hashes but {len(sizes)} sizes")
         batch: dict[PageHash, int] = {}
-        for media, size in zip(hashes, sizes, strict=True):
-            if isinstance(size, bool) or not isinstance(size, int) or size <= 0:
-                raise MisuseError(f"{self.name}: a size is an int > 0 (units), got {size!r}")
+        for media, given in zip(hashes, sizes, strict=True):
+            size = whole_count(given, f"{self.name}: a size (units)", least=1)
             if size > self.capacity:
                 raise CapacityError(f"{self.name}: {size} units asked, capacity {self.capacity}")
             entry = self._entries.get(media)

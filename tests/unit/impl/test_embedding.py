@@ -7,6 +7,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Iterator
 
+import numpy as np
 import pytest
 import torch
 
@@ -547,3 +548,40 @@ def test_a_closed_reservation_hands_out_no_views() -> None:
             _ = reservation.views
         with pytest.raises(MisuseError):
             reservation.write(A, embedding(A, 3))
+
+
+def test_token_counts_and_unit_counts_take_numpy_integers() -> None:
+    """Token counts and ``evict``'s unit count follow ``whole_count``: a numpy integer (what a
+    scheduler computes with) is a count; a bool, a float or a count below the least is
+    ``MisuseError``, and nothing changed."""
+    store = MemoryEmbeddingStore()
+    a, _io = node(store, manual=False)
+    b, _ = node(store, manual=False)
+    a.insert_batch([A], [embedding(A, 7)])
+    a.close()
+    assert b.exists([A], [np.int64(7)]) == (True,)
+    b.prefetch("r", [A], [np.int32(7)])
+    assert b.wait("r")
+    assert same(b.get([A])[0], embedding(A, 7))
+    for bad in (True, 7.0, np.int64(0)):
+        with pytest.raises(MisuseError, match="token count"):
+            b.exists([A], [bad])
+    for bad_units in (True, 1.0, np.int64(-1)):
+        with pytest.raises(MisuseError, match="n_units"):
+            b.evict(bad_units)  # type: ignore[arg-type]
+    assert b.entries() and b.evict(np.int64(10**6)) > 0
+    b.close()
+
+
+def test_an_error_inside_the_callers_iterator_is_the_callers() -> None:
+    """Only an argument that is not iterable at all becomes ``MisuseError``; a ``TypeError`` the
+    caller's own generator raises while it runs propagates as it is (not "not an iterable")."""
+    a, _io = node(MemoryEmbeddingStore())
+
+    def broken() -> Iterator[PageHash]:
+        yield A
+        raise TypeError("the caller's own bug")
+
+    with pytest.raises(TypeError, match="the caller's own bug"):
+        a.get(broken())
+    assert a.entries() == ()

@@ -449,3 +449,28 @@ def test_a_poisoned_store_object_is_an_invariant_violation() -> None:
 
 def test_every_error_is_a_model_error() -> None:
     assert issubclass(MisuseError, ModelError) and issubclass(CapacityError, ModelError)
+
+
+def test_counts_take_numpy_style_integers_and_refuse_bools() -> None:
+    """Sizes and ``evict``'s unit count follow ``whole_count``: any integer with ``__index__`` (a
+    numpy integer, as schedulers compute with) is a count; a bool or a float is ``MisuseError``,
+    and nothing changed."""
+
+    class Index:  # an integer type that is not an int, as numpy's are
+        def __init__(self, value: int) -> None:
+            self.value = value
+
+        def __index__(self) -> int:
+            return self.value
+
+    a = node(capacity=4)
+    pushed(a, [content_hash(b"x")], [Index(2)])  # type: ignore[list-item]
+    assert state(a, content_hash(b"x")) is EntryState.READY
+    for bad in (True, 2.0, "2", Index(-1)):
+        before = frozen_copy(a.entries())
+        with pytest.raises(MisuseError):
+            a.evict(bad)  # type: ignore[arg-type]
+        with pytest.raises(MisuseError):
+            a.insert_batch([content_hash(b"y")], [bad])  # type: ignore[list-item]
+        assert a.entries() == before
+    assert a.evict(Index(2)) == 2  # type: ignore[arg-type]
