@@ -99,7 +99,9 @@ class TpModelMachine(RuleBasedStateMachine):
     # ------------------------------------------------------------ scheduler verbs (every rank)
     @rule(data=st.data())
     def insert(self, data: st.DataObject) -> None:
-        tokens, ns = self.draw_tokens(data)
+        self.insert_tokens(*self.draw_tokens(data))
+
+    def insert_tokens(self, tokens: tuple[int, ...], ns: Namespace) -> None:
         tp = self.tp
         result = tp.each("match_prefix", tokens, ns)
         pages = chain_page_hashes(tokens, self.page_size, ns)
@@ -149,10 +151,7 @@ class TpModelMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def prefetch(self, data: st.DataObject) -> None:
         tokens, ns = self.draw_tokens(data)
-        # a prefetch reserves at most half of L2: longer sequences are never fetched
-        fits = [
-            (t, n) for t, n in self.inserted if len(t) // self.page_size <= self.host_pages // 2
-        ]
+        fits = self.fetchable()
         if fits and data.draw(st.booleans(), label="an inserted sequence"):
             tokens, ns = data.draw(st.sampled_from(fits), label="inserted")
             if data.draw(st.booleans(), label="cold: settled, then out of L1 and L2"):
@@ -162,6 +161,34 @@ class TpModelMachine(RuleBasedStateMachine):
             event("prefetch started")
         else:
             event("prefetch: nothing to fetch, or no room")
+
+    def fetchable(self) -> list[tuple[tuple[int, ...], Namespace]]:
+        """The inserted sequences a prefetch may fetch whole (it reserves at most half of L2)."""
+        return [
+            (t, n) for t, n in self.inserted if len(t) // self.page_size <= self.host_pages // 2
+        ]
+
+    @precondition(lambda self: self.fetchable())
+    @rule(data=st.data())
+    def read_then_lose(self, data: st.DataObject) -> None:
+        """A settled sequence leaves L1 and L2 and is prefetched; one rank's read returns and its
+        store then loses the first page it read; the other ranks' reads return and the ranks
+        agree: each applies the bytes its own read got (the fuzz run's find of 2026-11-28; the
+        generic rules reach this in under 2% of the examples)."""
+        tokens, ns = data.draw(st.sampled_from(self.fetchable()), label="inserted")
+        self.everything_lands()
+        self.evict(1 << 10, host=True)
+        tp = self.tp
+        op_id = tp.prefetch(tokens, ns)
+        if op_id is None:
+            return
+        first = self.rank(data)
+        tp.read_done(first, op_id)
+        self.lose_read_page(first, op_id)
+        for rank in range(tp.size):
+            if rank != first:
+                tp.read_done(rank, op_id)
+        self.agree(settle=False)
 
     @precondition(lambda self: self.tp.ranks[0].prefetch_ops)
     @rule(data=st.data(), commit=st.booleans())
@@ -271,6 +298,32 @@ class TpModelMachine(RuleBasedStateMachine):
         key, _ = data.draw(st.sampled_from(items), label="lost key")
         rank.store_evict(key)
         event("one rank's store lost an object of a page whose backup is in flight")
+
+    @precondition(lambda self: self.inserted)
+    @rule(data=st.data())
+    def recompute_under_backup(self, data: st.DataObject) -> None:
+        """A sequence whose pages every store holds leaves L1 and L2 and is computed again: the
+        backup of its new node covers pages the stores hold already (not put again); every rank's
+        job returns stored, then (``store_loses_in_flight``) one rank's store loses an object of
+        such a page before the agreement, which must end the op alike on every rank (the fuzz
+        run's find of 2026-11-27; the generic rules reach this in about 1% of the examples)."""
+        tokens, ns = data.draw(st.sampled_from(self.inserted), label="inserted")
+        self.everything_lands()
+        self.evict(1 << 10, host=True)
+        self.insert_tokens(tokens, ns)
+        tp, model = self.tp, self.tp.ranks[0]
+        for rank in range(tp.size):  # the write-through lands: the backup is queued
+            for op in (*model.write_ops, *model.load_ops):
+                tp.reports[rank].copies.setdefault(op.op_id, True)
+        tp.agree()
+        while any(op.state is BackupState.QUEUED for op in model.backup_ops):
+            tp.each("start_backup")
+        for rank in range(tp.size):
+            for backup in model.backup_ops:
+                if backup.state is BackupState.IN_FLIGHT:
+                    tp.reports[rank].backups.setdefault(backup.op_id, True)
+        self.store_loses_in_flight(data)
+        self.agree(settle=False)
 
     def everything_lands(self) -> None:
         """Every rank finishes every job it has, successfully, and the ranks agree (twice: the
