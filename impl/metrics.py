@@ -151,7 +151,8 @@ class CacheCollector(Collector):
             yield CounterMetricFamily(self._name(name), text, value=value)
         yield GaugeMetricFamily(
             self._name("backup_deferred_pages"),
-            "Backup pages waiting for the store to come back",
+            "Backup pages waiting with no job: for the store to come back "
+            "(under TP, or for the ranks to agree they may resume)",
             value=l3.backup.deferred_pages(),
         )
 

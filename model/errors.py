@@ -74,8 +74,8 @@ def whole_count(value: object, what: str, *, least: int = 0) -> int:
     ``bool`` or a count below ``least``. The one rule of the model and the implementation for the
     counts callers pass: pages, units, token counts, sizes."""
     problem = f"{what} must be an int >= {least}, got {value!r}"
-    if isinstance(value, bool):
-        raise MisuseError(problem)
+    if isinstance(value, bool) or "bool" in str(getattr(value, "dtype", "")):
+        raise MisuseError(problem)  # a bool, or a numpy or torch boolean
     try:
         count = operator.index(value)  # type: ignore[arg-type]
     except TypeError:

@@ -49,13 +49,17 @@ class L3Reports:
         layout: Layout = [(FactKind.REPUBLISH, 0)]
         values = [0 if self.republish else 1]
         deferred = {id(op) for op in backups.deferred}
+        waiting = backups.waiting()
         for backup in backups.ops.values():
             layout += [
                 (FactKind.BACKUP, backup.op_id),
                 (FactKind.PARKED, backup.op_id),
                 (FactKind.QUIET, backup.op_id),
             ]
-            quiet = backups.quiet_here(backup, backup.op_id in self.backups)
+            # quiet: no job of it runs here or is due without an agreement (its result is
+            # held, it was dropped, or it waits); a retry waiting for its back-off is not quiet:
+            # it starts on this rank's clock
+            quiet = backup.op_id in self.backups or backup.dropped or id(backup) in waiting
             values += [
                 self._backup_fact(backups, backup),
                 0 if id(backup) in deferred else 1,
@@ -96,14 +100,18 @@ class L3Reports:
     ) -> bool:
         """Apply the agreed values; returns whether L2 is to be re-published."""
         by_slot = dict(zip(layout, agreed, strict=True))
+        reported = dict(backups.ops)  # a retry applied below replaces its op (same id)
         for (kind, op_id), value in zip(layout, agreed, strict=True):
-            if kind is FactKind.PARKED and op_id in backups.ops:
-                if value == 0:
-                    backups.ops[op_id].parked = True
+            if kind in (FactKind.PARKED, FactKind.QUIET):
+                op = backups.ops.get(op_id)
+                if op is None or op is not reported.get(op_id):
+                    continue  # the facts were about the op this agreement just ended
+                if kind is FactKind.QUIET:
+                    op.quiet = value == 1
+                elif value == 0:
+                    op.parked = True
                 else:
-                    backups.unpark(backups.ops[op_id])
-            elif kind is FactKind.QUIET and op_id in backups.ops:
-                backups.ops[op_id].quiet = value == 1
+                    backups.unpark(op)
             elif kind is FactKind.BACKUP and value != BackupFact.PENDING and op_id in backups.ops:
                 self._apply_backup(backups, op_id, BackupFact(value))
             elif kind is FactKind.OVERDUE and op_id in prefetches.ops:

@@ -246,12 +246,10 @@ class Backups:
             self.ready.remove(op)
         self.drop(op)
 
-    def quiet_here(self, op: BackupOp, result_held: bool) -> bool:
-        """TP: whether no job of ``op`` runs on this rank or is due without an agreement: it is
-        deferred (or waits for the ranks to agree it may resume), dropped, or its result is
-        held for the agreement. An op waiting for its retry's back-off is not: it starts on this
-        rank's clock."""
-        return result_held or op.dropped or op in self.deferred or op in self.ready
+    def waiting(self) -> set[int]:
+        """TP: ``id()`` of every op waiting here without a job: deferred while the store is
+        down, or in :attr:`ready` until the ranks agree that it may resume."""
+        return {id(op) for op in self.deferred} | {id(op) for op in self.ready}
 
     def unpark(self, op: BackupOp) -> None:
         """TP: the ranks agreed that none defers ``op``: it is no longer parked, and if it was
@@ -291,7 +289,9 @@ class Backups:
             self.enqueue(namespace, group)
 
     def deferred_pages(self) -> int:
-        return self._deferred_pages
+        """Pages of the ops waiting with no job (deferred, and under TP waiting to resume); the
+        ``backup_deferred_pages`` bound holds the deferred queue alone."""
+        return self._deferred_pages + sum(op.num_pages for op in self.ready)
 
     def on_split(self, node: Node, prefix: Node) -> None:
         """``node`` was split and ``prefix`` took its first pages: page references move to the

@@ -143,8 +143,9 @@ class L3Tier:
         return self.worker.link
 
     def pending(self) -> dict[str, int]:
-        """Backup and prefetch ops not finished; ``deferred``: backup ops waiting for the store
-        to come back (not in flight: nothing will finish them while it is down)."""
+        """Backup and prefetch ops not finished; ``deferred``: backup ops with no job, waiting
+        for the store to come back (nothing finishes them while it is down) or, under TP, for the
+        ranks to agree that no rank defers them any more."""
         deferred = len(self.backup.deferred) + len(self.backup.ready)
         return {
             "backup": len(self.backup.ops) - deferred,

@@ -232,7 +232,8 @@ class Prefetch:
         """``op``'s read ends with ``pages`` more pages (TP: the ranks' agreed minimum), taken
         from ``delivered``: what this rank's own read got when it ran (:meth:`read`; its store
         may have lost a page since, but the bytes read are in the host slots already). The rest
-        is a miss."""
+        is a miss. The state (side pools) is still read from the store now: the TP model runs no
+        side pools, whose state read the implementation agrees on with ``READ_MAX``."""
         if pages > len(delivered):
             raise MisuseError(f"{pages} pages agreed, this rank's read delivered {len(delivered)}")
         self._deliver(op, delivered[:pages])

@@ -60,6 +60,7 @@ from kvstrata.model.keys import (
     Shard,
     chain_page_hashes,
 )
+from kvstrata.model.l3.health import Lane
 from kvstrata.model.l3.policy import PrefetchPolicy
 from kvstrata.model.lifecycles import HOST_VALID, Health
 
@@ -150,6 +151,8 @@ class TpDifferential(RuleBasedStateMachine):
             st.sampled_from([PrefetchPolicy.BEST_EFFORT, PrefetchPolicy.WAIT_COMPLETE]),
             label="prefetch_policy",
         )
+        # a retry waits for its back-off (at most half a step of the clock) in half the examples
+        backoff = data.draw(st.sampled_from([0.0, 0.25]), label="backup_backoff_s")
         self.store = MemoryStore()
         identity = ModelIdentity("tiny-llm", "float16", kind, page_size=page_size)
         self.device_pools = [DeviceKVPool(self.shape, device_pages, "cpu") for _ in range(size)]
@@ -185,7 +188,8 @@ class TpDifferential(RuleBasedStateMachine):
                     prefetch_threshold=page_size,
                     prefetch_policy=policy,
                     backup_retries=10**6,
-                    backup_backoff_s=0.0,
+                    backup_backoff_s=backoff,
+                    backup_backoff_cap_s=max(backoff, 0.5),
                 ),
                 storage_executor=self.store_workers[rank],
                 tp_group=tp.group(rank),
@@ -572,13 +576,18 @@ class TpDifferential(RuleBasedStateMachine):
         self.agree_now()
 
     def idle_means_no_job_due(self) -> bool:
-        """Whether the cache is idle (alike on every rank); if so, no rank whose store is healthy
-        (so no probe is queued there) has a store job queued: it would be a backup's, reading
-        host pages that a ``reset`` now frees."""
+        """Whether the cache is idle (alike on every rank); if so, no rank has a backup call in
+        flight or a retry waiting for its back-off, and no rank whose store is healthy (so no
+        probe is queued there) has a store job queued: each would read host pages that a
+        ``reset`` now frees."""
         idle: bool = self.each_call(lambda rank: self.caches[rank].idle())[0]
         if idle:
             for rank in range(self.size):
-                healthy = self.link(rank).state is Health.HEALTHY
+                l3 = self.caches[rank].l3
+                assert l3 is not None
+                assert not l3.link.calls[Lane.WRITE], f"rank {rank}: idle, a backup call runs"
+                assert not l3.backup._retry, f"rank {rank}: idle, a retry is due"
+                healthy = l3.link.state is Health.HEALTHY
                 assert not (healthy and self.store_workers[rank].jobs), f"rank {rank}: a job due"
         return idle
 
@@ -659,6 +668,11 @@ class TpDifferential(RuleBasedStateMachine):
             self.prefetch_end_op(op_ids[0], commit=True)
 
     # ------------------------------------------------------------ invariants
+    @invariant()
+    def idle_only_with_no_backup_due(self) -> None:
+        if self.tp is not None:
+            self.idle_means_no_job_due()
+
     @invariant()
     def ranks_identical(self) -> None:
         if self.tp is None:

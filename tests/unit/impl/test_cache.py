@@ -302,7 +302,7 @@ def test_page_counts_take_numpy_integers_never_a_bool_or_a_negative() -> None:
     cache.free_device(pages)
     assert cache.evict(np.int32(1)) == 0 and cache.evict_host(np.uint8(0)) == 0
     free = cache.device_free
-    for bad in (True, -1, 1.0, "1", None, np.float64(1.0)):
+    for bad in (True, -1, 1.0, "1", None, np.float64(1.0), np.bool_(True), torch.tensor(True)):
         for verb in (cache.alloc_device, cache.evict, cache.evict_host):
             with pytest.raises(MisuseError, match="pages must be an int"):
                 verb(bad)  # type: ignore[arg-type]

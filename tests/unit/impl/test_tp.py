@@ -362,6 +362,42 @@ def test_a_store_back_under_an_idle_tp_cache_starts_no_job_before_the_ranks_agre
         group.close()
 
 
+def test_a_retry_waiting_for_its_back_off_keeps_every_rank_busy() -> None:
+    """Each rank on a clock of its own (as separate processes are). Rank 1's puts failed, so the
+    ranks agreed to retry, and rank 1's retries wait for their back-off; rank 0's store then went
+    down and its retries were deferred (the ops parked). A retry waiting for its back-off starts
+    on its rank's clock, with no agreement: neither cache is idle until it ran and returned
+    (the review's find: counted quiet, ``reset`` could free the pages the retry then reads)."""
+    clocks = [0.0, 0.0]
+    config = StorageConfig(prefetch_threshold=PAGE, backup_backoff_s=1.0, backup_retries=50)
+    group = _rank_0_unreachable([0.0], config)
+    try:
+        for rank, cache in enumerate(group.caches):
+            assert cache.l3 is not None
+            cache.l3._now = lambda r=rank: clocks[r]  # type: ignore[misc]
+        tiers = [cache.l3 for cache in group.caches if cache.l3 is not None]
+        group.backends[1].fail_next(1, op="put")  # rank 1's put fails: a retry is agreed
+        group.insert([1, 2, 3, 4])
+        _run_all(group, 4)
+        assert [len(tier.backup._retry) for tier in tiers] == [1, 1]
+        group.backends[0].unreachable = True  # rank 0's store goes down under a new request
+        group.insert([5, 6, 7, 8])
+        _run_all(group, 4)
+        assert tiers[0].link.state is Health.DOWN and tiers[1].link.state is Health.HEALTHY
+        clocks[0] = 30.0  # rank 0's retries are due: deferred there (parked on every rank)
+        for _ in range(4):
+            _check_events(group)
+        assert tiers[0].backup.deferred and tiers[1].backup._retry and not group.io[1].jobs
+        assert all(op.parked for op in tiers[1].backup.ops.values())
+        assert group.tp.on_each(lambda r: group.caches[r].idle()) == [False, False]
+        clocks[1] = 30.0  # rank 1's retries start on its own clock
+        _check_events(group)
+        assert group.io[1].jobs
+        assert group.tp.on_each(lambda r: group.caches[r].idle()) == [False, False]
+    finally:
+        group.close()
+
+
 def test_reset_drops_the_parked_backups_on_every_rank_alike() -> None:
     """Rank 0's store is down: a backup is deferred there and parked (agreed) on both ranks, so
     both caches are idle. ``reset`` on every rank drops it on every rank (its host pages are
