@@ -73,6 +73,8 @@ def whole_count(value: object, what: str, *, least: int = 0) -> int:
     a numpy integer, which schedulers compute with), :class:`MisuseError` for anything else, a
     ``bool`` or a count below ``least``. The one rule of the model and the implementation for the
     counts callers pass: pages, units, token counts, sizes."""
+    if type(value) is int and value >= least:  # the common case, first (a scheduler's hot path)
+        return value
     problem = f"{what} must be an int >= {least}, got {value!r}"
     if isinstance(value, bool) or "bool" in str(getattr(value, "dtype", "")):
         raise MisuseError(problem)  # a bool, or a numpy or torch boolean
@@ -88,4 +90,6 @@ def whole_count(value: object, what: str, *, least: int = 0) -> int:
 def page_count(value: object) -> int:
     """``value`` as a count of pages (:func:`whole_count`, at least 0): the ``pages`` argument of
     the scheduler's verbs."""
+    if type(value) is int and value >= 0:  # the common case, without a second call
+        return value
     return whole_count(value, "pages")
