@@ -16,6 +16,7 @@ from support.unreachable import UnreachableBackend
 from kvstrata.impl.cache import HierarchicalRadixCache
 from kvstrata.impl.config import RadixCacheConfig, StorageConfig
 from kvstrata.impl.errors import CacheClosed, ConfigError, MisuseError, TpAgreementError
+from kvstrata.impl.l3 import L3Tier
 from kvstrata.impl.pools import DeviceKVPool, HostKVPool, HostLayout, KVShape
 from kvstrata.impl.storage.base import PutStatus
 from kvstrata.impl.storage.memory import MemoryBackend, MemoryStore
@@ -282,6 +283,20 @@ def test_the_remount_grace_holds_on_every_rank_once_the_republish_is_agreed() ->
         group.close()
 
 
+def _parked_on_rank_0(clock: list[float]) -> tuple[Ranks, UnreachableBackend, list[L3Tier]]:
+    """:func:`_rank_0_down` (no back-off, no retry), then a request of tokens 5-8 whose backup is
+    deferred on rank 0 and stored on rank 1, everything run and agreed; the ranks' L3 tiers."""
+    config = StorageConfig(prefetch_threshold=PAGE, backup_backoff_s=0.0, backup_retries=0)
+    group, unreachable = _rank_0_down(clock, config)
+    try:
+        group.insert([5, 6, 7, 8])  # deferred on rank 0
+        _run_all(group)
+    except BaseException:
+        group.close()
+        raise
+    return group, unreachable, [cache.l3 for cache in group.caches if cache.l3 is not None]
+
+
 def _check_events(group: Ranks) -> None:
     group.tp.on_each(lambda r: group.caches[r].check_events())
 
@@ -333,12 +348,8 @@ def test_a_store_back_under_an_idle_tp_cache_starts_no_job_before_the_ranks_agre
     on rank 0 (one started there would read pages a ``reset`` now frees); the next agreement
     starts it, and the op is stored on every rank."""
     clock = [0.0]
-    config = StorageConfig(prefetch_threshold=PAGE, backup_backoff_s=0.0, backup_retries=0)
-    group, unreachable = _rank_0_down(clock, config)
+    group, unreachable, tiers = _parked_on_rank_0(clock)
     try:
-        group.insert([5, 6, 7, 8])  # deferred on rank 0
-        _run_all(group)
-        tiers = [cache.l3 for cache in group.caches if cache.l3 is not None]
         assert tiers[0].backup.deferred
         assert group.tp.on_each(lambda r: group.caches[r].idle()) == [True, True]
         unreachable.unreachable = False
@@ -404,12 +415,8 @@ def test_reset_drops_the_parked_backups_on_every_rank_alike() -> None:
     freed); after the store is back nothing resumes it on rank 0, the ranks keep agreeing, and
     what came after the reset is in both stores."""
     clock = [0.0]
-    config = StorageConfig(prefetch_threshold=PAGE, backup_backoff_s=0.0, backup_retries=0)
-    group, unreachable = _rank_0_down(clock, config)
+    group, unreachable, tiers = _parked_on_rank_0(clock)
     try:
-        group.insert([5, 6, 7, 8])  # deferred on rank 0
-        _run_all(group)
-        tiers = [cache.l3 for cache in group.caches if cache.l3 is not None]
         assert tiers[0].backup.deferred and all(tier.backup.ops for tier in tiers)
         assert group.tp.on_each(lambda r: group.caches[r].idle()) == [True, True]
         dropped = [tier.counters.backup_dropped_pages for tier in tiers]

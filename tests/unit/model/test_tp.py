@@ -71,29 +71,34 @@ def test_a_state_is_used_only_when_every_rank_read_the_same_page() -> None:
     assert not read_state_agreed(0, 0)
 
 
-def test_an_agreed_backup_ends_alike_on_every_rank_after_one_ranks_store_lost_an_object() -> None:
-    """The fuzz run's find (2026-11-27): a backup op holds a page stored before; one rank's store
-    loses an object of it after the jobs returned. The agreed ``stored`` must end the op on every
-    rank alike, not by each rank's store as it is now."""
+def _two_ranks(pages: int) -> tuple[TpModel, list[StoreModel]]:
+    """Two write-through ranks of one-token pages, ``pages`` pages in each tier, and their stores."""
     identity = ModelIdentity("tiny", "bf16", KVKind.MHA, page_size=1)
     base = CacheConfig(
         page_size=1,
-        device_pages=7,
-        host_pages=7,
+        device_pages=pages,
+        host_pages=pages,
         write_policy=WritePolicy.WRITE_THROUGH,
         write_through_threshold=1,
         prefetch_threshold=1,
         keys=KeySpace(identity),
     )
-    tp = TpModel(
-        [
-            CacheModel(
-                attrs.evolve(base, keys=KeySpace(identity, shard=Shard(tp_rank=r, tp_size=2))),
-                StoreModel(),
-            )
-            for r in range(2)
-        ]
-    )
+    stores = [StoreModel() for _ in range(2)]
+    ranks = [
+        CacheModel(
+            attrs.evolve(base, keys=KeySpace(identity, shard=Shard(tp_rank=r, tp_size=2))),
+            stores[r],
+        )
+        for r in range(2)
+    ]
+    return TpModel(ranks), stores
+
+
+def test_an_agreed_backup_ends_alike_on_every_rank_after_one_ranks_store_lost_an_object() -> None:
+    """The fuzz run's find (2026-11-27): a backup op holds a page stored before; one rank's store
+    loses an object of it after the jobs returned. The agreed ``stored`` must end the op on every
+    rank alike, not by each rank's store as it is now."""
+    tp, _stores = _two_ranks(pages=7)
     tokens = (1, 2, 3, 4)
     pages = chain_page_hashes(tokens, 1, DEFAULT_NAMESPACE)
 
@@ -142,26 +147,7 @@ def test_an_agreed_read_delivers_each_ranks_bytes_as_read_after_its_store_lost_a
     lost an object of a page that read delivered, then the other rank's read returned. The agreed
     pages are the bytes each rank read (in its host slots already), not its store as it is now:
     every rank ends the op alike, with the pages' contents."""
-    identity = ModelIdentity("tiny", "bf16", KVKind.MHA, page_size=1)
-    base = CacheConfig(
-        page_size=1,
-        device_pages=4,
-        host_pages=4,
-        write_policy=WritePolicy.WRITE_THROUGH,
-        write_through_threshold=1,
-        prefetch_threshold=1,
-        keys=KeySpace(identity),
-    )
-    store = [StoreModel() for _ in range(2)]
-    tp = TpModel(
-        [
-            CacheModel(
-                attrs.evolve(base, keys=KeySpace(identity, shard=Shard(tp_rank=r, tp_size=2))),
-                store[r],
-            )
-            for r in range(2)
-        ]
-    )
+    tp, store = _two_ranks(pages=4)
     tokens = (1, 2)
     pages = chain_page_hashes(tokens, 1, DEFAULT_NAMESPACE)
     fresh = tp.each("alloc_device", 2)
