@@ -23,14 +23,29 @@ Per request (:data:`~kvstrata.model.lifecycles.CONNECTOR_REQUEST`):
   written to L2 (evicting the least recently used page when full) and backed up to L3. Pages the
   request *loaded* are never saved by it in that step (a failed load would otherwise be saved as if
   it were good); they are already in L2 or L3.
+- Staging: a page read from L3 lands in one of ``staging`` slots first. ``alloc`` reserves one slot
+  per L3 page of its load; the step's plan takes them, and they are free again two plans later (an
+  engine may build the next plan before the step ran). ``match`` therefore serves at most as many L3
+  pages as there are unreserved free slots: a hit it answers is a load the worker can run, never a
+  load error made by the connector itself (under vLLM's default failure policy that fails the
+  request).
+- A failed load (:meth:`ConnectorModel.load_failed`): the engine's step ran as if every planned page
+  had loaded, so the pages a request computed in that step attend over bad KV. The worker drops the
+  request's saves at and after its first failed page (on every rank, agreed: a tensor- or
+  pipeline-parallel rank whose own load went well computed its pages from the failed rank's hidden
+  states); they leave L2 and L3 again, and the request's saved mark goes back to that page, so the
+  pages it computes again are saved by a later step.
 
 Invariants (:meth:`ConnectorModel.check`): L2 holds at most ``capacity`` distinct pages; a planned L2
 read names a page L2 held when the plan was made; a planned L3 read lies below the request's lookup
-answer; a request answers ``None`` only while its lookup is in flight.
+answer; a request answers ``None`` only while its lookup is in flight; **C3** the staging slots
+reserved, held by the last two plans and free add up to ``staging``, and every planned L3 read has
+a slot.
 """
 
 from __future__ import annotations
 
+import collections
 import enum
 from collections.abc import Sequence
 
@@ -60,6 +75,10 @@ class _Request:
     load: tuple[PageSource, ...] = ()
     saved: int = 0
     """Pages below this index are stored (or were loaded, or are someone else's)."""
+    staging: int = 0
+    """Staging slots reserved for the planned load's L3 pages (``LOAD_PLANNED`` only)."""
+    stored: tuple[tuple[int, bool], ...] = ()
+    """The last plan's saves of this request: page index, and whether that save put it in L3."""
 
 
 @attrs.frozen
@@ -75,9 +94,18 @@ class ConnectorModel:
     """The scheduler side's state: the L2 index (LRU, oldest first), the L3 contents, the requests."""
 
     capacity: int
+    staging: int = 0
     l2: list[PageHash] = attrs.Factory(list)
     l3: set[PageHash] = attrs.Factory(set)
     requests: dict[str, _Request] = attrs.Factory(dict)
+    staging_free: int = attrs.field(default=-1)
+    """Staging slots neither reserved by an ``alloc`` nor held by one of the last two plans."""
+    staging_held: collections.deque[int] = attrs.Factory(lambda: collections.deque([0, 0]))
+    """Staging slots each of the last two plans took (oldest first)."""
+
+    def __attrs_post_init__(self) -> None:
+        if self.staging_free < 0:
+            self.staging_free = self.staging
 
     def _request(self, request_id: str) -> _Request:
         try:
@@ -110,11 +138,13 @@ class ConnectorModel:
         assert request.l3_hit is not None
         found: list[PageSource] = []
         held = set(self.l2)
+        room = self.staging_free + request.staging  # a request allocated again gives its own back
         for index in range(computed, min(limit, len(request.pages))):
             if request.pages[index] in held:
                 found.append(PageSource.L2)
-            elif index < request.l3_hit:
+            elif index < request.l3_hit and room > 0:
                 found.append(PageSource.L3)
+                room -= 1
             else:
                 break
         return tuple(found)
@@ -136,21 +166,30 @@ class ConnectorModel:
             )
         request.state, request.first, request.load = state, computed, found[:pages]
         request.saved = max(request.saved, computed + pages)
+        self.staging_free += request.staging
+        request.staging = request.load.count(PageSource.L3)
+        self.staging_free -= request.staging
 
     def plan(self, scheduled: Sequence[tuple[str, int]]) -> StepPlan:
         """One step: every planned load, then the saves of ``scheduled`` (request id, full pages
         computed once this step has run)."""
         loads: dict[str, tuple[tuple[int, PageSource], ...]] = {}
+        self.staging_free += self.staging_held.popleft()
+        held = 0
+        for request in self.requests.values():
+            request.stored = ()
         for request_id, request in self.requests.items():
             if request.state is not RequestState.LOAD_PLANNED:
                 continue
             request.state = CONNECTOR_REQUEST.next(request.state, RequestEvent.PLANNED)
+            held, request.staging = held + request.staging, 0
             loads[request_id] = tuple(
                 (request.first + offset, source) for offset, source in enumerate(request.load)
             )
             for index, source in loads[request_id]:
                 if source is PageSource.L2:
                     self._touch(request.pages[index])
+        self.staging_held.append(held)
         saves: dict[str, tuple[int, ...]] = {}
         for request_id, done in scheduled:
             request = self._request(request_id)
@@ -166,12 +205,39 @@ class ConnectorModel:
                 if len(self.l2) == self.capacity:
                     self.l2.pop(0)
                 self.l2.append(page)
+                request.stored += ((index, page not in self.l3),)
                 self.l3.add(page)
                 stored.append(index)
             request.saved = max(request.saved, min(done, len(request.pages)))
             if stored:
                 saves[request_id] = tuple(stored)
         return StepPlan(loads, saves)
+
+    def load_failed(self, request_id: str, index: int) -> None:
+        """The last plan's load of page ``index`` of the request (and of every later page) failed
+        on some rank: the pages the request computed in that step attend over bad KV, so the
+        worker drops its saves of them (page ``index`` on); here they leave L2, and L3 where that
+        save put them, and the saved mark goes back to ``index`` (the engine computes them again,
+        and a later step saves them). A saved page a later save of the same plan already evicted
+        from L2 is gone from L2 anyway."""
+        request = self._request(request_id)
+        if request.state is not RequestState.RUNNING:
+            raise MisuseError(
+                f"request {request_id!r} reported a failed load while {request.state.value}"
+            )
+        if not request.first <= index < request.first + len(request.load):
+            raise MisuseError(
+                f"request {request_id!r}: page {index} was not loaded by its last plan"
+            )
+        for stored, added in request.stored:
+            if stored >= index:
+                page = request.pages[stored]
+                if page in self.l2:
+                    self.l2.remove(page)
+                if added:
+                    self.l3.discard(page)
+        request.stored = tuple(item for item in request.stored if item[0] < index)
+        request.saved = min(request.saved, index)
 
     def _touch(self, page: PageHash) -> None:
         self.l2.remove(page)
@@ -180,6 +246,7 @@ class ConnectorModel:
     def finish(self, request_id: str) -> None:
         request = self._request(request_id)
         CONNECTOR_REQUEST.next(request.state, RequestEvent.FINISH)
+        self.staging_free += request.staging
         del self.requests[request_id]
 
     def evict_l3(self, page: PageHash) -> None:
@@ -194,3 +261,12 @@ class ConnectorModel:
         for request_id, request in self.requests.items():
             if request.state is RequestState.LOOKING_UP and request.l3_hit is not None:
                 raise InvariantViolation("C2", f"{request_id}: answered but still looking up")
+        reserved = sum(request.staging for request in self.requests.values())
+        if self.staging_free < 0 or reserved + sum(self.staging_held) + self.staging_free != (
+            self.staging
+        ):
+            raise InvariantViolation(
+                "C3",
+                f"staging: {reserved} reserved, {list(self.staging_held)} held, "
+                f"{self.staging_free} free, of {self.staging}",
+            )

@@ -8,14 +8,20 @@ step plans. The L3 lookup of a new request runs in the background (``start_looku
 it lands the request's match is ``None``.
 
 Slots: ``[0, capacity)`` hold L2 pages; ``[capacity, capacity + staging)`` are staging slots that L3
-reads land in before they are copied to the engine's blocks. A staging slot is reused only two plans
-later (an engine may build the next step's plan before the previous step ran). A page read from L3
-is not indexed in L2: had its read failed, the index would name bad bytes.
+reads land in before they are copied to the engine's blocks. ``alloc`` reserves a staging slot for
+each L3 page of its load and ``match`` never answers more L3 pages than there are free unreserved
+slots (a hit is a load the worker can run); a staging slot is reused only two plans after the plan
+that took it (an engine may build the next step's plan before the previous step ran). A page read
+from L3 is not indexed in L2: had its read failed, the index would name bad bytes.
 
 The worker owns the bytes and checks every L2 read against what it last wrote into that slot
 (``written``): a plan that names a slot holding another page (a stale offset, by any route) is a load
-error, never served. A load error fails the page and every later page of that request; saves of a
-block that failed to load in the same step are dropped and their slot forgotten.
+error, never served. A load error fails the page and every later page of that request. The engine's
+step then runs as if the load had worked, so every page the request computes in that step attends
+over bad KV: the worker drops the request's saves from its first failed page on (with ``agree``, the
+first failed page agreed by every rank: a rank whose own load went well computed its pages from the
+failed rank's hidden states), and :meth:`ConnectorIndex.load_failed` takes them out of the index
+and moves the request's saved mark back, so the pages computed again are saved later.
 """
 
 from __future__ import annotations
@@ -35,9 +41,18 @@ from kvstrata.model.connector import PageSource
 from kvstrata.model.keys import Namespace, PageHash
 from kvstrata.model.lifecycles import CONNECTOR_REQUEST, MATCHABLE, RequestEvent, RequestState
 
-__all__ = ["BlockIO", "ConnectorIndex", "ConnectorWorker", "PageMove", "Plan", "Scheduled"]
+__all__ = [
+    "NO_FAILURE",
+    "BlockIO",
+    "ConnectorIndex",
+    "ConnectorWorker",
+    "PageMove",
+    "Plan",
+    "Scheduled",
+]
 
 NO_SLOT = -1
+NO_FAILURE = 2**31 - 1  # a load's first failed page index when none failed (agreed by minimum)
 
 
 @attrs.frozen
@@ -76,6 +91,8 @@ class _Request:
     l3_hit: int | None = None
     load: tuple[PageMove, ...] = ()
     saved: int = 0
+    staging: list[int] = attrs.Factory(list)  # staging slots reserved for the planned load
+    stored: tuple[PageMove, ...] = ()  # the last plan's saves of this request
 
 
 class ConnectorIndex:
@@ -126,11 +143,13 @@ class ConnectorIndex:
         if request.state not in MATCHABLE:
             raise MisuseError(f"connector: request {request_id!r} is {request.state.value}")
         found: list[PageSource] = []
+        room = len(self.staging_free) + len(request.staging)  # staging slots for L3 pages
         for index in range(computed, min(limit, len(request.pages))):
             if request.pages[index] in self.l2:
                 found.append(PageSource.L2)
-            elif index < (request.l3_hit or 0):
+            elif index < (request.l3_hit or 0) and room > 0:
                 found.append(PageSource.L3)
+                room -= 1
             else:
                 break
         return tuple(found)
@@ -148,10 +167,16 @@ class ConnectorIndex:
         if len(blocks) > len(found):
             raise MisuseError(f"connector: {len(blocks)} blocks for {len(found)} matched pages")
         request.state = state
-        request.load = tuple(
-            PageMove(computed + k, request.pages[computed + k], NO_SLOT, block, source)
-            for k, (block, source) in enumerate(zip(blocks, found, strict=False))
-        )
+        self.staging_free.extend(reversed(request.staging))
+        request.staging = []
+        moves = []
+        for k, (block, source) in enumerate(zip(blocks, found, strict=False)):
+            slot = NO_SLOT
+            if source is PageSource.L3:  # match counted a free staging slot for it
+                slot = self.staging_free.pop()
+                request.staging.append(slot)
+            moves.append(PageMove(computed + k, request.pages[computed + k], slot, block, source))
+        request.load = tuple(moves)
         request.saved = max(request.saved, computed + len(blocks))
 
     def plan(self, scheduled: Sequence[Scheduled]) -> Plan:
@@ -160,20 +185,24 @@ class ConnectorIndex:
         self.staging_free.extend(self._staging_held.popleft())
         held: list[int] = []
         loads = []
+        for request in self.requests.values():
+            request.stored = ()
         for request_id, request in self.requests.items():
             if request.state is not RequestState.LOAD_PLANNED:
                 continue
             request.state = CONNECTOR_REQUEST.next(request.state, RequestEvent.PLANNED)
+            held.extend(request.staging)
+            request.staging = []
             moves = []
             for move in request.load:
                 if move.source is PageSource.L2 and move.page in self.l2:
                     self.l2.move_to_end(move.page)
                     moves.append(attrs.evolve(move, slot=self.l2[move.page]))
-                elif move.source is PageSource.L3 and self.staging_free:
-                    held.append(self.staging_free.pop())
-                    moves.append(attrs.evolve(move, slot=held[-1]))
+                elif move.source is PageSource.L3:
+                    moves.append(move)  # its staging slot, reserved by alloc
                 else:
-                    moves.append(move)  # NO_SLOT: the worker reports it as a load error
+                    moves.append(attrs.evolve(move, slot=NO_SLOT))  # a load error, reported
+            request.load = tuple(moves)
             loads.append((request_id, tuple(moves)))
         self._staging_held.append(held)
         saves = []
@@ -194,13 +223,36 @@ class ConnectorIndex:
                 stored.append(PageMove(index, page, slot, item.blocks[index]))
             request.saved = max(request.saved, done)
             if stored:
+                request.stored += tuple(stored)
                 saves.append((item.request_id, tuple(stored)))
         return Plan(tuple(loads), tuple(saves))
+
+    def load_failed(self, request_id: str, index: int) -> None:
+        """The last plan's load of page ``index`` of the request, and of every later page, failed
+        on some rank (the engine reports the blocks): the worker dropped the request's saves of
+        that plan from page ``index`` on, so their pages leave the index (each whose slot still
+        holds it) and the saved mark goes back to ``index``, for a later step to save them."""
+        request = self._request(request_id)
+        if request.state is not RequestState.RUNNING:
+            raise MisuseError(
+                f"connector: {request_id!r} reported a failed load while {request.state.value}"
+            )
+        if not any(move.index == index for move in request.load):
+            raise MisuseError(
+                f"connector: {request_id!r}: page {index} was not loaded by its last plan"
+            )
+        for move in request.stored:
+            if move.index >= index and self.l2.get(move.page) == move.slot:
+                del self.l2[move.page]
+                self.free.append(move.slot)
+        request.stored = tuple(move for move in request.stored if move.index < index)
+        request.saved = min(request.saved, index)
 
     def finish(self, request_id: str) -> None:
         request = self._request(request_id)
         CONNECTOR_REQUEST.next(request.state, RequestEvent.FINISH)
         request.lookup.cancel()
+        self.staging_free.extend(reversed(request.staging))
         del self.requests[request_id]
 
 
@@ -229,19 +281,32 @@ class ConnectorWorker:
         self.written: dict[int, PageHash] = {}
         self.loaded_pages = 0
         self.failed_blocks: set[int] = set()
+        self.failed_from: dict[str, int] = {}  # request -> its first failed page, this step
 
-    def load(self, plan: Plan) -> set[int]:
+    def load(self, plan: Plan, agree: Callable[[list[int]], list[int]] | None = None) -> set[int]:
         """Run the plan's loads; the blocks that failed (each failed page and every later page of
-        its request). Nothing failed is written to a block."""
+        its request). Nothing failed is written to a block. ``agree`` (tensor or pipeline
+        parallel: every rank runs the same plan) takes each load's first failed page index on
+        this rank (``NO_FAILURE`` if none) and returns the least over all ranks; every rank then
+        fails from there, so no rank saves a page computed over another rank's failed load."""
+        fetched = [(request_id, moves, self._fetch(moves)) for request_id, moves in plan.loads]
+        cuts = [
+            moves[ok.index(False)].index if False in ok else NO_FAILURE
+            for _request_id, moves, ok in fetched
+        ]
+        if agree is not None and cuts:
+            cuts = agree(cuts)
         failed: set[int] = set()
-        for _request_id, moves in plan.loads:
-            ok = self._fetch(moves)
-            good = [move for move, fine in zip(moves, ok, strict=True) if fine]
+        self.failed_from = {}
+        for (request_id, moves, _ok), cut in zip(fetched, cuts, strict=True):
+            good = [move for move in moves if move.index < cut]
             if good:
                 kv = self.host.read_pages([move.slot for move in good])
                 self.blocks.write([move.block for move in good], kv)
                 self.loaded_pages += len(good)
-            failed.update(move.block for move, fine in zip(moves, ok, strict=True) if not fine)
+            if cut != NO_FAILURE:
+                self.failed_from[request_id] = cut
+                failed.update(move.block for move in moves if move.index >= cut)
         self.failed_blocks = failed
         return failed
 
@@ -270,7 +335,14 @@ class ConnectorWorker:
         moves = [move for _rid, batch in plan.saves for move in batch]
         for move in moves:
             self.written.pop(move.slot, None)  # the slot is being reused
-        moves = [move for move in moves if move.block not in self.failed_blocks]
+        # a request whose load failed computed this step's pages over bad KV: none is saved
+        moves = [
+            move
+            for request_id, batch in plan.saves
+            for move in batch
+            if move.index < self.failed_from.get(request_id, NO_FAILURE)
+            and move.block not in self.failed_blocks
+        ]
         # a full L2 reuses a slot within one plan: each run of distinct slots is written and backed
         # up before the next run overwrites any of them (else L3 would get the later page's bytes)
         while moves:

@@ -288,13 +288,19 @@ class HiCachePages:
     def _side_keys(self, side: _Side, pages: Sequence[PageHash]) -> list[EntryKeys]:
         return [side_page_keys(self.keyspace, self.namespace, side.pool, page) for page in pages]
 
+    def _no_store(self, name: str, keys: Sequence[str], entries: Sequence[int]) -> bool:
+        """Whether there is no store (unreachable at attach: no L3, never an error to the
+        engine, for side pools as for KV); the arguments are checked all the same."""
+        if len(entries) != len(keys):
+            raise MisuseError(f"kvstrata: {len(keys)} keys but {len(entries)} entries for {name!r}")
+        return self.backend is None
+
     def set_side(self, name: str, keys: Sequence[str], entries: Sequence[int]) -> list[bool]:
-        """Store each engine entry of pool ``name`` under its key's side keys."""
+        """Store each engine entry of pool ``name`` under its key's side keys (without a store:
+        nothing stored)."""
+        if self._no_store(name, keys, entries):
+            return [False] * len(keys)
         side, pages = self.side(name), self.pages(keys)
-        if len(entries) != len(pages):
-            raise MisuseError(
-                f"kvstrata: {len(pages)} keys but {len(entries)} entries for {name!r}"
-            )
         out: list[bool] = []
         for start in range(0, len(pages), STAGING_ENTRIES):
             chunk = list(range(min(STAGING_ENTRIES, len(pages) - start)))
@@ -311,12 +317,10 @@ class HiCachePages:
 
     def get_side(self, name: str, keys: Sequence[str], entries: Sequence[int]) -> list[bool]:
         """Load each entry of pool ``name``; an entry is written back to the engine only if it
-        arrived whole, and the answer stops at the first miss."""
+        arrived whole, and the answer stops at the first miss (without a store: nothing)."""
+        if self._no_store(name, keys, entries):
+            return [False] * len(keys)
         side, pages = self.side(name), self.pages(keys)
-        if len(entries) != len(pages):
-            raise MisuseError(
-                f"kvstrata: {len(pages)} keys but {len(entries)} entries for {name!r}"
-            )
         out: list[bool] = []
         for start in range(0, len(pages), STAGING_ENTRIES):
             chunk = list(range(min(STAGING_ENTRIES, len(pages) - start)))

@@ -20,7 +20,16 @@ holds the behaviour (scheduler side: :class:`ConnectorIndex`; worker side: :clas
   checked against what they hold) into vLLM's blocks; ``wait_for_save`` copies newly computed full
   blocks into L2 and backs them up to L3. A page that fails to load is reported through
   ``get_block_ids_with_load_errors`` with every later page of its request, never served: run vLLM
-  with ``kv_load_failure_policy: recompute``.
+  with ``kv_load_failure_policy: recompute``. No worker saves a page its request computed in the
+  step of a failed load (it attends over bad KV); with tensor parallelism the workers first agree
+  on each load's first failed page (an all-reduce over vLLM's TP group's CPU group, on every step
+  that loads), since a rank whose own load went well still computes from the failed rank's hidden
+  states. ``update_connector_output`` tells the scheduler side (``ConnectorIndex.load_failed``), so
+  the recomputed pages are saved by a later step. Not covered: with pipeline parallelism a later
+  stage does not learn of an earlier stage's failed load before it saves (the stages run the step
+  one after the other, so a collective at load time would deadlock); docs/operations.md says so.
+- Keys: each worker writes under its tensor-parallel rank and its pipeline stage (a stage holds its
+  own layers); the scheduler side's lookup asks for every rank's keys of every stage.
 
 Extra config: the store options of :mod:`kvstrata.integrations.store`, plus ``l2_pages`` (host pool
 pages for L2, default 1024) and ``staging_pages`` (L3 read slots, default 256).
@@ -157,6 +166,7 @@ class KvstrataConnector(KVConnectorBase_V1):  # type: ignore[misc]
         )
         parallel = vllm_config.parallel_config
         self.tp_size = int(parallel.tensor_parallel_size)
+        self.pp_size = int(parallel.pipeline_parallel_size)
         self._template = EngineShard(
             HashScheme.VLLM,
             model_name=str(vllm_config.model_config.model),
@@ -164,7 +174,7 @@ class KvstrataConnector(KVConnectorBase_V1):  # type: ignore[misc]
             mla=mla,
             page_size=self.block_size,
             tp_size=self.tp_size,
-            pp_size=int(parallel.pipeline_parallel_size),
+            pp_size=self.pp_size,
             tag=self.options.tag,
             tenant=self.options.tenant,
             key_schema=self.options.key_schema,
@@ -175,15 +185,19 @@ class KvstrataConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._computed: dict[str, int] = {}
         self._blocks: dict[str, list[int]] = {}
         if role == KVConnectorRole.SCHEDULER:
-            self._probes = [self._probe(rank) for rank in range(1 if mla else self.tp_size)]
+            self._probes = [
+                self._probe(tp_rank, pp_rank)
+                for pp_rank in range(self.pp_size)
+                for tp_rank in range(1 if mla else self.tp_size)
+            ]
             self._lookups = ThreadPoolExecutor(1, thread_name_prefix="kvstrata-lookup")
             self.index = ConnectorIndex(self.l2_pages, self.staging_pages, self._lookup)
 
-    def _shard(self, tp_rank: int) -> EngineShard:
-        return attrs.evolve(self._template, tp_rank=tp_rank)
+    def _shard(self, tp_rank: int, pp_rank: int = 0) -> EngineShard:
+        return attrs.evolve(self._template, tp_rank=tp_rank, pp_rank=pp_rank)
 
-    def _probe(self, rank: int) -> tuple[EngineShard, StorageBackend | None]:
-        shard = self._shard(rank)
+    def _probe(self, tp_rank: int, pp_rank: int) -> tuple[EngineShard, StorageBackend | None]:
+        shard = self._shard(tp_rank, pp_rank)
         backend = open_backend(self.options, shard.keyspace(), writer=False)
         if backend is not None:
             backend.attach(HostKVPool(self.shape, 1, "page_first_direct"))
@@ -258,6 +272,18 @@ class KvstrataConnector(KVConnectorBase_V1):  # type: ignore[misc]
         )
         return KvstrataConnectorMetadata(plan)
 
+    def update_connector_output(self, connector_output: Any) -> None:
+        """The workers' report of a step: blocks whose load failed (on any rank) go back to the
+        index as each request's first failed page, so that its recomputed pages are saved."""
+        invalid = set(getattr(connector_output, "invalid_block_ids", None) or ())
+        if not invalid or self.index is None:
+            return
+        for req_id, blocks in self._blocks.items():
+            failed = [index for index, block in enumerate(blocks) if block in invalid]
+            request = self.index.requests.get(req_id)
+            if failed and request is not None and any(m.index == failed[0] for m in request.load):
+                self.index.load_failed(req_id, failed[0])
+
     def request_finished(
         self, request: Any, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
@@ -269,8 +295,9 @@ class KvstrataConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
     # ------------------------------------------------------------------------------ worker side
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        rank = _tp_rank() if self.tp_size > 1 else 0
-        shard = self._shard(rank)
+        tp_rank = _group_rank("tp") if self.tp_size > 1 else 0
+        pp_rank = _group_rank("pp") if self.pp_size > 1 else 0
+        shard = self._shard(tp_rank, pp_rank)
         host = HostKVPool(self.shape, self.l2_pages + self.staging_pages, "page_first_direct")
         backend = open_backend(self.options, shard.keyspace(), writer=shard.writer)
         blocks = _Blocks(kv_caches, self.num_blocks, self.shape)
@@ -279,7 +306,8 @@ class KvstrataConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         if self.worker is not None and isinstance(meta, KvstrataConnectorMetadata):
-            self._failed |= self.worker.load(meta.plan)
+            agree = _agree_least if self.tp_size > 1 else None
+            self._failed |= self.worker.load(meta.plan, agree)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return None  # loads complete in start_load_kv
@@ -311,7 +339,23 @@ class KvstrataConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 backend.close()
 
 
-def _tp_rank() -> int:
-    from vllm.distributed.parallel_state import get_tensor_model_parallel_rank  # noqa: PLC0415
+def _group(which: str) -> Any:
+    from vllm.distributed import parallel_state  # noqa: PLC0415
 
-    return int(get_tensor_model_parallel_rank())
+    return parallel_state.get_tp_group() if which == "tp" else parallel_state.get_pp_group()
+
+
+def _group_rank(which: str) -> int:
+    """This worker's rank in vLLM's tensor-parallel (``"tp"``) or pipeline (``"pp"``) group."""
+    return int(_group(which).rank_in_group)
+
+
+def _agree_least(values: list[int]) -> list[int]:
+    """Each value's least over this worker's tensor-parallel group: the same plan reaches every
+    worker and the ranks of a stage run the step together, so each makes this call on the same
+    steps with the same length."""
+    import torch.distributed as dist  # noqa: PLC0415
+
+    tensor = torch.tensor(values, dtype=torch.int64)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=_group("tp").cpu_group)
+    return [int(value) for value in tensor.tolist()]

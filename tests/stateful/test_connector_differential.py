@@ -72,11 +72,21 @@ class EngineBlocks:
     def write(self, blocks: Sequence[int], kv: torch.Tensor) -> None:
         self.kv[:, :, list(blocks)] = kv
 
+    def compute(
+        self, pages: Sequence[PageHash], blocks: Sequence[int], todo: Sequence[int]
+    ) -> None:
+        """The forward pass over pages ``todo`` (in order) of a request: as in a transformer, a
+        page's KV is right only when every page before it in the request's blocks is; over bad KV
+        (a failed load the step took as good) it comes out wrong (its page's KV plus one)."""
+        for k in sorted(todo):
+            right = all(torch.equal(self.read([blocks[j]]), kv_of([pages[j]])) for j in range(k))
+            self.write([blocks[k]], kv_of([pages[k]]) + (0 if right else 1))
+
 
 class ConnectorDifferential(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
-        self.model = ConnectorModel(CAPACITY)
+        self.model = ConnectorModel(CAPACITY, STAGING)
         self.store = MemoryStore()
         self.lookups: dict[str, Future[int]] = {}
         self.probe_host = HostKVPool(SHAPE, 1, "page_first_direct")
@@ -148,7 +158,82 @@ class ConnectorDifferential(RuleBasedStateMachine):
     @rule(data=st.data())
     def step(self, data: st.DataObject) -> None:
         running = sorted(self.admitted)
-        chosen = data.draw(st.lists(st.sampled_from(running), unique=True, max_size=3))
+        self._run_step(data.draw(st.lists(st.sampled_from(running), unique=True, max_size=3)))
+
+    def _loading_more(self) -> list[str]:
+        """Requests whose planned load has an L3 page and that compute pages after the load."""
+        from kvstrata.model.connector import PageSource  # noqa: PLC0415
+
+        return sorted(
+            rid
+            for rid, request in self.model.requests.items()
+            if request.state.value == "load_planned"
+            and PageSource.L3 in request.load
+            and request.first + len(request.load) < len(request.pages)
+        )
+
+    @precondition(lambda self: self._loading_more())
+    @rule(data=st.data())
+    def load_fails_under_new_pages(self, data: st.DataObject) -> None:
+        """A request loads from L3 and computes the pages after its hit in the same step; the
+        store loses one of its planned pages first. The pages it computes then attend over bad
+        KV (this engine's pages depend on the pages before them): none may reach L2 or L3, and
+        after the recompute a later step saves them right."""
+        from kvstrata.model.connector import PageSource  # noqa: PLC0415
+
+        rid = data.draw(st.sampled_from(self._loading_more()))
+        request = self.model.requests[rid]
+        lost = data.draw(
+            st.sampled_from(
+                [request.first + k for k, src in enumerate(request.load) if src is PageSource.L3]
+            )
+        )
+        self.probe.evict(NAMESPACE, request.pages[lost])
+        self.model.evict_l3(request.pages[lost])
+        others = sorted(self.admitted - {rid})
+        self._run_step(
+            [rid, *data.draw(st.lists(st.sampled_from(others), unique=True, max_size=2))]
+            if others
+            else [rid]
+        )
+        self._run_step([rid])
+
+    def _admit_whole(self, chain: int) -> str:
+        """A new request over the whole chain, its lookup answered, all its hit allocated."""
+        self.new_request(chain, 6)
+        rid = f"r{self.counter}"
+        self.lookups[rid].set_result(self.probe.exists(NAMESPACE, self.pages[rid]))
+        self.model.answer(rid)
+        hit = self.index.match(rid, 0, 6)
+        assert hit is not None and hit == self.model.match(rid, 0, 6)
+        self.blocks[rid] = [self.free_blocks.pop() for _ in range(6)]
+        self.model.alloc(rid, 0, hit, 6)
+        self.index.alloc(rid, 0, self.blocks[rid][:hit], 6)
+        self.admitted.add(rid)
+        return rid
+
+    @precondition(lambda self: len(self.free_blocks) >= 12)
+    @rule(data=st.data())
+    def shared_prefix_lost_under_a_load(self, data: st.DataObject) -> None:
+        """Chain 0 is computed and saved whole (its first pages leave the small L2 for L3 only);
+        then chain 3, which shares its first three pages, loads them and computes the rest in the
+        same step, after the store lost a page it planned to read from L3."""
+        first = self._admit_whole(0)
+        self._run_step([first])
+        self.finish_request(first)
+        second = self._admit_whole(3)
+        request = self.model.requests[second]
+        from kvstrata.model.connector import PageSource  # noqa: PLC0415
+
+        remote = [request.first + k for k, src in enumerate(request.load) if src is PageSource.L3]
+        if remote:
+            lost = data.draw(st.sampled_from(remote), label="L3 page lost")
+            self.probe.evict(NAMESPACE, request.pages[lost])
+            self.model.evict_l3(request.pages[lost])
+        self._run_step([second])
+        self._run_step([second])
+
+    def _run_step(self, chosen: list[str]) -> None:
         scheduled = [(rid, len(self.pages[rid])) for rid in chosen]
         expected = self.model.plan(scheduled)
         plan = self.index.plan(
@@ -159,7 +244,8 @@ class ConnectorDifferential(RuleBasedStateMachine):
         assert got_loads == expected.loads
         assert got_saves == expected.saves
         failed = self.worker.load(plan)
-        for _rid, moves in plan.loads:  # bytes: every good load is exactly the page's KV
+        first_failed: dict[str, int] = {}
+        for rid, moves in plan.loads:  # bytes: every good load is exactly the page's KV
             bad = [m for m in moves if m.block in failed]
             good = [m for m in moves if m.block not in failed]
             assert all(m.index > g.index for m in bad for g in good), "a failure must end the load"
@@ -168,24 +254,27 @@ class ConnectorDifferential(RuleBasedStateMachine):
                     self.engine.read([m.block for m in good]), kv_of([m.page for m in good])
                 )
             if bad:
+                first_failed[rid] = min(m.index for m in bad)
                 event("a load failed and was reported")
-        for rid, _done in scheduled:  # the engine computes what it did not load
-            loaded = {m.block for _r, moves in plan.loads if _r == rid for m in moves} - failed
-            todo = [k for k, block in enumerate(self.blocks[rid]) if block not in loaded]
-            if todo:
-                self.engine.write(
-                    [self.blocks[rid][k] for k in todo], kv_of([self.pages[rid][k] for k in todo])
-                )
+        for rid, _done in scheduled:  # the forward: it takes every planned load as done
+            planned = {m.block for _r, moves in plan.loads if _r == rid for m in moves}
+            todo = [k for k, block in enumerate(self.blocks[rid]) if block not in planned]
+            self.engine.compute(self.pages[rid], self.blocks[rid], todo)
         self.worker.save(plan)
-        for _rid, moves in plan.loads:  # recompute (vLLM's policy) what failed
-            bad = [m for m in moves if m.block in failed]
-            if bad:
-                self.engine.write([m.block for m in bad], kv_of([m.page for m in bad]))
+        for rid, index in first_failed.items():  # the engine reports the failed blocks
+            self.model.load_failed(rid, index)
+            self.index.load_failed(rid, index)
+            pages = self.pages[rid]  # and computes the request again from there (recompute)
+            self.engine.compute(pages, self.blocks[rid], range(index, len(pages)))
+            if any(rid == r for r, _moves in plan.saves):
+                event("a request's saves were dropped after its load failed")
 
     @precondition(lambda self: self.pages)
     @rule(data=st.data())
     def finish(self, data: st.DataObject) -> None:
-        rid = data.draw(st.sampled_from(sorted(self.pages)))
+        self.finish_request(data.draw(st.sampled_from(sorted(self.pages))))
+
+    def finish_request(self, rid: str) -> None:
         self.model.finish(rid)
         self.index.finish(rid)
         self.free_blocks.extend(self.blocks.pop(rid, []))
@@ -221,6 +310,9 @@ class ConnectorDifferential(RuleBasedStateMachine):
     def same_state(self) -> None:
         self.model.check()
         assert list(self.index.l2) == self.model.l2
+        reserved = sum(len(r.staging) for r in self.index.requests.values())
+        assert reserved == sum(r.staging for r in self.model.requests.values())
+        assert len(self.index.staging_free) == self.model.staging_free
         assert len(set(self.index.l2.values())) == len(self.index.l2)
         for page in self.model.l3:  # the shared store holds exactly each page's bytes
             got = self.probe.get(NAMESPACE, [page], [0])

@@ -5,6 +5,7 @@ through sglang's real types."""
 from __future__ import annotations
 
 import hashlib
+import socket
 from pathlib import Path
 
 import pytest
@@ -168,3 +169,26 @@ def test_side_pools_are_never_asked_beyond_the_kv_hit() -> None:
     a.set_side("mamba", chain, [0, 1, 2])  # states exist for all three pages, KV for the first only
     hit = b.exists_v2(chain, [PoolAsk("mamba", HitPolicy.TRAILING_PAGES)])
     assert (hit.kv_hit, hit.restorable) == (1, [1])
+
+
+def test_side_pools_without_a_reachable_master_store_nothing_and_never_raise() -> None:
+    """An unreachable master at attach means no L3 and no exception to sglang, for the hybrid
+    side pools as for KV (the review's find of 2026-11-28: they raised "not registered")."""
+    with socket.socket() as probe:  # a port nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    options = StoreOptions.parse(
+        {"store": "mooncake", "master": f"127.0.0.1:{port}", "mooncake": {"setup_retries": 1}},
+        where="t",
+        env={},
+    )
+    pages = HiCachePages(SHARD, options, HostKVPool(SHAPE, 8, "page_first_direct"))
+    assert pages.backend is None
+    states = Flat(4)
+    pages.attach_side("mamba", 12, states.read, states.write)
+    chain = keys(2, "no-store")
+    assert pages.set_side("mamba", chain, [0, 1]) == [False, False]
+    assert pages.get_side("mamba", chain, [0, 1]) == [False, False]
+    assert pages.exists_v2(chain, [PoolAsk("mamba", HitPolicy.TRAILING_PAGES)]).kv_hit == 0
+    with pytest.raises(MisuseError):  # the arguments are still checked
+        pages.set_side("mamba", chain, [0])

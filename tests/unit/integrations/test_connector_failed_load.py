@@ -1,0 +1,103 @@
+"""The connector's worker after a failed load: no page computed over it is saved, on any rank."""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+
+import torch
+
+from kvstrata.impl.pools.host import HostKVPool
+from kvstrata.impl.pools.shape import KVShape
+from kvstrata.impl.storage.base import GetStatus
+from kvstrata.impl.storage.memory import MemoryBackend, MemoryStore
+from kvstrata.integrations.connector import ConnectorIndex, ConnectorWorker, Plan, Scheduled
+from kvstrata.model.keys import KeySpace, KVKind, ModelIdentity, Namespace, PageHash, Shard
+
+PAGE = 2
+SHAPE = KVShape(KVKind.MHA, layers=1, heads=1, head_dim=2, dtype=torch.float32, page_size=PAGE)
+NAMESPACE = Namespace(extra_key="test")
+PAGES = [PageHash(hashlib.sha256(f"p{i}".encode()).digest()) for i in range(5)]
+
+
+class Blocks:
+    def __init__(self, value: float) -> None:
+        self.kv = torch.full((2, 1, 16, PAGE, 1, 2), value)
+
+    def read(self, blocks: Sequence[int]) -> torch.Tensor:
+        return self.kv[:, :, list(blocks)].contiguous()
+
+    def write(self, blocks: Sequence[int], kv: torch.Tensor) -> None:
+        self.kv[:, :, list(blocks)] = kv
+
+
+def _worker(rank: int, store: MemoryStore) -> ConnectorWorker:
+    keys = KeySpace(ModelIdentity("t", "float32", KVKind.MHA, PAGE), shard=Shard(rank, 2))
+    host = HostKVPool(SHAPE, 8, "page_first_direct")
+    return ConnectorWorker(host, MemoryBackend(keys, store=store), NAMESPACE, Blocks(rank + 1.0))
+
+
+def _plan(store: MemoryStore) -> Plan:
+    """A request whose pages 0-2 come from L3 and whose pages 3-4 are computed in the step."""
+    done: Future[int] = Future()
+    done.set_result(3)
+    index = ConnectorIndex(capacity=4, staging=4, start_lookup=lambda pages: done)
+    index.new_request("a", PAGES)
+    assert index.match("a", 0, 5) == 3
+    index.alloc("a", 0, [0, 1, 2], 5)
+    return index.plan([Scheduled("a", 5, (0, 1, 2, 3, 4))])
+
+
+def _agreement(ranks: int) -> Callable[[list[int]], list[int]]:
+    """The ranks' least value, each, as an all-reduce of the workers' threads would give."""
+    barrier = threading.Barrier(ranks)
+    shared: list[list[int]] = []
+
+    def agree(values: list[int]) -> list[int]:
+        shared.append(values)
+        barrier.wait()
+        least = [min(column) for column in zip(*shared, strict=True)]
+        barrier.wait()
+        return least
+
+    return agree
+
+
+def test_a_rank_whose_load_went_well_saves_nothing_computed_over_another_ranks_failure() -> None:
+    store = MemoryStore()
+    workers = [_worker(rank, store) for rank in range(2)]
+    for rank, worker in enumerate(workers):  # pages 0-2 in the store, each rank's shard
+        worker.host.write_pages([0, 1, 2], torch.full((2, 1, 3, PAGE, 1, 2), 10.0 + rank))
+        worker.backend.put(NAMESPACE, PAGES[:3], [0, 1, 2])  # type: ignore[union-attr]
+    workers[0].backend.evict(NAMESPACE, PAGES[1])  # type: ignore[union-attr]  # rank 0 only
+    plan = _plan(store)
+    agree = _agreement(2)
+    failed: list[set[int]] = [set(), set()]
+
+    def step(rank: int) -> None:
+        failed[rank] = workers[rank].load(plan, agree)
+        workers[rank].save(plan)
+
+    threads = [threading.Thread(target=step, args=(rank,)) for rank in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(10)
+    assert failed == [{1, 2}, {1, 2}]  # rank 1's load of pages 1-2 worked, yet it fails them too
+    for worker in workers:
+        assert worker.backend.exists(NAMESPACE, PAGES[3:]) == 0  # type: ignore[union-attr]
+        assert not set(worker.written.values()) & set(PAGES[3:])
+
+
+def test_one_rank_saves_nothing_of_the_step_after_its_own_failed_load() -> None:
+    store = MemoryStore()
+    worker = _worker(0, store)
+    worker.host.write_pages([0, 1, 2], torch.full((2, 1, 3, PAGE, 1, 2), 10.0))
+    worker.backend.put(NAMESPACE, PAGES[:3], [0, 1, 2])  # type: ignore[union-attr]
+    worker.backend.evict(NAMESPACE, PAGES[2])  # type: ignore[union-attr]
+    plan = _plan(store)
+    assert worker.load(plan) == {2}
+    worker.save(plan)
+    assert worker.backend.get(NAMESPACE, [PAGES[3]], [7]) == [GetStatus.MISSING]  # type: ignore[union-attr]

@@ -1,0 +1,83 @@
+"""The connector model's staging slots and failed loads (the review's finds of 2026-11-28)."""
+
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+
+from kvstrata.model.connector import ConnectorModel, PageSource
+from kvstrata.model.errors import MisuseError
+from kvstrata.model.keys import PageHash
+
+PAGES = [PageHash(hashlib.sha256(f"p{i}".encode()).digest()) for i in range(8)]
+
+
+def _stored(model: ConnectorModel, pages: int) -> None:
+    """A request over the first ``pages`` pages computed and saved, then finished."""
+    model.new_request("warm", PAGES[:pages])
+    model.answer("warm")
+    model.alloc("warm", 0, 0, pages)
+    model.plan([("warm", pages)])
+    model.finish("warm")
+
+
+def test_match_serves_no_more_l3_pages_than_free_staging_slots() -> None:
+    model = ConnectorModel(capacity=1, staging=3)
+    _stored(model, 6)  # L2 keeps the last page; pages 0-4 are in L3 only
+    model.new_request("a", PAGES[:6])
+    model.answer("a")
+    assert model.match("a", 0, 6) == 3  # three staging slots: the hit stops at the fourth L3 page
+    model.alloc("a", 0, 3, 6)
+    model.new_request("b", PAGES[:6])
+    model.answer("b")
+    assert model.match("b", 0, 6) == 0  # a's load holds every slot until two plans after it
+    model.plan([])
+    model.plan([])
+    assert model.match("b", 0, 6) == 0
+    model.plan([])
+    assert model.match("b", 0, 6) == 3
+    model.check()
+
+
+def test_finish_before_the_plan_frees_the_reserved_slots() -> None:
+    model = ConnectorModel(capacity=1, staging=2)
+    _stored(model, 4)
+    model.new_request("a", PAGES[:4])
+    model.answer("a")
+    model.alloc("a", 0, 2, 4)
+    assert model.staging_free == 0
+    model.finish("a")
+    assert model.staging_free == 2
+    model.check()
+
+
+def test_a_failed_load_takes_back_the_saves_of_its_step() -> None:
+    model = ConnectorModel(capacity=8, staging=4)
+    _stored(model, 3)
+    model.l2.clear()  # pages 0-2 now in L3 only
+    model.new_request("a", PAGES[:6])
+    model.answer("a")
+    model.alloc("a", 0, 3, 6)
+    plan = model.plan([("a", 6)])
+    assert plan.loads["a"] == ((0, PageSource.L3), (1, PageSource.L3), (2, PageSource.L3))
+    assert plan.saves["a"] == (3, 4, 5)
+    model.load_failed("a", 1)  # pages 3-5 were computed over page 1's bad KV
+    assert not set(PAGES[3:6]) & (set(model.l2) | model.l3)
+    assert set(PAGES[:3]) <= model.l3  # what was stored before stays
+    assert model.plan([("a", 6)]).saves["a"] == (1, 2, 3, 4, 5)  # recomputed, saved now
+    model.check()
+
+
+def test_a_failed_load_must_name_a_page_of_the_last_load() -> None:
+    model = ConnectorModel(capacity=8, staging=4)
+    _stored(model, 2)
+    model.l2.clear()
+    model.new_request("a", PAGES[:4])
+    model.answer("a")
+    model.alloc("a", 0, 2, 4)
+    with pytest.raises(MisuseError):
+        model.load_failed("a", 0)  # not planned yet
+    model.plan([("a", 4)])
+    with pytest.raises(MisuseError):
+        model.load_failed("a", 3)  # computed, not loaded
