@@ -23,6 +23,10 @@ Per request (:data:`~kvstrata.model.lifecycles.CONNECTOR_REQUEST`):
   written to L2 (evicting the least recently used page when full) and backed up to L3. Pages the
   request *loaded* are never saved by it in that step (a failed load would otherwise be saved as if
   it were good); they are already in L2 or L3.
+- Failed backups (:meth:`ConnectorModel.backup_failed`): a page whose put failed (store down,
+  full, timed out) stays in L2 and waits in ``unbacked``; the next step retries it first, before
+  its own saves, while L2 still holds it (at most ``RETRY_PAGES`` a step, oldest first), so a short
+  outage loses no page from L3 for good (SPEC §9: retried later, never silently dropped).
 - Staging: a page read from L3 lands in one of ``staging`` slots first. ``alloc`` reserves one slot
   per L3 page of its load; the step's plan takes them, and they are free again two plans later (an
   engine may build the next plan before the step ran). ``match`` therefore serves at most as many L3
@@ -55,7 +59,10 @@ from kvstrata.model.errors import InvariantViolation, MisuseError
 from kvstrata.model.keys import PageHash
 from kvstrata.model.lifecycles import CONNECTOR_REQUEST, MATCHABLE, RequestEvent, RequestState
 
-__all__ = ["ConnectorModel", "PageSource", "StepPlan"]
+__all__ = ["RETRY_PAGES", "ConnectorModel", "PageSource", "StepPlan"]
+
+RETRY_PAGES = 64
+"""The most pages whose backup failed that one step puts again."""
 
 
 class PageSource(enum.Enum):
@@ -87,6 +94,8 @@ class StepPlan:
 
     loads: dict[str, tuple[tuple[int, PageSource], ...]]
     saves: dict[str, tuple[int, ...]]
+    retried: tuple[PageHash, ...] = ()
+    """Pages whose backup failed before, put again by this step ahead of its saves."""
 
 
 @attrs.define
@@ -102,6 +111,10 @@ class ConnectorModel:
     """Staging slots neither reserved by an ``alloc`` nor held by one of the last two plans."""
     staging_held: collections.deque[int] = attrs.Factory(lambda: collections.deque([0, 0]))
     """Staging slots each of the last two plans took (oldest first)."""
+    unbacked: list[PageHash] = attrs.Factory(list)
+    """Pages in L2 whose backup failed, oldest first: the next steps put them again."""
+    put_by_last_plan: set[PageHash] = attrs.Factory(set)
+    """Pages the last plan put into L3 that were not there before (its saves and retries)."""
 
     def __attrs_post_init__(self) -> None:
         if self.staging_free < 0:
@@ -190,6 +203,11 @@ class ConnectorModel:
                 if source is PageSource.L2:
                     self._touch(request.pages[index])
         self.staging_held.append(held)
+        held_now = set(self.l2)  # the worker retries before this step's saves reuse any slot
+        waiting = [page for page in self.unbacked if page in held_now]
+        retried, self.unbacked = tuple(waiting[:RETRY_PAGES]), waiting[RETRY_PAGES:]
+        self.put_by_last_plan = {page for page in retried if page not in self.l3}
+        self.l3.update(retried)
         saves: dict[str, tuple[int, ...]] = {}
         for request_id, done in scheduled:
             request = self._request(request_id)
@@ -206,12 +224,23 @@ class ConnectorModel:
                     self.l2.pop(0)
                 self.l2.append(page)
                 request.stored += ((index, page not in self.l3),)
+                if page not in self.l3:
+                    self.put_by_last_plan.add(page)
                 self.l3.add(page)
                 stored.append(index)
             request.saved = max(request.saved, min(done, len(request.pages)))
             if stored:
                 saves[request_id] = tuple(stored)
-        return StepPlan(loads, saves)
+        return StepPlan(loads, saves, retried)
+
+    def backup_failed(self, pages: Sequence[PageHash]) -> None:
+        """The last step's puts of ``pages`` (saves or retries) failed: each leaves L3 where that
+        step put it and, while L2 holds it, waits in ``unbacked`` for the next step."""
+        for page in pages:
+            if page in self.put_by_last_plan:
+                self.l3.discard(page)
+            if page in self.l2 and page not in self.unbacked:
+                self.unbacked.append(page)
 
     def load_failed(self, request_id: str, index: int) -> None:
         """The last plan's load of page ``index`` of the request (and of every later page) failed
@@ -236,6 +265,7 @@ class ConnectorModel:
                     self.l2.remove(page)
                 if added:
                     self.l3.discard(page)
+                    self.put_by_last_plan.discard(page)
         request.stored = tuple(item for item in request.stored if item[0] < index)
         request.saved = min(request.saved, index)
 

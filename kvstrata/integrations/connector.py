@@ -37,7 +37,7 @@ import torch
 from kvstrata.impl.errors import MisuseError
 from kvstrata.impl.pools.host import HostKVPool
 from kvstrata.impl.storage.base import GetStatus, StorageBackend
-from kvstrata.model.connector import PageSource
+from kvstrata.model.connector import RETRY_PAGES, PageSource
 from kvstrata.model.keys import Namespace, PageHash
 from kvstrata.model.lifecycles import CONNECTOR_REQUEST, MATCHABLE, RequestEvent, RequestState
 
@@ -282,6 +282,8 @@ class ConnectorWorker:
         self.loaded_pages = 0
         self.failed_blocks: set[int] = set()
         self.failed_from: dict[str, int] = {}  # request -> its first failed page, this step
+        self.unbacked: dict[int, PageHash] = {}  # slot -> its page, whose backup put failed
+        self.failed_puts: list[PageHash] = []  # the pages whose put failed in the last save
 
     def load(self, plan: Plan, agree: Callable[[list[int]], list[int]] | None = None) -> set[int]:
         """Run the plan's loads; the blocks that failed (each failed page and every later page of
@@ -331,7 +333,16 @@ class ConnectorWorker:
         return [True] * cut + [False] * (len(ok) - cut)
 
     def save(self, plan: Plan) -> None:
-        """Copy the plan's saved blocks to their L2 slots, then back them up to L3."""
+        """Put again the pages whose backup failed before (their slots still hold them; at most
+        ``RETRY_PAGES``, oldest first), then copy the plan's saved blocks to their L2 slots and
+        back them up to L3. A page whose put fails waits in ``unbacked`` for the next save."""
+        self.failed_puts = []
+        waiting = [(s, p) for s, p in self.unbacked.items() if self.written.get(s) == p]
+        self.unbacked = dict(waiting[RETRY_PAGES:])
+        if waiting[:RETRY_PAGES]:
+            self._put(
+                [p for _s, p in waiting[:RETRY_PAGES]], [s for s, _p in waiting[:RETRY_PAGES]]
+            )
         moves = [move for _rid, batch in plan.saves for move in batch]
         for move in moves:
             self.written.pop(move.slot, None)  # the slot is being reused
@@ -357,8 +368,18 @@ class ConnectorWorker:
             self.host.write_pages([m.slot for m in run], self.blocks.read([m.block for m in run]))
             for move in run:
                 self.written[move.slot] = move.page
-            if self.backend is not None:
-                self.backend.put(self.namespace, [m.page for m in run], [m.slot for m in run])
+                self.unbacked.pop(move.slot, None)  # the slot holds another page now
+            self._put([m.page for m in run], [m.slot for m in run])
+
+    def _put(self, pages: Sequence[PageHash], slots: Sequence[int]) -> None:
+        if self.backend is None:
+            return
+        for page, slot, status in zip(
+            pages, slots, self.backend.put(self.namespace, pages, slots), strict=True
+        ):
+            if not status.ok:
+                self.unbacked[slot] = page
+                self.failed_puts.append(page)
 
     def close(self) -> None:
         if self.backend is not None:

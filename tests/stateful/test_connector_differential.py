@@ -261,6 +261,11 @@ class ConnectorDifferential(RuleBasedStateMachine):
             todo = [k for k, block in enumerate(self.blocks[rid]) if block not in planned]
             self.engine.compute(self.pages[rid], self.blocks[rid], todo)
         self.worker.save(plan)
+        if self.worker.failed_puts:
+            event("a backup put failed")
+        if expected.retried:
+            event("a failed backup was put again")
+        self.model.backup_failed(self.worker.failed_puts)
         for rid, index in first_failed.items():  # the engine reports the failed blocks
             self.model.load_failed(rid, index)
             self.index.load_failed(rid, index)
@@ -268,6 +273,36 @@ class ConnectorDifferential(RuleBasedStateMachine):
             self.engine.compute(pages, self.blocks[rid], range(index, len(pages)))
             if any(rid == r for r, _moves in plan.saves):
                 event("a request's saves were dropped after its load failed")
+
+    @precondition(lambda self: self.admitted)
+    @rule(data=st.data())
+    def store_down_for_a_step(self, data: st.DataObject) -> None:
+        """The store is unreachable for one step: its puts fail (saves and retries alike); the
+        pages stay in L2 and the next steps put them again while L2 holds them."""
+        backend = self.worker.backend
+        assert isinstance(backend, MemoryBackend)
+        backend.down = True
+        try:
+            self.step(data)
+        finally:
+            backend.down = False
+
+    @precondition(lambda self: len(self.free_blocks) >= 6)
+    @rule(chain=st.integers(0, len(CHAINS) - 1), steps_down=st.integers(1, 2))
+    def store_down_under_saves(self, chain: int, steps_down: int) -> None:
+        """A whole chain computed while the store is down: every put of its saves fails, and the
+        steps after the store is back put them again (those L2 still holds)."""
+        rid = self._admit_whole(chain)
+        backend = self.worker.backend
+        assert isinstance(backend, MemoryBackend)
+        backend.down = True
+        try:
+            for _ in range(steps_down):
+                self._run_step([rid])
+        finally:
+            backend.down = False
+        self._run_step([rid])
+        assert not self.worker.failed_puts
 
     @precondition(lambda self: self.pages)
     @rule(data=st.data())
@@ -310,6 +345,7 @@ class ConnectorDifferential(RuleBasedStateMachine):
     def same_state(self) -> None:
         self.model.check()
         assert list(self.index.l2) == self.model.l2
+        assert list(self.worker.unbacked.values()) == self.model.unbacked
         reserved = sum(len(r.staging) for r in self.index.requests.values())
         assert reserved == sum(r.staging for r in self.model.requests.values())
         assert len(self.index.staging_free) == self.model.staging_free

@@ -81,3 +81,18 @@ def test_a_failed_load_must_name_a_page_of_the_last_load() -> None:
     model.plan([("a", 4)])
     with pytest.raises(MisuseError):
         model.load_failed("a", 3)  # computed, not loaded
+
+
+def test_a_failed_backup_is_put_again_by_the_next_step_while_l2_holds_it() -> None:
+    model = ConnectorModel(capacity=3, staging=2)
+    model.new_request("a", PAGES[:4])
+    model.answer("a")
+    model.alloc("a", 0, 0, 4)
+    model.plan([("a", 4)])  # page 0 is evicted from L2 by page 3 within the step
+    model.backup_failed(PAGES[:4])  # the store was down
+    assert not model.l3 & set(PAGES[:4])
+    assert model.unbacked == PAGES[1:4]  # page 0 left L2: nothing can put it again
+    plan = model.plan([])
+    assert plan.retried == tuple(PAGES[1:4])
+    assert set(PAGES[1:4]) <= model.l3 and not model.unbacked
+    model.check()
