@@ -152,6 +152,10 @@ class StoreOptions:
         key_schema = values.get("key_schema", 1)
         if key_schema not in (1, 2, "1", "2") or isinstance(key_schema, bool):
             raise ConfigError(f"{where}: key 'key_schema' expects 1 or 2, got {key_schema!r}")
+        if store == "memory" and shared is None:
+            # one store for every backend these options open in this process (an adapter opens
+            # several: sglang's page and flat paths must see each other's pages)
+            shared, capacity = MemoryStore(capacity), None
         mooncake = None
         if store == "mooncake":
             mooncake = _mooncake_config(values, where, os.environ if env is None else env)

@@ -35,11 +35,15 @@ def runs(pages: list[int]) -> torch.Tensor:
 
 
 def pages_on(store: MemoryStore, shard: EngineShard = SHARD) -> HiCachePages:
+    return pages_with(
+        StoreOptions.parse({"store": "memory", "memory_store": store}, where="t"), shard
+    )
+
+
+def pages_with(options: StoreOptions, shard: EngineShard = SHARD) -> HiCachePages:
     host = HostKVPool(SHAPE, 8, "page_first_direct")
     host.buffer.copy_(torch.randn(host.buffer.shape))
-    return HiCachePages(
-        shard, StoreOptions.parse({"store": "memory", "memory_store": store}, where="t"), host
-    )
+    return HiCachePages(shard, options, host)
 
 
 def test_options_name_the_bad_key(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -192,3 +196,15 @@ def test_side_pools_without_a_reachable_master_store_nothing_and_never_raise() -
     assert pages.exists_v2(chain, [PoolAsk("mamba", HitPolicy.TRAILING_PAGES)]).kv_hit == 0
     with pytest.raises(MisuseError):  # the arguments are still checked
         pages.set_side("mamba", chain, [0])
+
+
+def test_every_backend_of_one_memory_options_shares_one_store() -> None:
+    """sglang's page path and flat path open a backend each from one options object: with
+    ``"store": "memory"`` they must see each other's pages (the review's find of 2026-11-28:
+    each made a store of its own, so the legacy path's pages were never found)."""
+    options = StoreOptions.parse({"store": "memory", "capacity": "1MiB"}, where="t")
+    a, b = pages_with(options), pages_with(options)
+    chain = keys(2, "shared-memory")
+    assert a.set(chain, runs([0, 1])) == [True, True]
+    assert b.exists(chain) == 2
+    assert options.memory_store is not None and options.memory_store.capacity_bytes == 1 << 20
