@@ -233,8 +233,12 @@ class EmbeddingCache:
         self._ops.poll()  # already guarded: the verb itself checked the caller
         batch, first = check_insert(self._entries, hashes, tensors)
         reservation = self._reserve(batch, views=False)  # written here, never handed out
-        for media in reservation.new:
-            self.pool.write(self._entries[media].units, first[media])
+        try:
+            for media in reservation.new:
+                self.pool.write(self._entries[media].units, first[media])
+        except BaseException:  # a copy failed: nothing of this batch is kept half-written
+            self._abort(reservation)
+            raise
         return self._commit(reservation)
 
     def reserve(self, hashes: Iterable[PageHash], tokens: Iterable[int]) -> Reservation:
@@ -252,6 +256,9 @@ class EmbeddingCache:
 
     def abort(self, reservation: Reservation) -> int:
         """Give up a reservation: its FILLING entries are freed and forgotten; how many."""
+        return self._abort(reservation)
+
+    def _abort(self, reservation: Reservation) -> int:
         reserved = self._holds.close_reservation(reservation)
         for media, _generation in reserved.fresh:
             self._entries.forget(self._entries[media], EntryEvent.FILL_FAILED)
@@ -265,7 +272,8 @@ class EmbeddingCache:
         asked = check_hashes(hashes)
         lent = [m for m in dict.fromkeys(asked) if self._readable(m)]
         views = {m: self._entries.view(self._entries[m]) for m in lent}
-        return Loan(self._holds.lend(lent), tuple(views.get(m) for m in asked), self.give_back)
+        hold = self._holds.lend(lent)
+        return Loan(hold, tuple(views.get(m) for m in asked), self.give_back, owner=self._holds)
 
     def give_back(self, loan: Loan) -> int:
         """Close a loan (its views must not be used any more); how many entries it named."""
@@ -377,6 +385,7 @@ class EmbeddingCache:
             views={e.media: self.pool.view(e.units, e.tokens) for e in fresh} if views else {},
             places={e.media: (e.units, e.tokens) for e in fresh},
             pool=self.pool,
+            owner=self._holds,
         )
 
     def _commit(self, reservation: Reservation) -> InsertResult:

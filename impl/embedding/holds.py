@@ -15,7 +15,9 @@ Owned here: the open holds and the hold sequence. Entry states and reader counts
 through :class:`~kvstrata.impl.embedding.entries.Entries`. Invariants (checked against the model
 by the differential machine): an entry is FILLING exactly while one open reservation holds it, for
 its current generation; an entry's ``readers`` is the number of open loans that name it; a hold is
-closed once (a closed or unknown hold is a :class:`MisuseError` that changes nothing).
+closed once, and only by the cache that made it (a closed or unknown hold, or one another cache
+made, is a :class:`MisuseError` that changes nothing: hold numbers start at 0 in every cache, so
+the number alone would let one cache's reservation close another's).
 """
 
 from __future__ import annotations
@@ -57,6 +59,8 @@ class Reservation:
     places: Mapping[PageHash, tuple[tuple[int, ...], int]] = attrs.field(repr=False)
     """Each new entry's units and token count."""
     pool: EmbeddingPool = attrs.field(repr=False)
+    owner: object = attrs.field(default=None, repr=False, eq=False)
+    """The :class:`Holds` that made it: only that cache commits or aborts it."""
     closed: bool = False
 
     @property
@@ -93,6 +97,8 @@ class Loan:
     tensors: tuple[torch.Tensor | None, ...]
     """Per asked hash: the entry's ``[tokens, dim]`` bytes in the pool, ``None`` for a miss."""
     _give_back: Callable[[Loan], int] = attrs.field(repr=False)
+    owner: object = attrs.field(default=None, repr=False, eq=False)
+    """The :class:`Holds` that made it: only that cache takes it back."""
 
     def __enter__(self) -> Loan:
         return self
@@ -125,12 +131,15 @@ class Holds:
 
     def close_reservation(self, reservation: Reservation) -> Reserved:
         """The open reservation ``reservation`` names, now closed; misuse for anything else."""
-        hold = reservation.hold if isinstance(reservation, Reservation) else None
-        reserved = self._reserved.pop(hold, None) if hold is not None else None
-        if reserved is None or reservation.closed:
-            raise MisuseError(f"no open reservation {reservation!r}")
+        if (
+            not isinstance(reservation, Reservation)
+            or reservation.owner is not self
+            or reservation.closed
+            or reservation.hold not in self._reserved
+        ):
+            raise MisuseError(f"no open reservation {reservation!r} of this cache")
         reservation.closed = True
-        return reserved
+        return self._reserved.pop(reservation.hold)
 
     def lend(self, media: Sequence[PageHash]) -> int:
         """A loan of ``media`` (each a READY entry, named once): one reader more on each."""
@@ -142,10 +151,9 @@ class Holds:
 
     def give_back(self, loan: Loan) -> int:
         """Close ``loan``: one reader less on each entry it names; how many."""
-        hold = loan.hold if isinstance(loan, Loan) else None
-        media = self._loans.pop(hold, None) if hold is not None else None
-        if media is None:
-            raise MisuseError(f"no open loan {loan!r}")
+        if not isinstance(loan, Loan) or loan.owner is not self or loan.hold not in self._loans:
+            raise MisuseError(f"no open loan {loan!r} of this cache")
+        media = self._loans.pop(loan.hold)
         for item in media:
             self.entries.lend(item, -1)
         return len(media)

@@ -365,6 +365,19 @@ class EmbeddingDifferential(RuleBasedStateMachine):
         with pytest.raises(MisuseError):
             self.impls[node].commit(reservation)
 
+    @precondition(lambda self: bool(self.reservations or self.loans))
+    @rule(data=st.data(), verb=st.sampled_from(["commit", "abort", "give_back"]))
+    def hold_at_the_other_node(self, data: st.DataObject, verb: str) -> None:
+        """A hold handed to the node that did not make it: both sides refuse it and change
+        nothing (hold numbers start at 0 on every node, so the number alone is not enough)."""
+        held = data.draw(st.sampled_from([*self.reservations, *self.loans]), label="hold")
+        node, hold, handle, _hashes = held
+        with pytest.raises(MisuseError):
+            getattr(self.models[1 - node], verb)(hold)
+        with pytest.raises(MisuseError):
+            getattr(self.impls[1 - node], verb)(handle)
+        event("a hold refused at the other node")
+
     @rule(node=nodes, chosen=picks)
     def borrow(self, node: int, chosen: list[int]) -> None:
         hashes = self.batch(chosen)

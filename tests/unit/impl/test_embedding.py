@@ -585,3 +585,43 @@ def test_an_error_inside_the_callers_iterator_is_the_callers() -> None:
     with pytest.raises(TypeError, match="the caller's own bug"):
         a.get(broken())
     assert a.entries() == ()
+
+
+def test_a_hold_of_another_cache_is_refused_and_changes_nothing() -> None:
+    """Hold numbers start at 0 in every cache: a reservation or loan of one cache passed to
+    another must be refused, not close that cache's own hold of the same number (the review's
+    find of 2026-11-28: it pushed the other cache's unwritten entry to the shared store)."""
+    store = MemoryEmbeddingStore()
+    a, _ = node(store, manual=False)
+    b, _ = node(store, manual=False)
+    mine, theirs = a.reserve([A], [4]), b.reserve([B], [4])
+    assert mine.hold == theirs.hold == 0
+    with pytest.raises(MisuseError, match="of this cache"):
+        a.commit(theirs)
+    with pytest.raises(MisuseError, match="of this cache"):
+        a.abort(theirs)
+    assert a.entry(A).state is EntryState.FILLING and not mine.closed  # type: ignore[union-attr]
+    assert a.exists([A], [4]) == (False,)  # nothing reached the store
+    mine.views[A].copy_(embedding(A, 4))  # type: ignore[union-attr]
+    theirs.views[B].copy_(embedding(B, 4))  # type: ignore[union-attr]
+    assert a.commit(mine).stored == 1 and b.commit(theirs).stored == 1
+    a.flush()
+    b.flush()
+    lent, other = a.borrow([A]), b.borrow([B])
+    assert lent.hold == other.hold
+    with pytest.raises(MisuseError, match="of this cache"):
+        a.give_back(other)
+    assert a.entry(A).readers == 1 and b.entry(B).readers == 1  # type: ignore[union-attr]
+    assert a.give_back(lent) == 1 and b.give_back(other) == 1
+
+
+def test_insert_batch_whose_copy_fails_frees_its_reservation() -> None:
+    """A copy that raises inside insert_batch (its reservation is never handed out) must not
+    leave the entries FILLING and their units allocated for good (the review's find)."""
+    store = MemoryEmbeddingStore()
+    a, _ = node(store, units=2, manual=False)
+    meta = torch.empty((4, DIM), dtype=torch.bfloat16, device="meta")  # passes the checks
+    with pytest.raises(Exception):  # noqa: B017 - torch's own error for a meta copy
+        a.insert_batch([A, B], [embedding(A, 4), meta])
+    assert a.used_units == 0 and a.open_holds() == () and a.entry(A) is None
+    assert a.insert_batch([A, B], [embedding(A, 4), embedding(B, 4)]).stored == 2
