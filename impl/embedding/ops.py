@@ -102,12 +102,15 @@ class Ops:
         return labels
 
     def visible(self, batch: Sequence[tuple[PageHash, int]]) -> list[bool]:
-        """Per item: all its unit objects are visible in the store (one batch exists call)."""
+        """Per item: all its unit objects are visible in the store (one batch exists call); an
+        object a short answer does not cover counts as absent (pushed again), as a put or get
+        answer too short fails the items it does not cover."""
         keys = [self.object_keys(media, tokens) for media, tokens in batch]
         flat = self.store.exists([key for group in keys for key in group]) if batch else []
         out, at = [], 0
         for group in keys:
-            out.append(all(flat[at : at + len(group)]))
+            covered = flat[at : at + len(group)]
+            out.append(len(covered) == len(group) and all(covered))
             at += len(group)
         return out
 

@@ -5,7 +5,7 @@ Mooncake's per-key codes, and bad input (a typed error, nothing changed)."""
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
 import pytest
@@ -24,7 +24,15 @@ from kvstrata.impl.embedding.store import status_of_get, status_of_put
 from kvstrata.impl.errors import CapacityError, ConfigError, MisuseError
 from kvstrata.impl.storage.memory import MemoryStore
 from kvstrata.impl.transfer import InlineExecutor, ManualExecutor
-from kvstrata.model.keys import KeySpace, KVKind, ModelIdentity, PageHash, Shard, content_hash
+from kvstrata.model.keys import (
+    KeySpace,
+    KVKind,
+    ModelIdentity,
+    PageHash,
+    Shard,
+    StoreKey,
+    content_hash,
+)
 from kvstrata.model.lifecycles import EntryState
 
 DIM = 8
@@ -625,3 +633,24 @@ def test_insert_batch_whose_copy_fails_frees_its_reservation() -> None:
         a.insert_batch([A, B], [embedding(A, 4), meta])
     assert a.used_units == 0 and a.open_holds() == () and a.entry(A) is None
     assert a.insert_batch([A, B], [embedding(A, 4), embedding(B, 4)]).stored == 2
+
+
+def test_an_exists_answer_too_short_counts_what_it_misses_as_absent() -> None:
+    """A store answering fewer keys than asked: the items it did not answer are pushed again,
+    as a short put or get answer fails what it does not cover (the review's find: they counted
+    as visible, so a local hit the store had lost was never pushed again)."""
+
+    class ShortExists(MemoryEmbeddingStore):
+        def exists(self, keys: Sequence[StoreKey]) -> list[bool]:
+            return super().exists(keys)[:1]
+
+    store = ShortExists()
+    a, _ = node(store, manual=False)
+    a.insert_batch([A, B], [embedding(A, 4), embedding(B, 4)])
+    a.flush()
+    store.drop([key for media in (A, B) for key in a.object_keys(media, 4)])  # the store lost both
+    report = a.insert_batch([A, B], [embedding(A, 4), embedding(B, 4)])
+    a.flush()
+    assert (report.re_pushed, report.store_skipped) == (2, 0)
+    keys = [key for media in (A, B) for key in a.object_keys(media, 4)]
+    assert MemoryEmbeddingStore.exists(store, keys) == [True, True]
