@@ -43,7 +43,7 @@ from kvstrata.impl.storage.base import GetStatus, PutStatus
 from kvstrata.impl.storage.mooncake.backend import MooncakeBackend
 from kvstrata.impl.storage.mooncake.client import MooncakeClient
 from kvstrata.impl.storage.mooncake.slabs import RPC_FAIL
-from kvstrata.impl.storage.objects import ObjectBackend, Op
+from kvstrata.impl.storage.objects import ObjectBackend, Op, Payload
 from kvstrata.model.hybrid import side_components, side_page_keys, side_rendered
 from kvstrata.model.keys import KeySpace, Namespace, PageHash, RenderedKeys, StoreKey
 
@@ -164,10 +164,23 @@ class ObjectSideIO:
                 for number, (key, here) in enumerate(zip(entry_keys, present, strict=True))
                 if not (here and here[0])
             ]
-            statuses.append(
-                self.backend._write(missing, entry_keys) if missing else PutStatus.EXISTED
-            )
+            statuses.append(self._write(missing, entry_keys) if missing else PutStatus.EXISTED)
         return statuses + [refusal] * (len(keys) - admitted)
+
+    def _write(
+        self, missing: Sequence[tuple[StoreKey, Payload]], entry_keys: EntryKeys
+    ) -> PutStatus:
+        """Write ``missing`` and confirm the whole entry is visible, as the KV path does: STORED
+        only once every object is (a two-phase store may accept a put no reader sees yet)."""
+        status = self.backend._write(missing, entry_keys)
+        if status is not PutStatus.STORED:
+            return status
+        for key, size in zip(entry_keys, self.sizes, strict=True):
+            confirmed = self.backend._present([key], size)
+            if not confirmed or not confirmed[0]:
+                self.backend.counters.add(puts_unconfirmed=1)
+                return PutStatus.FAILED
+        return status
 
     def get(self, keys: Sequence[EntryKeys], entries: Sequence[int]) -> list[GetStatus]:
         _check(self, keys, entries)

@@ -432,3 +432,24 @@ def test_side_objects_of_a_backend_dir(tmp_path: Path) -> None:
     storage.put(NS, PAGES[:2], [0, 1], {"mamba": {1: 3}})
     for key in side_page_keys(SPACE, NS, MAMBA.pool, PAGES[1]):
         assert backend.path_of(key).is_file()
+
+
+@pytest.mark.parametrize("schema", [1, 2])
+def test_a_side_put_no_reader_sees_is_failed_not_stored(schema: int) -> None:
+    """A two-phase store that accepts a put and shows it later (or never): the side entries are
+    FAILED like the KV pages, so their backup is retried (the review's find of 2026-11-28: the
+    states and indexer keys answered STORED, unpinned, and were lost with the put)."""
+    store = MemoryStore()
+    space = attrs.evolve(SPACE, schema=schema)
+    backend = MemoryBackend(space, store=store)
+    host = HostKVPool(SHAPE, SLOTS, HostLayout.PAGE_FIRST_DIRECT, pin_memory=False)
+    storage = HybridStorage(
+        backend, [SideBuffer(INDEXER, SLOTS, host=True), SideBuffer(MAMBA, STATES, host=True)]
+    )
+    storage.attach(host)
+    backend.hold_puts = True
+    result = storage.put(NS, PAGES[:2], [0, 1], {"mamba": {1: 0}})
+    assert result.pages == [PutStatus.FAILED, PutStatus.FAILED]
+    assert result.states["mamba"] == {1: PutStatus.FAILED}
+    assert storage.put_states(NS, PAGES[:2], [0, 1]) == [PutStatus.FAILED, PutStatus.FAILED]
+    assert backend.counters.puts_unconfirmed >= 3
