@@ -157,6 +157,7 @@ class ThreadExecutor:
         self._lock = threading.Lock()  # guards _queue and _unfinished
         self._queue: deque[Callable[[], None] | None] = deque()  # None: the worker stops there
         self._unfinished = 0  # jobs submitted and not finished
+        self._turns = 0  # times a thread let go of _running (a waiting caller looks again)
         self._queued = threading.Condition(self._lock)
         self._drained = threading.Condition(self._lock)
         self._running = threading.Lock()  # held while a group is taken and run
@@ -212,6 +213,13 @@ class ThreadExecutor:
                         self._execute(group)
                 except Exception:  # never lose the worker: later jobs would never run
                     log.exception("kvstrata: the background worker failed on a job")
+            self._let_go()
+
+    def _let_go(self) -> None:
+        """``_running`` was just released: wake the callers waiting in :meth:`run_queued`."""
+        with self._lock:
+            self._turns += 1
+            self._drained.notify_all()
 
     def submit(self, job: Callable[[], None]) -> None:
         with self._lock:
@@ -228,27 +236,39 @@ class ThreadExecutor:
         (the rest stays queued for the worker), and runs nothing when called from the worker or
         after :meth:`close`. A job this runs runs to its end: ``timeout`` does not cut it. With
         ``until``, it stops before the next job once ``until()`` is true (the caller's own result
-        arrived: the jobs behind it stay with the worker). A job that calls it again on the same
-        thread gets 0 (the jobs must not run ahead of the one running)."""
+        arrived: the jobs behind it stay with the worker), and it looks again each time a job
+        finishes, so a caller whose result the worker produced returns then, not after the
+        worker's next job (the review's find of 2026-11-28: it waited for unrelated I/O). A job
+        that calls it again on the same thread gets 0 (the jobs must not run ahead of the one
+        running)."""
         me = threading.get_ident()
         if threading.current_thread() is self._thread or self._holder == me:
             return 0
         deadline = deadline_after(timeout)
         ran = 0
         while until is None or not until():
-            left = seconds_left(deadline)
-            if not self._running.acquire(timeout=-1.0 if left is None else left):
+            with self._lock:
+                seen = self._turns
+            if self._running.acquire(blocking=False):
+                self._holder = me
+                try:
+                    if until is not None and until():
+                        return ran
+                    group = self._take()
+                    if group is None:
+                        return ran
+                    self._execute(group)
+                    ran += len(group.jobs)
+                finally:
+                    self._holder = None
+                    self._running.release()
+                    self._let_go()
+                continue
+            left = seconds_left(deadline)  # another thread holds _running: wait until it lets go
+            if left is not None and left <= 0:
                 return ran
-            self._holder = me
-            try:
-                group = self._take()
-                if group is None:
-                    return ran
-                self._execute(group)
-                ran += len(group.jobs)
-            finally:
-                self._holder = None
-                self._running.release()
+            with self._lock:
+                self._drained.wait_for(lambda seen=seen: self._turns != seen, left)  # type: ignore[misc]
         return ran
 
     @property
