@@ -561,9 +561,18 @@ class TpDifferential(RuleBasedStateMachine):
             return
         parked = any(cache.l3 is not None and cache.l3.backups for cache in self.caches)
         self.each_call(lambda rank: self.caches[rank].reset())
+        self.nothing_waits_after_reset()
         event("reset on every rank (idle)")
         if parked:
             event("reset dropped a backup parked by an outage")
+
+    def nothing_waits_after_reset(self) -> None:
+        """After ``reset`` no backup op is left anywhere: none deferred, none waiting to resume
+        (an op left in the resume list would count pages that are gone)."""
+        for rank, cache in enumerate(self.caches):
+            assert cache.l3 is not None
+            assert cache.l3.backup.deferred_pages() == 0, f"rank {rank}: pages still deferred"
+            assert not cache.l3.backup.ready and not cache.l3.backup.ops, f"rank {rank}: ops left"
 
     def fresh_request(self, data: st.DataObject) -> None:
         """A sequence never seen before, with room made in L1 (L2 copies stay), its copies landed
@@ -635,8 +644,12 @@ class TpDifferential(RuleBasedStateMachine):
             for rank in down:
                 self.store_workers[rank].run_all()
             self.each("check_events")  # their answers: the links are back
+            for _ in range(2):  # the agreements (pipelined) that un-park the deferred jobs:
+                self.each("check_events")
+                self.idle_means_no_job_due()  # they start then: not idle while one is queued
         if self.idle_means_no_job_due():
             self.each_call(lambda rank: self.caches[rank].reset())
+            self.nothing_waits_after_reset()
             event("reset after an outage, a backup parked")
             self.fresh_request(data)  # takes the host pages the parked backup read
         for backend in self.backends:
@@ -712,6 +725,16 @@ class TpDifferential(RuleBasedStateMachine):
     def idle_only_with_no_backup_due(self) -> None:
         if self.tp is not None:
             self.idle_means_no_job_due()
+
+    @invariant()
+    def deferred_pages_counted(self) -> None:
+        """Each rank's deferred-page count is the pages of the ops it holds deferred or waiting
+        to resume (a count left too high makes later deferrals overflow and drop backups)."""
+        for rank, cache in enumerate(self.caches):
+            backups = cache.l3.backup if cache.l3 is not None else None
+            if backups is not None:
+                held = sum(op.num_pages for op in [*backups.deferred, *backups.ready])
+                assert backups.deferred_pages() == held, f"rank {rank}: deferred pages miscounted"
 
     @invariant()
     def ranks_identical(self) -> None:

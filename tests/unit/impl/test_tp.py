@@ -363,6 +363,9 @@ def test_a_store_back_under_an_idle_tp_cache_starts_no_job_before_the_ranks_agre
         _check_events(group)  # agreed: no rank defers it; its job starts on rank 0
         assert not tiers[0].backup.ready and group.io[0].jobs
         assert group.tp.on_each(lambda r: group.caches[r].idle()) == [False, False]
+        # no op counts as parked any more (idle() reads the flag: one left set would answer
+        # idle while the job runs, once the other ops are done)
+        assert not any(op.parked for tier in tiers for op in tier.backup.ops.values())
         _run_all(group, 8)
         assert not any(tier.backup.ops for tier in tiers)
         namespace = group.caches[0].namespace_of(None)
