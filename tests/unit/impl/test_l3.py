@@ -475,3 +475,32 @@ def test_a_committed_or_aborted_prefetch_is_gone_for_the_scheduler_while_its_rea
         assert after == before and before[1] == 4, "the in-flight read keeps its slots"
         reader.settle()  # the read lands and drains the op
         assert reader.cache.prefetch_reserved() == 0 and reader.cache.host_free == 16
+
+
+def test_a_fetch_refused_because_the_store_went_down_frees_what_it_reserved() -> None:
+    """The query found pages, then the link went down before the fetch was issued: the fetch
+    is refused, the op completes with nothing, and the host pages (and state slot) it reserved
+    are free again, not lost for good (a mutation sweep of impl/l3 found no test of it)."""
+    shared = MemoryStore()
+    writer = Rig(shared)
+    writer.insert(TOKENS)
+    writer.settle()
+    reader = Rig(shared, backend=UnreachableBackend)
+    backend, l3 = reader.backend, reader.cache.l3
+    assert isinstance(backend, UnreachableBackend) and l3 is not None
+    for offset in (700, 800):  # two backup jobs come first in the queue
+        reader.insert([t + offset for t in TOKENS])
+        reader.copies.run_all()
+        reader.cache.check_events()
+    op = reader.cache.prefetch(TOKENS)
+    assert op is not None
+    free = reader.cache.host_free
+    backend.unreachable = True
+    assert reader.io.run_next() and reader.io.run_next()  # two backup calls fail
+    backend.unreachable = False
+    assert reader.io.run_next()  # the query finds all four pages
+    reader.cache.check_events()  # two faults: the link is down; the query's fetch is refused
+    assert l3.link.state is Health.DOWN
+    assert reader.cache.prefetch_ready(op) and reader.cache.prefetch_commit(op) == 0
+    assert l3.counters.prefetch_unserved == 1
+    assert reader.cache.host_free == free

@@ -136,3 +136,22 @@ def test_a_state_lost_between_query_and_read_falls_back_to_a_shallower_state() -
 def test_side_pools_with_storage_refuse_a_layer_first_host_pool() -> None:
     with pytest.raises(ConfigError, match="page-first"):
         Rig(MemoryBackend(KEYS, store=MemoryStore()), layout=HostLayout.LAYER_FIRST)
+
+
+def test_an_abandoned_backup_unpins_its_state_so_l2_can_be_reclaimed() -> None:
+    """Every put fails until the backup's retries run out: the op is abandoned, and with it the
+    state it carried must be unpinned as well as its pages, or that state's host slot and its
+    node's L2 pages could never be freed (a mutation sweep of impl/l3 found no test of it)."""
+    backend = MemoryBackend(KEYS, store=MemoryStore())
+    backend.fail_next(50, op="put")  # more than every attempt of every put makes
+    rig = Rig(backend)
+    try:
+        rig.insert(TOKENS)
+        rig.settle()
+        l3 = rig.cache.l3
+        assert l3 is not None and l3.counters.backup_abandoned_pages == 4
+        assert rig.cache.evict(4) == 4  # demoted to L2
+        assert rig.cache.evict_host(4) == 4  # unpinned: L2 can be reclaimed
+        assert rig.cache.host_free == 16 and rig.cache.host_states_free == 4
+    finally:
+        rig.close()
