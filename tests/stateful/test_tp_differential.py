@@ -644,9 +644,6 @@ class TpDifferential(RuleBasedStateMachine):
             for rank in down:
                 self.store_workers[rank].run_all()
             self.each("check_events")  # their answers: the links are back
-            for _ in range(2):  # the agreements (pipelined) that un-park the deferred jobs:
-                self.each("check_events")
-                self.idle_means_no_job_due()  # they start then: not idle while one is queued
         if self.idle_means_no_job_due():
             self.each_call(lambda rank: self.caches[rank].reset())
             self.nothing_waits_after_reset()
