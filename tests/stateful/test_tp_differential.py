@@ -566,6 +566,19 @@ class TpDifferential(RuleBasedStateMachine):
         if parked:
             event("reset dropped a backup parked by an outage")
 
+    def take_some_stores_down(self, data: st.DataObject) -> list[int]:
+        """Everything settled, then the store of some ranks (not all) becomes unreachable."""
+        self.settle(3)
+        down = data.draw(
+            st.lists(
+                st.integers(0, self.size - 1), min_size=1, max_size=self.size - 1, unique=True
+            ),
+            label="ranks whose store goes down",
+        )
+        for rank in down:
+            self.backends[rank].unreachable = True
+        return down
+
     def nothing_waits_after_reset(self) -> None:
         """After ``reset`` no backup op is left anywhere: none deferred, none waiting to resume
         (an op left in the resume list would count pages that are gone)."""
@@ -618,15 +631,7 @@ class TpDifferential(RuleBasedStateMachine):
         then), the scheduler resets on every rank and a newer sequence takes the freed host pages.
         Once everything settled, the store holds every page's own bytes (a job that read a freed
         page would have put the newer sequence's bytes under the older one's keys)."""
-        self.settle(3)
-        down = data.draw(
-            st.lists(
-                st.integers(0, self.size - 1), min_size=1, max_size=self.size - 1, unique=True
-            ),
-            label="ranks whose store goes down",
-        )
-        for rank in down:
-            self.backends[rank].unreachable = True
+        down = self.take_some_stores_down(data)
         self.fresh_request(data)
         self.settle(2)  # the down ranks' links fail their calls and go down
         self.fresh_request(data)  # deferred on the down ranks, queued on the others
@@ -671,15 +676,7 @@ class TpDifferential(RuleBasedStateMachine):
         the other ranks it waits for its back-off, to start on their own clock with no agreement.
         The invariant then requires that the cache is not idle (the review's find: a retry
         counted as quiet let ``reset`` free the pages it would read)."""
-        self.settle(3)
-        down = data.draw(
-            st.lists(
-                st.integers(0, self.size - 1), min_size=1, max_size=self.size - 1, unique=True
-            ),
-            label="ranks whose store goes down",
-        )
-        for rank in down:
-            self.backends[rank].unreachable = True
+        down = self.take_some_stores_down(data)
         self.fresh_request(data)
         for _ in range(4):
             for rank in down:

@@ -221,15 +221,23 @@ def test_a_request_waits_while_its_lookup_is_in_flight(model_dir: Path, tmp_path
     assert run_until_scheduled(rig, "b").num_computed_tokens == 64
 
 
-def test_a_page_lost_before_its_load_is_reported_never_served(
-    model_dir: Path, tmp_path: Path
-) -> None:
-    root = tmp_path / "l3"
+def _prefix_in_l3_only(model_dir: Path, root: Path) -> Rig:
+    """A rig on a file store at ``root`` with one L2 page: request "a" (four full blocks of
+    ``prompt(66)``) computed, saved and finished, and vLLM's own prefix cache reset, so the
+    prefix is in L3 (L2 holds only its last page)."""
     rig = Rig(model_dir, {"store": "file", "path": str(root), "l2_pages": 1})
     rig.add("a", prompt(66))
     run_until_scheduled(rig, "a")
     rig.step()
     rig.scheduler.reset_prefix_cache()
+    return rig
+
+
+def test_a_page_lost_before_its_load_is_reported_never_served(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    root = tmp_path / "l3"
+    rig = _prefix_in_l3_only(model_dir, root)
     rig.add("b", [*prompt(64), 5, 5])
     for _ in range(20):  # let the lookup land (all 4 pages are in L3; L2 holds only the last)
         if rig.connector.get_num_new_matched_tokens(rig.requests["b"], 0)[0] is not None:
@@ -259,11 +267,7 @@ def test_pages_computed_over_a_failed_load_reach_the_store_only_recomputed(
     vLLM's recompute they are saved with their right bytes (update_connector_output moves the
     request's saved mark back), so a third request loads all six right."""
     root = tmp_path / "l3"
-    rig = Rig(model_dir, {"store": "file", "path": str(root), "l2_pages": 1})
-    rig.add("a", prompt(66))
-    run_until_scheduled(rig, "a")
-    rig.step()
-    rig.scheduler.reset_prefix_cache()
+    rig = _prefix_in_l3_only(model_dir, root)
     rig.add("b", [*prompt(64), *prompt(32, salt=3), 5, 5])
     for _ in range(40):  # let the lookup land: 4 pages in L3 (L2 holds only the last)
         if rig.connector.get_num_new_matched_tokens(rig.requests["b"], 0)[0] is not None:
