@@ -203,17 +203,19 @@ class ThreadExecutor:
             with self._lock:
                 while not self._queue:
                     self._queued.wait()
-            with self._running:  # the stop mark too: a caller's job ends before the worker does
-                with self._lock:
-                    if self._queue and self._queue[0] is None:
-                        return
-                try:
-                    group = self._take()
-                    if group is not None:
-                        self._execute(group)
-                except Exception:  # never lose the worker: later jobs would never run
-                    log.exception("kvstrata: the background worker failed on a job")
-            self._let_go()
+            try:
+                with self._running:  # the stop mark too: a caller's job ends before the worker's
+                    with self._lock:
+                        if self._queue and self._queue[0] is None:
+                            return
+                    try:
+                        group = self._take()
+                        if group is not None:
+                            self._execute(group)
+                    except Exception:  # never lose the worker: later jobs would never run
+                        log.exception("kvstrata: the background worker failed on a job")
+            finally:
+                self._let_go()  # also at the stop mark: a waiting caller looks again and ends
 
     def _let_go(self) -> None:
         """``_running`` was just released: wake the callers waiting in :meth:`run_queued`."""

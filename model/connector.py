@@ -35,10 +35,11 @@ Per request (:data:`~kvstrata.model.lifecycles.CONNECTOR_REQUEST`):
   request).
 - A failed load (:meth:`ConnectorModel.load_failed`): the engine's step ran as if every planned page
   had loaded, so the pages a request computed in that step attend over bad KV. The worker drops the
-  request's saves at and after its first failed page (on every rank, agreed: a tensor- or
-  pipeline-parallel rank whose own load went well computed its pages from the failed rank's hidden
-  states); they leave L2 and L3 again, and the request's saved mark goes back to that page, so the
-  pages it computes again are saved by a later step.
+  request's saves at and after its first failed page (on every tensor-parallel rank, agreed: a
+  rank whose own load went well computed its pages from the failed rank's hidden states; pipeline
+  stages are not covered, docs/engines.md); they leave L2 and L3 again, and the request's saved
+  mark goes back to that page, so the pages it computes again are saved by a later step. The
+  engine reports the failure before it plans the next step (synchronous scheduling).
 
 Invariants (:meth:`ConnectorModel.check`): L2 holds at most ``capacity`` distinct pages; a planned L2
 read names a page L2 held when the plan was made; a planned L3 read lies below the request's lookup

@@ -287,10 +287,10 @@ class ConnectorWorker:
 
     def load(self, plan: Plan, agree: Callable[[list[int]], list[int]] | None = None) -> set[int]:
         """Run the plan's loads; the blocks that failed (each failed page and every later page of
-        its request). Nothing failed is written to a block. ``agree`` (tensor or pipeline
-        parallel: every rank runs the same plan) takes each load's first failed page index on
-        this rank (``NO_FAILURE`` if none) and returns the least over all ranks; every rank then
-        fails from there, so no rank saves a page computed over another rank's failed load."""
+        its request). Nothing failed is written to a block. ``agree`` (tensor parallel: every
+        rank runs the same plan) takes each load's first failed page index on this rank
+        (``NO_FAILURE`` if none) and returns the least over the ranks; every rank then fails
+        from there, so no rank saves a page computed over another rank's failed load."""
         fetched = [(request_id, moves, self._fetch(moves)) for request_id, moves in plan.loads]
         cuts = [
             moves[ok.index(False)].index if False in ok else NO_FAILURE

@@ -291,8 +291,11 @@ class HiCachePages:
     def _no_store(self, name: str, keys: Sequence[str], entries: Sequence[int]) -> bool:
         """Whether there is no store (unreachable at attach: no L3, never an error to the
         engine, for side pools as for KV); the arguments are checked all the same."""
-        if len(entries) != len(keys):
-            raise MisuseError(f"kvstrata: {len(keys)} keys but {len(entries)} entries for {name!r}")
+        pages = self.pages(keys)  # malformed keys are refused with or without a store
+        if len(entries) != len(pages):
+            raise MisuseError(
+                f"kvstrata: {len(pages)} keys but {len(entries)} entries for {name!r}"
+            )
         return self.backend is None
 
     def set_side(self, name: str, keys: Sequence[str], entries: Sequence[int]) -> list[bool]:

@@ -310,3 +310,46 @@ def test_a_caller_whose_result_the_worker_made_returns_without_the_job_behind_it
     finally:
         behind.open()
         executor.close()
+
+
+class SlowExitLock:
+    """A real lock whose ``with`` on the worker's thread holds it 0.3 s longer: a legal
+    interleaving, widened so that a caller tries the lock while the worker stops."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.worker: threading.Thread | None = None
+
+    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
+        return self._lock.acquire(blocking, timeout)
+
+    def release(self) -> None:
+        self._lock.release()
+
+    def __enter__(self) -> SlowExitLock:
+        self._lock.acquire()
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        if threading.current_thread() is self.worker:
+            time.sleep(0.3)
+        self._lock.release()
+
+
+def test_a_caller_waiting_while_the_worker_stops_returns() -> None:
+    """The worker holds ``_running`` for the stop mark while a caller's try fails: the worker
+    lets go on that path too, so the caller looks again and returns (a review found it waiting
+    forever for a turn that never came)."""
+    executor = ThreadExecutor("test-stop-race")
+    lock = SlowExitLock()
+    lock.worker = executor._thread
+    executor._running = lock  # type: ignore[assignment]
+    closer = threading.Thread(target=executor.close)
+    closer.start()
+    time.sleep(0.1)  # the worker holds _running for the stop mark
+    returned: list[int] = []
+    caller = threading.Thread(target=lambda: returned.append(executor.run_queued()), daemon=True)
+    caller.start()
+    closer.join(5)
+    caller.join(5)
+    assert not caller.is_alive() and returned == [0]
