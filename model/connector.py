@@ -244,21 +244,20 @@ class ConnectorModel:
                 self.unbacked.append(page)
 
     def load_failed(self, request_id: str, index: int) -> None:
-        """The last plan's load of page ``index`` of the request (and of every later page) failed
-        on some rank: the pages the request computed in that step attend over bad KV, so the
-        worker drops its saves of them (page ``index`` on); here they leave L2, and L3 where that
-        save put them, and the saved mark goes back to ``index`` (the engine computes them again,
-        and a later step saves them). A saved page a later save of the same plan already evicted
-        from L2 is gone from L2 anyway."""
+        """Page ``index`` of the request held bad KV in the last step: its own load of it (and
+        of every later page) failed on some rank, or it shares that block with another
+        request's failed load (an engine's prefix cache). The pages the request computed in that
+        step attend over bad KV, so the worker drops its saves of them (page ``index`` on);
+        here they leave L2, and L3 where that save put them, and the saved mark goes back to
+        ``index`` (the engine computes them again, and a later step saves them). A saved page a
+        later save of the same plan already evicted from L2 is gone from L2 anyway."""
         request = self._request(request_id)
         if request.state is not RequestState.RUNNING:
             raise MisuseError(
                 f"request {request_id!r} reported a failed load while {request.state.value}"
             )
-        if not request.first <= index < request.first + len(request.load):
-            raise MisuseError(
-                f"request {request_id!r}: page {index} was not loaded by its last plan"
-            )
+        if not 0 <= index < len(request.pages):
+            raise MisuseError(f"request {request_id!r} has no page {index}")
         for stored, added in request.stored:
             if stored >= index:
                 page = request.pages[stored]

@@ -72,6 +72,9 @@ class Plan:
 
     loads: tuple[tuple[str, tuple[PageMove, ...]], ...] = ()
     saves: tuple[tuple[str, tuple[PageMove, ...]], ...] = ()
+    attends: tuple[tuple[str, tuple[int, ...]], ...] = ()
+    """Per saving request, its blocks before its first saved page: the KV its new pages attend
+    over (an engine's prefix cache may share them with another request's load of this step)."""
 
 
 @attrs.frozen
@@ -205,7 +208,7 @@ class ConnectorIndex:
             request.load = tuple(moves)
             loads.append((request_id, tuple(moves)))
         self._staging_held.append(held)
-        saves = []
+        saves, attends = [], []
         for item in scheduled:
             request = self._request(item.request_id)
             if request.state is not RequestState.RUNNING:
@@ -225,22 +228,22 @@ class ConnectorIndex:
             if stored:
                 request.stored += tuple(stored)
                 saves.append((item.request_id, tuple(stored)))
-        return Plan(tuple(loads), tuple(saves))
+                attends.append((item.request_id, tuple(item.blocks[: stored[0].index])))
+        return Plan(tuple(loads), tuple(saves), tuple(attends))
 
     def load_failed(self, request_id: str, index: int) -> None:
-        """The last plan's load of page ``index`` of the request, and of every later page, failed
-        on some rank (the engine reports the blocks): the worker dropped the request's saves of
-        that plan from page ``index`` on, so their pages leave the index (each whose slot still
-        holds it) and the saved mark goes back to ``index``, for a later step to save them."""
+        """Page ``index`` of the request held bad KV in the last step: its own load of it failed
+        on some rank, or a block it shares with another request's failed load (the engine
+        reports the blocks). The worker dropped the request's saves of that plan from page
+        ``index`` on, so their pages leave the index (each whose slot still holds it) and the
+        saved mark goes back to ``index``, for a later step to save them."""
         request = self._request(request_id)
         if request.state is not RequestState.RUNNING:
             raise MisuseError(
                 f"connector: {request_id!r} reported a failed load while {request.state.value}"
             )
-        if not any(move.index == index for move in request.load):
-            raise MisuseError(
-                f"connector: {request_id!r}: page {index} was not loaded by its last plan"
-            )
+        if not 0 <= index < len(request.pages):
+            raise MisuseError(f"connector: {request_id!r} has no page {index}")
         for move in request.stored:
             if move.index >= index and self.l2.get(move.page) == move.slot:
                 del self.l2[move.page]
@@ -346,12 +349,18 @@ class ConnectorWorker:
         moves = [move for _rid, batch in plan.saves for move in batch]
         for move in moves:
             self.written.pop(move.slot, None)  # the slot is being reused
-        # a request whose load failed computed this step's pages over bad KV: none is saved
+        # a request whose load failed, or that attends over a block another request's load of
+        # this step failed, computed this step's pages over bad KV: none from there is saved
+        cuts = dict(self.failed_from)
+        for request_id, blocks in plan.attends:
+            bad = [k for k, block in enumerate(blocks) if block in self.failed_blocks]
+            if bad:
+                cuts[request_id] = min(cuts.get(request_id, NO_FAILURE), bad[0])
         moves = [
             move
             for request_id, batch in plan.saves
             for move in batch
-            if move.index < self.failed_from.get(request_id, NO_FAILURE)
+            if move.index < cuts.get(request_id, NO_FAILURE)
             and move.block not in self.failed_blocks
         ]
         # a full L2 reuses a slot within one plan: each run of distinct slots is written and backed

@@ -59,6 +59,7 @@ from kvstrata.integrations.connector import ConnectorIndex, ConnectorWorker, Pla
 from kvstrata.integrations.store import StoreOptions, open_backend
 from kvstrata.model.engines import EngineShard, HashScheme, engine_page_hash
 from kvstrata.model.keys import KVKind, PageHash
+from kvstrata.model.lifecycles import RequestState
 
 __all__ = ["KvstrataConnector", "KvstrataConnectorMetadata"]
 
@@ -164,6 +165,11 @@ class KvstrataConnector(KVConnectorBase_V1):  # type: ignore[misc]
             dtype=spec.dtype,
             page_size=self.block_size,
         )
+        if getattr(getattr(vllm_config, "scheduler_config", None), "async_scheduling", False):
+            log.warning(
+                "kvstrata vLLM connector: async scheduling is on; a failed load is reported after "
+                "the next step was planned, whose pages over it may be saved (docs/engines.md)"
+            )
         parallel = vllm_config.parallel_config
         self.tp_size = int(parallel.tensor_parallel_size)
         self.pp_size = int(parallel.pipeline_parallel_size)
@@ -278,10 +284,11 @@ class KvstrataConnector(KVConnectorBase_V1):  # type: ignore[misc]
         invalid = set(getattr(connector_output, "invalid_block_ids", None) or ())
         if not invalid or self.index is None:
             return
-        for req_id, blocks in self._blocks.items():
+        for req_id, blocks in self._blocks.items():  # its own load, or blocks it shares
             failed = [index for index, block in enumerate(blocks) if block in invalid]
             request = self.index.requests.get(req_id)
-            if failed and request is not None and any(m.index == failed[0] for m in request.load):
+            running = request is not None and request.state is RequestState.RUNNING
+            if failed and running and failed[0] < len(request.pages):  # type: ignore[union-attr]
                 self.index.load_failed(req_id, failed[0])
 
     def request_finished(

@@ -293,6 +293,44 @@ def test_pages_computed_over_a_failed_load_reach_the_store_only_recomputed(
         assert torch.equal(rig.kv[block], content(hashes[index])), f"block {index} wrong"
 
 
+def test_a_request_sharing_blocks_with_a_failed_load_saves_nothing_over_them(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    """Two requests in one step: b loads the prefix from L3 (the store lost it since the lookup),
+    and c, allocated after b, gets a hit in vLLM's own prefix cache on b's just allocated blocks
+    and computes its own two blocks over them in the same step. c saves nothing of that step
+    (update_connector_output moves its saved mark back too), so a later request loads all six
+    pages with their right bytes (a review's find: c's blocks reached L3 computed over the
+    failed ones)."""
+    root = tmp_path / "l3"
+    rig = _prefix_in_l3_only(model_dir, root)
+    for request_id, tail in (("b", [5, 5]), ("c", [*prompt(32, salt=3), 6, 6])):
+        rig.add(request_id, [*prompt(64), *tail])
+        for _ in range(60):  # let its lookup land
+            if rig.connector.get_num_new_matched_tokens(rig.requests[request_id], 0)[0] is not None:
+                break
+            time.sleep(0.05)
+    for path in sorted(root.rglob("*"), key=str):
+        if path.is_file() and path.suffix != ".tmp":
+            path.unlink()  # the store loses the prefix between the lookups and the load
+    out = rig.step()
+    assert {"b", "c"} <= set(out.num_scheduled_tokens) and rig.failed
+    for _ in range(8):  # vLLM recomputes both and finishes them
+        rig.step()
+    assert not {"b", "c"} & set(rig.scheduler.requests)
+    rig.scheduler.reset_prefix_cache()
+    rig.failed.clear()
+    rig.add("d", [*prompt(64), *prompt(32, salt=3), 7, 7])
+    run_until_scheduled(rig, "d")
+    hashes = rig.requests["d"].block_hashes
+    wrong = [
+        index
+        for index, block in enumerate(rig.block_table["d"][:6])
+        if not torch.equal(rig.kv[block], content(hashes[index]))
+    ]
+    assert not wrong, f"blocks {wrong} were served with bytes computed over a failed load"
+
+
 @pytest.mark.parametrize(
     "layout",
     [(NUM_BLOCKS, 2, BLOCK, HEADS, HEAD_DIM), (2, NUM_BLOCKS, BLOCK, HEADS, HEAD_DIM)],

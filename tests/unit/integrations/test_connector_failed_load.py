@@ -101,3 +101,33 @@ def test_one_rank_saves_nothing_of_the_step_after_its_own_failed_load() -> None:
     assert worker.load(plan) == {2}
     worker.save(plan)
     assert worker.backend.get(NAMESPACE, [PAGES[3]], [7]) == [GetStatus.MISSING]  # type: ignore[union-attr]
+
+
+def test_a_request_over_blocks_another_request_failed_to_load_saves_nothing() -> None:
+    """An engine's prefix cache lets request c use the blocks request a loads in the same step
+    (a's load of page 1 fails): c's pages computed over them are not saved, and the index takes
+    them back when the engine reports the blocks."""
+    store = MemoryStore()
+    worker = _worker(0, store)
+    worker.host.write_pages([0, 1, 2], torch.full((2, 1, 3, PAGE, 1, 2), 10.0))
+    worker.backend.put(NAMESPACE, PAGES[:3], [0, 1, 2])  # type: ignore[union-attr]
+    worker.backend.evict(NAMESPACE, PAGES[1])  # type: ignore[union-attr]
+    done: Future[int] = Future()
+    done.set_result(3)
+    index = ConnectorIndex(capacity=4, staging=4, start_lookup=lambda pages: done)
+    index.new_request("a", PAGES[:3])
+    assert index.match("a", 0, 3) == 3
+    index.alloc("a", 0, [0, 1, 2], 3)
+    index.new_request("c", PAGES)  # its first three pages: a's blocks, from the engine's cache
+    assert index.match("c", 3, 5) == 0
+    index.alloc("c", 3, [], 5)
+    plan = index.plan([Scheduled("c", 5, (0, 1, 2, 8, 9))])
+    assert [m.index for _r, moves in plan.saves for m in moves] == [3, 4]
+    assert worker.load(plan) == {1, 2}
+    worker.save(plan)
+    assert worker.backend.exists(NAMESPACE, PAGES[3:]) == 0  # type: ignore[union-attr]
+    assert not set(worker.written.values()) & set(PAGES[3:])
+    index.load_failed("c", 1)  # the engine reported blocks 1 and 2: c shares them
+    assert not set(index.l2) & set(PAGES[3:])
+    again = index.plan([Scheduled("c", 5, (0, 1, 2, 8, 9))])  # recomputed: saved now
+    assert [m.index for _r, moves in again.saves for m in moves] == [1, 2, 3, 4]

@@ -69,7 +69,7 @@ def test_a_failed_load_takes_back_the_saves_of_its_step() -> None:
     model.check()
 
 
-def test_a_failed_load_must_name_a_page_of_the_last_load() -> None:
+def test_a_failed_load_is_reported_for_a_running_request_and_one_of_its_pages() -> None:
     model = ConnectorModel(capacity=8, staging=4)
     _stored(model, 2)
     model.l2.clear()
@@ -80,7 +80,9 @@ def test_a_failed_load_must_name_a_page_of_the_last_load() -> None:
         model.load_failed("a", 0)  # not planned yet
     model.plan([("a", 4)])
     with pytest.raises(MisuseError):
-        model.load_failed("a", 3)  # computed, not loaded
+        model.load_failed("a", 4)  # no such page
+    model.load_failed("a", 3)  # a page it computed over a block shared with a failed load
+    assert PAGES[3] not in model.l2 and PAGES[2] in model.l2
 
 
 def test_a_failed_backup_is_put_again_by_the_next_step_while_l2_holds_it() -> None:
