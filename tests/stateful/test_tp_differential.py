@@ -481,8 +481,16 @@ class TpDifferential(RuleBasedStateMachine):
     def master_restart(self, data: st.DataObject) -> None:
         """The master restarts once every backup so far was stored, some ranks lose it for a
         while, and the outage ends: :meth:`outage` and :meth:`republished_after_restart` in one
-        step (the case where only the re-publish can bring L2's pages back)."""
-        self.outage(data, restart=True, settled=True)
+        step (the case where only the re-publish can bring L2's pages back). An outage still on
+        ends first: otherwise the backups it deferred would store L2's pages after the restart
+        anyway, and a lost re-publish would go unseen."""
+        for backend in self.backends:
+            backend.unreachable = False
+        self.clock[0] += 1.0  # the probes' back-off is over
+        self.settle(6)
+        if self.store.visible_keys():
+            event("a restart wipes pages only a re-publish can bring back")
+        self.outage(data, restart=True, settled=False)
         self.republished_after_restart(data)
 
     @precondition(lambda self: self.tp is not None and self.restarted)
@@ -493,12 +501,8 @@ class TpDifferential(RuleBasedStateMachine):
         in any rank's L2 is in the store again under that rank's keys: the re-publish was agreed
         and done by every rank, also by ranks whose own link never noticed."""
         if any(backend.unreachable for backend in self.backends):
-            # new pages (room made in L1: their L2 copies stay) whose backups meet the outage
-            self.fresh += 1
-            tokens = tuple(range(10_000 * self.fresh, 10_000 * self.fresh + 2 * self.page_size))
-            self.evict(32, host=False)
-            self.request_on_every_rank(tokens, data.draw(st.sampled_from(NAMESPACES)))
-            self.settle(2)
+            self.fresh_request(data)  # its backups meet the outage
+            self.settle(3)  # they fail, and so do the probes: the down ranks' links are down
             self.outage_ends()
         self.settle(12)
         self.restarted = False
