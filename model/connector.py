@@ -38,8 +38,15 @@ Per request (:data:`~kvstrata.model.lifecycles.CONNECTOR_REQUEST`):
   request's saves at and after its first failed page (on every tensor-parallel rank, agreed: a
   rank whose own load went well computed its pages from the failed rank's hidden states; pipeline
   stages are not covered, docs/engines.md); they leave L2 and L3 again, and the request's saved
-  mark goes back to that page, so the pages it computes again are saved by a later step. The
-  engine reports the failure before it plans the next step (synchronous scheduling).
+  mark goes back to that page, so the pages it computes again are saved by a later step.
+- Reports one plan behind (:meth:`ConnectorModel.load_failures`): an engine that schedules ahead
+  (vLLM's async scheduling) builds plan N+1 before it reports plan N's failed loads, and plan
+  N+1 saves pages the request computed over the same bad KV. Each plan carries its ``number`` and
+  ``reported_through`` (the newest plan whose failed loads had been reported when it was made):
+  the worker keeps dropping a failed request's saves, and saves over a failed block, in every plan
+  made before the report (``reported_through`` below the failed plan); the report takes back the
+  saves of the failed plan and of every plan after it. An engine plans at most one step ahead of
+  its reports: a report names the last plan or the one before it.
 
 Invariants (:meth:`ConnectorModel.check`): L2 holds at most ``capacity`` distinct pages; a planned L2
 read names a page L2 held when the plan was made; a planned L3 read lies below the request's lookup
@@ -52,7 +59,7 @@ from __future__ import annotations
 
 import collections
 import enum
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import attrs
 
@@ -85,8 +92,9 @@ class _Request:
     """Pages below this index are stored (or were loaded, or are someone else's)."""
     staging: int = 0
     """Staging slots reserved for the planned load's L3 pages (``LOAD_PLANNED`` only)."""
-    stored: tuple[tuple[int, bool], ...] = ()
-    """The last plan's saves of this request: page index, and whether that save put it in L3."""
+    stored: tuple[tuple[int, int, bool], ...] = ()
+    """This request's saves in the last two plans: plan number, page index, and whether that save
+    put the page in L3."""
 
 
 @attrs.frozen
@@ -97,6 +105,11 @@ class StepPlan:
     saves: dict[str, tuple[int, ...]]
     retried: tuple[PageHash, ...] = ()
     """Pages whose backup failed before, put again by this step ahead of its saves."""
+    number: int = 0
+    """This plan's number (the first plan is 1)."""
+    reported_through: int = 0
+    """The newest plan whose failed loads had been reported when this plan was made (0: none):
+    the worker still drops the saves over a failed load of any later plan."""
 
 
 @attrs.define
@@ -116,6 +129,10 @@ class ConnectorModel:
     """Pages in L2 whose backup failed, oldest first: the next steps put them again."""
     put_by_last_plan: set[PageHash] = attrs.Factory(set)
     """Pages the last plan put into L3 that were not there before (its saves and retries)."""
+    plans: int = 0
+    """Plans made so far (the last plan's number)."""
+    reported_through: int = 0
+    """The newest plan whose failed loads were reported (:meth:`load_failures`)."""
 
     def __attrs_post_init__(self) -> None:
         if self.staging_free < 0:
@@ -190,8 +207,9 @@ class ConnectorModel:
         loads: dict[str, tuple[tuple[int, PageSource], ...]] = {}
         self.staging_free += self.staging_held.popleft()
         held = 0
-        for request in self.requests.values():
-            request.stored = ()
+        self.plans += 1
+        for request in self.requests.values():  # a report names this plan or the one before
+            request.stored = tuple(item for item in request.stored if item[0] == self.plans - 1)
         for request_id, request in self.requests.items():
             if request.state is not RequestState.LOAD_PLANNED:
                 continue
@@ -224,7 +242,7 @@ class ConnectorModel:
                 if len(self.l2) == self.capacity:
                     self.l2.pop(0)
                 self.l2.append(page)
-                request.stored += ((index, page not in self.l3),)
+                request.stored += ((self.plans, index, page not in self.l3),)
                 if page not in self.l3:
                     self.put_by_last_plan.add(page)
                 self.l3.add(page)
@@ -232,25 +250,42 @@ class ConnectorModel:
             request.saved = max(request.saved, min(done, len(request.pages)))
             if stored:
                 saves[request_id] = tuple(stored)
-        return StepPlan(loads, saves, retried)
+        return StepPlan(loads, saves, retried, self.plans, self.reported_through)
 
     def backup_failed(self, pages: Sequence[PageHash]) -> None:
         """The last step's puts of ``pages`` (saves or retries) failed: each leaves L3 where that
-        step put it and, while L2 holds it, waits in ``unbacked`` for the next step."""
+        step put it and, while L2 holds it, waits in ``unbacked`` for the next step, ordered by
+        its last failed put (a full L2 may evict a page and take it back within one plan: its
+        second put is the one L2 holds)."""
         for page in pages:
             if page in self.put_by_last_plan:
                 self.l3.discard(page)
-            if page in self.l2 and page not in self.unbacked:
+            if page in self.l2:
+                if page in self.unbacked:
+                    self.unbacked.remove(page)
                 self.unbacked.append(page)
 
-    def load_failed(self, request_id: str, index: int) -> None:
-        """Page ``index`` of the request held bad KV in the last step: its own load of it (and
-        of every later page) failed on some rank, or it shares that block with another
-        request's failed load (an engine's prefix cache). The pages the request computed in that
-        step attend over bad KV, so the worker drops its saves of them (page ``index`` on);
-        here they leave L2, and L3 where that save put them, and the saved mark goes back to
-        ``index`` (the engine computes them again, and a later step saves them). A saved page a
-        later save of the same plan already evicted from L2 is gone from L2 anyway."""
+    def load_failures(self, failed: Mapping[str, int], plan: int) -> None:
+        """The engine's report of plan ``plan``'s failed loads (``plan`` is the last plan, or the
+        one before it when the engine schedules ahead): per request, its first page that held
+        bad KV (:meth:`load_failed`). Plans made from now on tell the worker that this failure
+        is reported."""
+        if not (self.plans - 1 <= plan <= self.plans and plan >= 1):
+            raise MisuseError(f"a report of plan {plan}: the last plan is {self.plans}")
+        for request_id, index in failed.items():
+            self.load_failed(request_id, index, since=plan)
+        self.reported_through = max(self.reported_through, plan)
+
+    def load_failed(self, request_id: str, index: int, since: int | None = None) -> None:
+        """Page ``index`` of the request held bad KV in plan ``since``'s step (default: the last
+        plan): its own load of it (and of every later page) failed on some rank, or it shares
+        that block with another request's failed load (an engine's prefix cache). The pages the
+        request computed from then on attend over bad KV, so the worker drops its saves of them
+        (page ``index`` on) in that plan and every later one; here they leave L2, and L3 where
+        that save put them, and the saved mark goes back to ``index`` (the engine computes them
+        again, and a later step saves them). A saved page a later save already evicted from L2
+        is gone from L2 anyway."""
+        since = self.plans if since is None else since
         request = self._request(request_id)
         if request.state is not RequestState.RUNNING:
             raise MisuseError(
@@ -258,15 +293,15 @@ class ConnectorModel:
             )
         if not 0 <= index < len(request.pages):
             raise MisuseError(f"request {request_id!r} has no page {index}")
-        for stored, added in request.stored:
-            if stored >= index:
-                page = request.pages[stored]
-                if page in self.l2:
-                    self.l2.remove(page)
-                if added:
-                    self.l3.discard(page)
-                    self.put_by_last_plan.discard(page)
-        request.stored = tuple(item for item in request.stored if item[0] < index)
+        dropped = [item for item in request.stored if item[0] >= since and item[1] >= index]
+        for _plan, stored, added in dropped:
+            page = request.pages[stored]
+            if page in self.l2:
+                self.l2.remove(page)
+            if added:
+                self.l3.discard(page)
+                self.put_by_last_plan.discard(page)
+        request.stored = tuple(item for item in request.stored if item not in dropped)
         request.saved = min(request.saved, index)
 
     def _touch(self, page: PageHash) -> None:

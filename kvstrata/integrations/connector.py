@@ -22,12 +22,18 @@ over bad KV: the worker drops the request's saves from its first failed page on 
 first failed page agreed by every rank: a rank whose own load went well computed its pages from the
 failed rank's hidden states), and :meth:`ConnectorIndex.load_failed` takes them out of the index
 and moves the request's saved mark back, so the pages computed again are saved later.
+
+An engine that plans one step ahead (vLLM's async scheduling) reports a step's failed loads after
+it built the next plan, whose saves were computed over the same bad KV: the worker keeps each
+failure (``poisoned``) until a plan says it was reported (``Plan.reported_through``) and drops
+those saves too; :meth:`ConnectorIndex.load_failures` takes back the saves of the failed plan and
+of the plan after it.
 """
 
 from __future__ import annotations
 
 import collections
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from typing import Protocol
 
@@ -75,6 +81,10 @@ class Plan:
     attends: tuple[tuple[str, tuple[int, ...]], ...] = ()
     """Per saving request, its blocks before its first saved page: the KV its new pages attend
     over (an engine's prefix cache may share them with another request's load of this step)."""
+    number: int = 0
+    """This plan's number (the first plan is 1)."""
+    reported_through: int = 0
+    """The newest plan whose failed loads the index had been told of when it made this plan."""
 
 
 @attrs.frozen
@@ -95,7 +105,7 @@ class _Request:
     load: tuple[PageMove, ...] = ()
     saved: int = 0
     staging: list[int] = attrs.Factory(list)  # staging slots reserved for the planned load
-    stored: tuple[PageMove, ...] = ()  # the last plan's saves of this request
+    stored: tuple[tuple[int, PageMove], ...] = ()  # its saves in the last two plans, by plan
 
 
 class ConnectorIndex:
@@ -113,6 +123,10 @@ class ConnectorIndex:
         self.staging_free = list(range(capacity + staging - 1, capacity - 1, -1))
         self._staging_held: collections.deque[list[int]] = collections.deque([[], []])
         self.requests: dict[str, _Request] = {}
+        self.plans = 0  # plans made (the last plan's number)
+        self.reported_through = 0  # the newest plan whose failed loads were reported
+        #: the blocks the last two plans load into, by plan number (which plan a report is of)
+        self._loaded: collections.deque[tuple[int, frozenset[int]]] = collections.deque(maxlen=2)
 
     def _request(self, request_id: str) -> _Request:
         try:
@@ -188,8 +202,9 @@ class ConnectorIndex:
         self.staging_free.extend(self._staging_held.popleft())
         held: list[int] = []
         loads = []
-        for request in self.requests.values():
-            request.stored = ()
+        self.plans += 1
+        for request in self.requests.values():  # a report names this plan or the one before
+            request.stored = tuple(item for item in request.stored if item[0] == self.plans - 1)
         for request_id, request in self.requests.items():
             if request.state is not RequestState.LOAD_PLANNED:
                 continue
@@ -208,6 +223,9 @@ class ConnectorIndex:
             request.load = tuple(moves)
             loads.append((request_id, tuple(moves)))
         self._staging_held.append(held)
+        self._loaded.append(
+            (self.plans, frozenset(move.block for _rid, moves in loads for move in moves))
+        )
         saves, attends = [], []
         for item in scheduled:
             request = self._request(item.request_id)
@@ -226,17 +244,37 @@ class ConnectorIndex:
                 stored.append(PageMove(index, page, slot, item.blocks[index]))
             request.saved = max(request.saved, done)
             if stored:
-                request.stored += tuple(stored)
+                request.stored += tuple((self.plans, move) for move in stored)
                 saves.append((item.request_id, tuple(stored)))
                 attends.append((item.request_id, tuple(item.blocks[: stored[0].index])))
-        return Plan(tuple(loads), tuple(saves), tuple(attends))
+        return Plan(tuple(loads), tuple(saves), tuple(attends), self.plans, self.reported_through)
 
-    def load_failed(self, request_id: str, index: int) -> None:
-        """Page ``index`` of the request held bad KV in the last step: its own load of it failed
-        on some rank, or a block it shares with another request's failed load (the engine
-        reports the blocks). The worker dropped the request's saves of that plan from page
-        ``index`` on, so their pages leave the index (each whose slot still holds it) and the
-        saved mark goes back to ``index``, for a later step to save them."""
+    def failed_plan(self, blocks: set[int]) -> int:
+        """Which plan a report of failed ``blocks`` is of: the newer of the last two plans that
+        loads into one of them (the last plan if neither does)."""
+        for number, loaded in reversed(self._loaded):
+            if loaded & blocks:
+                return number
+        return self.plans
+
+    def load_failures(self, failed: Mapping[str, int], plan: int) -> None:
+        """The engine's report of plan ``plan``'s failed loads (the last plan, or the one before
+        it): per request its first page that held bad KV (:meth:`load_failed`). Later plans tell
+        the worker the failure was reported (``Plan.reported_through``)."""
+        if not (self.plans - 1 <= plan <= self.plans and plan >= 1):
+            raise MisuseError(f"connector: a report of plan {plan}; the last plan is {self.plans}")
+        for request_id, index in failed.items():
+            self.load_failed(request_id, index, since=plan)
+        self.reported_through = max(self.reported_through, plan)
+
+    def load_failed(self, request_id: str, index: int, since: int | None = None) -> None:
+        """Page ``index`` of the request held bad KV in plan ``since``'s step (default: the last
+        plan): its own load of it failed on some rank, or a block it shares with another
+        request's failed load (the engine reports the blocks). The worker dropped the request's
+        saves from page ``index`` on in that plan and every later one, so their pages leave the
+        index (each whose slot still holds it) and the saved mark goes back to ``index``, for a
+        later step to save them."""
+        since = self.plans if since is None else since
         request = self._request(request_id)
         if request.state is not RequestState.RUNNING:
             raise MisuseError(
@@ -244,11 +282,12 @@ class ConnectorIndex:
             )
         if not 0 <= index < len(request.pages):
             raise MisuseError(f"connector: {request_id!r} has no page {index}")
-        for move in request.stored:
-            if move.index >= index and self.l2.get(move.page) == move.slot:
+        dropped = [item for item in request.stored if item[0] >= since and item[1].index >= index]
+        for _plan, move in dropped:
+            if self.l2.get(move.page) == move.slot:
                 del self.l2[move.page]
                 self.free.append(move.slot)
-        request.stored = tuple(move for move in request.stored if move.index < index)
+        request.stored = tuple(item for item in request.stored if item not in dropped)
         request.saved = min(request.saved, index)
 
     def finish(self, request_id: str) -> None:
@@ -285,6 +324,10 @@ class ConnectorWorker:
         self.loaded_pages = 0
         self.failed_blocks: set[int] = set()
         self.failed_from: dict[str, int] = {}  # request -> its first failed page, this step
+        #: the failed loads not yet reported to the plans: (plan number, failed blocks, each
+        #: request's first failed page); every save of a plan made before the report drops
+        #: what was computed over them
+        self.poisoned: list[tuple[int, frozenset[int], dict[str, int]]] = []
         self.unbacked: dict[int, PageHash] = {}  # slot -> its page, whose backup put failed
         self.failed_puts: list[PageHash] = []  # the pages whose put failed in the last save
 
@@ -303,6 +346,7 @@ class ConnectorWorker:
             cuts = agree(cuts)
         failed: set[int] = set()
         self.failed_from = {}
+        self._forget_reported(plan)
         for (request_id, moves, _ok), cut in zip(fetched, cuts, strict=True):
             good = [move for move in moves if move.index < cut]
             if good:
@@ -313,7 +357,14 @@ class ConnectorWorker:
                 self.failed_from[request_id] = cut
                 failed.update(move.block for move in moves if move.index >= cut)
         self.failed_blocks = failed
+        if failed:
+            self.poisoned.append((plan.number, frozenset(failed), dict(self.failed_from)))
         return failed
+
+    def _forget_reported(self, plan: Plan) -> None:
+        """Drop the failures the index had been told of when it made ``plan``: from that plan on,
+        its saves leave out what was computed over them."""
+        self.poisoned = [item for item in self.poisoned if item[0] > plan.reported_through]
 
     def _fetch(self, moves: Sequence[PageMove]) -> list[bool]:
         ok = [
@@ -349,19 +400,25 @@ class ConnectorWorker:
         moves = [move for _rid, batch in plan.saves for move in batch]
         for move in moves:
             self.written.pop(move.slot, None)  # the slot is being reused
-        # a request whose load failed, or that attends over a block another request's load of
-        # this step failed, computed this step's pages over bad KV: none from there is saved
-        cuts = dict(self.failed_from)
-        for request_id, blocks in plan.attends:
-            bad = [k for k, block in enumerate(blocks) if block in self.failed_blocks]
+        # a request whose load failed (in this step, or in one not reported when this plan was
+        # made), or that attends over a block such a load failed to fill, computed this step's
+        # pages over bad KV: none from there is saved
+        self._forget_reported(plan)
+        cuts: dict[str, int] = {}
+        bad_blocks: set[int] = set()
+        for _number, blocks, failed_from in self.poisoned:
+            bad_blocks |= blocks
+            for request_id, cut in failed_from.items():
+                cuts[request_id] = min(cuts.get(request_id, NO_FAILURE), cut)
+        for request_id, attended in plan.attends:
+            bad = [k for k, block in enumerate(attended) if block in bad_blocks]
             if bad:
                 cuts[request_id] = min(cuts.get(request_id, NO_FAILURE), bad[0])
         moves = [
             move
             for request_id, batch in plan.saves
             for move in batch
-            if move.index < cuts.get(request_id, NO_FAILURE)
-            and move.block not in self.failed_blocks
+            if move.index < cuts.get(request_id, NO_FAILURE) and move.block not in bad_blocks
         ]
         # a full L2 reuses a slot within one plan: each run of distinct slots is written and backed
         # up before the next run overwrites any of them (else L3 would get the later page's bytes)

@@ -165,11 +165,6 @@ class KvstrataConnector(KVConnectorBase_V1):  # type: ignore[misc]
             dtype=spec.dtype,
             page_size=self.block_size,
         )
-        if getattr(getattr(vllm_config, "scheduler_config", None), "async_scheduling", False):
-            log.warning(
-                "kvstrata vLLM connector: async scheduling is on; a failed load is reported after "
-                "the next step was planned, whose pages over it may be saved (docs/engines.md)"
-            )
         parallel = vllm_config.parallel_config
         self.tp_size = int(parallel.tensor_parallel_size)
         self.pp_size = int(parallel.pipeline_parallel_size)
@@ -280,16 +275,20 @@ class KvstrataConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
     def update_connector_output(self, connector_output: Any) -> None:
         """The workers' report of a step: blocks whose load failed (on any rank) go back to the
-        index as each request's first failed page, so that its recomputed pages are saved."""
+        index as each request's first failed page, so that its recomputed pages are saved. With
+        async scheduling the report comes after the next plan was built; the index finds the
+        step by the blocks its loads filled (``ConnectorIndex.failed_plan``)."""
         invalid = set(getattr(connector_output, "invalid_block_ids", None) or ())
         if not invalid or self.index is None:
             return
+        failed: dict[str, int] = {}
         for req_id, blocks in self._blocks.items():  # its own load, or blocks it shares
-            failed = [index for index, block in enumerate(blocks) if block in invalid]
+            bad = [index for index, block in enumerate(blocks) if block in invalid]
             request = self.index.requests.get(req_id)
             running = request is not None and request.state is RequestState.RUNNING
-            if failed and running and failed[0] < len(request.pages):  # type: ignore[union-attr]
-                self.index.load_failed(req_id, failed[0])
+            if bad and running and bad[0] < len(request.pages):  # type: ignore[union-attr]
+                failed[req_id] = bad[0]
+        self.index.load_failures(failed, self.index.failed_plan(invalid))
 
     def request_finished(
         self, request: Any, block_ids: list[int]

@@ -31,8 +31,8 @@ from kvstrata.impl.pools.host import HostKVPool
 from kvstrata.impl.pools.shape import KVShape
 from kvstrata.impl.storage.base import GetStatus
 from kvstrata.impl.storage.memory import MemoryBackend, MemoryStore
-from kvstrata.integrations.connector import ConnectorIndex, ConnectorWorker, Scheduled
-from kvstrata.model.connector import ConnectorModel
+from kvstrata.integrations.connector import ConnectorIndex, ConnectorWorker, Plan, Scheduled
+from kvstrata.model.connector import ConnectorModel, PageSource
 from kvstrata.model.keys import KeySpace, KVKind, ModelIdentity, Namespace, PageHash
 
 PAGE, CAPACITY, STAGING, BLOCKS = 2, 4, 3, 96
@@ -162,8 +162,6 @@ class ConnectorDifferential(RuleBasedStateMachine):
 
     def _loading_more(self) -> list[str]:
         """Requests whose planned load has an L3 page and that compute pages after the load."""
-        from kvstrata.model.connector import PageSource  # noqa: PLC0415
-
         return sorted(
             rid
             for rid, request in self.model.requests.items()
@@ -179,8 +177,6 @@ class ConnectorDifferential(RuleBasedStateMachine):
         store loses one of its planned pages first. The pages it computes then attend over bad
         KV (this engine's pages depend on the pages before them): none may reach L2 or L3, and
         after the recompute a later step saves them right."""
-        from kvstrata.model.connector import PageSource  # noqa: PLC0415
-
         rid = data.draw(st.sampled_from(self._loading_more()))
         request = self.model.requests[rid]
         lost = data.draw(
@@ -223,8 +219,6 @@ class ConnectorDifferential(RuleBasedStateMachine):
         self.finish_request(first)
         second = self._admit_whole(3)
         request = self.model.requests[second]
-        from kvstrata.model.connector import PageSource  # noqa: PLC0415
-
         remote = [request.first + k for k, src in enumerate(request.load) if src is PageSource.L3]
         if remote:
             lost = data.draw(st.sampled_from(remote), label="L3 page lost")
@@ -234,7 +228,16 @@ class ConnectorDifferential(RuleBasedStateMachine):
         self._run_step([second])
 
     def _run_step(self, chosen: list[str]) -> None:
-        scheduled = [(rid, len(self.pages[rid])) for rid in chosen]
+        """One step of every request in ``chosen`` to its end, its failed loads reported before
+        the next plan (synchronous scheduling), and recomputed."""
+        plan = self._plan([(rid, len(self.pages[rid])) for rid in chosen])
+        failed = self._load_and_compute(plan, {rid: (0, len(self.pages[rid])) for rid in chosen})
+        self._save(plan)
+        self._report(plan, failed)
+
+    def _plan(self, scheduled: list[tuple[str, int]]) -> Plan:
+        """The model's and the connector's plan of one step (request, full pages computed once it
+        ran), compared."""
         expected = self.model.plan(scheduled)
         plan = self.index.plan(
             [Scheduled(rid, done, tuple(self.blocks[rid])) for rid, done in scheduled]
@@ -243,9 +246,19 @@ class ConnectorDifferential(RuleBasedStateMachine):
         got_saves = {rid: tuple(m.index for m in moves) for rid, moves in plan.saves}
         assert got_loads == expected.loads
         assert got_saves == expected.saves
+        assert (plan.number, plan.reported_through) == (expected.number, expected.reported_through)
+        if expected.retried:
+            event("a failed backup was put again")
+        return plan
+
+    def _load_and_compute(self, plan: Plan, pages: dict[str, tuple[int, int]]) -> dict[str, int]:
+        """The worker's loads (every good one exactly its page's KV; a failure ends its load),
+        then the forward: each request in ``pages`` computes its pages in that range the plan
+        does not load, taking every planned load as done. Each failed request's first failed
+        page."""
         failed = self.worker.load(plan)
         first_failed: dict[str, int] = {}
-        for rid, moves in plan.loads:  # bytes: every good load is exactly the page's KV
+        for rid, moves in plan.loads:
             bad = [m for m in moves if m.block in failed]
             good = [m for m in moves if m.block not in failed]
             assert all(m.index > g.index for m in bad for g in good), "a failure must end the load"
@@ -256,23 +269,67 @@ class ConnectorDifferential(RuleBasedStateMachine):
             if bad:
                 first_failed[rid] = min(m.index for m in bad)
                 event("a load failed and was reported")
-        for rid, _done in scheduled:  # the forward: it takes every planned load as done
+        for rid, (start, end) in pages.items():
             planned = {m.block for _r, moves in plan.loads if _r == rid for m in moves}
-            todo = [k for k, block in enumerate(self.blocks[rid]) if block not in planned]
+            blocks = self.blocks[rid]
+            todo = [k for k in range(start, end) if blocks[k] not in planned]
             self.engine.compute(self.pages[rid], self.blocks[rid], todo)
+        return first_failed
+
+    def _save(self, plan: Plan) -> None:
         self.worker.save(plan)
         if self.worker.failed_puts:
             event("a backup put failed")
-        if expected.retried:
-            event("a failed backup was put again")
         self.model.backup_failed(self.worker.failed_puts)
-        for rid, index in first_failed.items():  # the engine reports the failed blocks
-            self.model.load_failed(rid, index)
-            self.index.load_failed(rid, index)
-            pages = self.pages[rid]  # and computes the request again from there (recompute)
+
+    def _report(self, plan: Plan, first_failed: dict[str, int]) -> None:
+        """The engine reports plan ``plan``'s failed loads (the index finds the plan by their
+        blocks) and computes each failed request again from its first failed page."""
+        if not first_failed:
+            return
+        blocks = {self.blocks[rid][index] for rid, index in first_failed.items()}
+        assert self.index.failed_plan(blocks) == plan.number
+        self.model.load_failures(first_failed, plan.number)
+        self.index.load_failures(first_failed, plan.number)
+        for rid, index in first_failed.items():
+            pages = self.pages[rid]
             self.engine.compute(pages, self.blocks[rid], range(index, len(pages)))
             if any(rid == r for r, _moves in plan.saves):
                 event("a request's saves were dropped after its load failed")
+
+    @precondition(lambda self: len(self.free_blocks) >= 12)
+    @rule(data=st.data())
+    def load_fails_with_the_next_plan_made(self, data: st.DataObject) -> None:
+        """Async scheduling: chain 0 is saved whole (its first pages leave the small L2 for L3
+        only); chain 3, which shares its first three pages, loads them (the store lost one) and
+        computes part of the rest; the engine builds the next plan, where it computes the rest,
+        before it reports the failed load. The pages of both steps attend over bad KV: neither
+        plan's saves of them may reach L2 or L3; after the report the recomputed pages are
+        saved right."""
+        first_request = self._admit_whole(0)
+        self._run_step([first_request])
+        self.finish_request(first_request)
+        rid = self._admit_whole(3)
+        request = self.model.requests[rid]
+        remote = [request.first + k for k, src in enumerate(request.load) if src is PageSource.L3]
+        if not remote:
+            return
+        lost = data.draw(st.sampled_from(remote), label="L3 page lost")
+        self.probe.evict(NAMESPACE, request.pages[lost])
+        self.model.evict_l3(request.pages[lost])
+        total = len(self.pages[rid])
+        mid = data.draw(st.integers(request.first + len(request.load), total), label="first step")
+        first = self._plan([(rid, mid)])
+        failed = self._load_and_compute(first, {rid: (0, mid)})
+        self._save(first)
+        second = self._plan([(rid, total)])  # planned before the first step's report
+        failed_second = self._load_and_compute(second, {rid: (mid, total)})
+        self._save(second)
+        self._report(first, failed)
+        self._report(second, failed_second)
+        if failed and any(rid == r for r, _moves in second.saves):
+            event("a plan made before the report saved over the failed load")
+        self._run_step([rid])
 
     @precondition(lambda self: self.admitted)
     @rule(data=st.data())
@@ -323,8 +380,6 @@ class ConnectorDifferential(RuleBasedStateMachine):
         self.model.evict_l3(page)
 
     def _planned_l3(self) -> list[PageHash]:
-        from kvstrata.model.connector import PageSource  # noqa: PLC0415
-
         return [
             request.pages[request.first + k]
             for request in self.model.requests.values()
@@ -350,10 +405,13 @@ class ConnectorDifferential(RuleBasedStateMachine):
         assert reserved == sum(r.staging for r in self.model.requests.values())
         assert len(self.index.staging_free) == self.model.staging_free
         assert len(set(self.index.l2.values())) == len(self.index.l2)
-        for page in self.model.l3:  # the shared store holds exactly each page's bytes
+        for page in self.model.l3:  # the shared store holds each page the model says it does
             got = self.probe.get(NAMESPACE, [page], [0])
             assert got == [GetStatus.LOADED], "a page the model backed up is missing"
-            assert torch.equal(self.probe_host.read_pages([0]), kv_of([page])), "L3 has wrong bytes"
+        for page in {page for chain in CHAINS for page in chain}:  # and never wrong bytes
+            if self.probe.get(NAMESPACE, [page], [0]) == [GetStatus.LOADED]:
+                got_kv = self.probe_host.read_pages([0])
+                assert torch.equal(got_kv, kv_of([page])), "L3 has wrong bytes"
         for rid, pages in self.pages.items():
             if rid in self.admitted:
                 continue

@@ -7,8 +7,10 @@ import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 
+import pytest
 import torch
 
+from kvstrata.impl.errors import MisuseError
 from kvstrata.impl.pools.host import HostKVPool
 from kvstrata.impl.pools.shape import KVShape
 from kvstrata.impl.storage.base import GetStatus
@@ -131,3 +133,60 @@ def test_a_request_over_blocks_another_request_failed_to_load_saves_nothing() ->
     assert not set(index.l2) & set(PAGES[3:])
     again = index.plan([Scheduled("c", 5, (0, 1, 2, 8, 9))])  # recomputed: saved now
     assert [m.index for _r, moves in again.saves for m in moves] == [1, 2, 3, 4]
+
+
+def test_a_plan_made_before_the_report_saves_nothing_over_the_failed_load() -> None:
+    """Async scheduling: request a loads pages 0-2 (page 1 fails) and computes page 3; the engine
+    builds the next plan, where a computes page 4 and request c (sharing a's blocks) computes
+    its own pages, before it reports the failure. Neither saves anything over the bad KV; the
+    report takes back both plans' saves, and the plan after it saves the recomputed pages."""
+    store = MemoryStore()
+    worker = _worker(0, store)
+    worker.host.write_pages([0, 1, 2], torch.full((2, 1, 3, PAGE, 1, 2), 10.0))
+    worker.backend.put(NAMESPACE, PAGES[:3], [0, 1, 2])  # type: ignore[union-attr]
+    worker.backend.evict(NAMESPACE, PAGES[1])  # type: ignore[union-attr]
+    done: Future[int] = Future()
+    done.set_result(3)
+    index = ConnectorIndex(capacity=4, staging=4, start_lookup=lambda pages: done)
+    index.new_request("a", PAGES)
+    assert index.match("a", 0, 5) == 3
+    index.alloc("a", 0, [0, 1, 2], 5)
+    first = index.plan([Scheduled("a", 4, (0, 1, 2, 3, 4))])
+    assert (first.number, first.reported_through) == (1, 0)
+    assert worker.load(first) == {1, 2}
+    worker.save(first)
+    index.new_request("c", PAGES)  # its first three pages: a's blocks, from the engine's cache
+    assert index.match("c", 3, 5) == 1  # page 3, named by the index until the report: not taken
+    index.alloc("c", 3, [], 5)
+    second = index.plan([Scheduled("a", 5, (0, 1, 2, 3, 4)), Scheduled("c", 5, (0, 1, 2, 8, 9))])
+    assert [m.index for _r, moves in second.saves for m in moves] == [4]  # c: a's pages in L2
+    assert second.reported_through == 0  # made before the report
+    assert worker.load(second) == set()
+    worker.save(second)
+    assert worker.backend.exists(NAMESPACE, PAGES[3:]) == 0  # type: ignore[union-attr]
+    assert not set(worker.written.values()) & set(PAGES[3:])
+    assert index.failed_plan({1, 2}) == 1  # the blocks name the first plan's load
+    index.load_failures({"a": 1, "c": 1}, 1)
+    assert not set(index.l2) & set(PAGES[1:])
+    third = index.plan([Scheduled("a", 5, (0, 1, 2, 3, 4)), Scheduled("c", 5, (0, 1, 2, 8, 9))])
+    assert third.reported_through == 1
+    assert [m.index for _r, moves in third.saves for m in moves] == [1, 2, 3, 4]  # a's, recomputed
+    worker.load(third)
+    worker.blocks.write([1, 2, 3, 4], torch.full((2, 1, 4, PAGE, 1, 2), 1.0))  # the recompute
+    worker.save(third)
+    assert worker.backend.exists(NAMESPACE, PAGES[:5]) == 5  # type: ignore[union-attr]
+    assert not worker.poisoned
+
+
+def test_a_report_names_the_last_plan_or_the_one_before() -> None:
+    done: Future[int] = Future()
+    done.set_result(0)
+    index = ConnectorIndex(capacity=4, staging=2, start_lookup=lambda pages: done)
+    with pytest.raises(MisuseError):
+        index.load_failures({}, 1)  # no plan yet
+    for _ in range(3):
+        index.plan([])
+    with pytest.raises(MisuseError):
+        index.load_failures({}, 1)
+    index.load_failures({}, 2)
+    assert index.plan([]).reported_through == 2

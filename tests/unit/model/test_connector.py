@@ -98,3 +98,39 @@ def test_a_failed_backup_is_put_again_by_the_next_step_while_l2_holds_it() -> No
     assert plan.retried == tuple(PAGES[1:4])
     assert set(PAGES[1:4]) <= model.l3 and not model.unbacked
     model.check()
+
+
+def test_a_report_one_plan_behind_takes_back_both_plans_saves_over_the_failure() -> None:
+    """Async scheduling: plan 2 is made before plan 1's failed load is reported; the report
+    takes back the saves of both plans from the failed page on, and no earlier save."""
+    model = ConnectorModel(capacity=8, staging=4)
+    _stored(model, 3)
+    model.l2.clear()  # pages 0-2 now in L3 only
+    model.new_request("a", PAGES[:6])
+    model.answer("a")
+    model.alloc("a", 0, 3, 6)
+    first = model.plan([("a", 4)])
+    assert (first.number, first.reported_through, first.saves["a"]) == (2, 0, (3,))
+    second = model.plan([("a", 6)])
+    assert (second.number, second.reported_through, second.saves["a"]) == (3, 0, (4, 5))
+    model.load_failures({"a": 1}, first.number)
+    assert not set(PAGES[3:6]) & (set(model.l2) | model.l3)
+    assert set(PAGES[:3]) <= model.l3
+    third = model.plan([("a", 6)])
+    assert (third.reported_through, third.saves["a"]) == (2, (1, 2, 3, 4, 5))
+    with pytest.raises(MisuseError):
+        model.load_failures({}, first.number)  # two plans back: an engine plans one step ahead
+    model.check()
+
+
+def test_a_report_of_the_last_plan_keeps_the_saves_of_the_plan_before() -> None:
+    model = ConnectorModel(capacity=8, staging=4)
+    model.new_request("a", PAGES[:6])
+    model.answer("a")
+    model.alloc("a", 0, 0, 6)
+    model.plan([("a", 3)])  # pages 0-2 computed and saved
+    last = model.plan([("a", 6)])
+    model.load_failures({"a": 1}, last.number)  # a block it shares failed in the last step
+    assert set(PAGES[:3]) <= set(model.l2) and set(PAGES[:3]) <= model.l3
+    assert not set(PAGES[3:6]) & model.l3
+    assert model.plan([("a", 6)]).saves["a"] == (3, 4, 5)
