@@ -35,6 +35,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  #
 from vllm.sampling_params import SamplingParams  # noqa: E402
 from vllm.utils.hashing import sha256  # noqa: E402
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash  # noqa: E402
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler  # noqa: E402
 from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
 from vllm.v1.kv_cache_interface import (  # noqa: E402
     FullAttentionSpec,
@@ -71,12 +72,12 @@ def kv_cache_config() -> KVCacheConfig:
     )
 
 
-def vllm_config(model_dir: Path, extra: dict[str, Any]) -> VllmConfig:
+def vllm_config(model_dir: Path, extra: dict[str, Any], budget: int = 1024) -> VllmConfig:
     return VllmConfig(
         model_config=ModelConfig(model=str(model_dir), skip_tokenizer_init=True, dtype="float32"),
         scheduler_config=SchedulerConfig(
             max_num_seqs=8,
-            max_num_batched_tokens=1024,
+            max_num_batched_tokens=budget,
             max_model_len=512,
             disable_hybrid_kv_cache_manager=True,
             is_encoder_decoder=False,
@@ -96,11 +97,17 @@ def vllm_config(model_dir: Path, extra: dict[str, Any]) -> VllmConfig:
 class Rig:
     """vLLM's scheduler plus the connector's worker side on a CPU paged KV tensor."""
 
-    def __init__(self, model_dir: Path, extra: dict[str, Any]) -> None:
+    def __init__(
+        self,
+        model_dir: Path,
+        extra: dict[str, Any],
+        scheduler: type[Scheduler] = Scheduler,
+        budget: int = 1024,
+    ) -> None:
         init_none_hash(sha256)
-        self.config = vllm_config(model_dir, extra)
+        self.config = vllm_config(model_dir, extra, budget)
         self.config.cache_config.num_gpu_blocks = NUM_BLOCKS  # what the engine sets after profiling
-        self.scheduler = Scheduler(
+        self.scheduler = scheduler(
             self.config,
             kv_cache_config=kv_cache_config(),
             structured_output_manager=StructuredOutputManager(self.config),
@@ -128,38 +135,61 @@ class Rig:
         return request
 
     def step(self) -> Any:
+        """One step, synchronous: scheduled, run (the "model" computes every block of each
+        scheduled request that the step does not load), its output taken."""
         out = self.scheduler.schedule()
+        invalid, _chunks = self.run(out, every_block=True)
+        self.report(out, invalid, set())
+        return out
+
+    def run(self, out: Any, every_block: bool = False) -> tuple[set[int], set[str]]:
+        """The worker runs one scheduled step: loads, then the "model" computes the full blocks of
+        the tokens scheduled in it (``every_block``: every block of each scheduled request), then
+        saves. The blocks that failed to load, and the requests whose prefill goes on after
+        this step."""
         meta = out.kv_connector_metadata
         self.worker.bind_connector_metadata(meta)
         self.worker.start_load_kv(None)
         self.after_load = self.kv.clone()
-        invalid = self.worker.get_block_ids_with_load_errors()  # what vLLM's model runner collects
+        invalid: set[int] = self.worker.get_block_ids_with_load_errors()  # as vLLM's runner
         self.failed |= invalid
         planned = {m.block for _r, moves in meta.plan.loads for m in moves}
-        for request_id in out.num_scheduled_tokens:  # the "model": every block not planned
+        starts = {new.req_id: new.num_computed_tokens for new in out.scheduled_new_reqs}
+        cached = out.scheduled_cached_reqs
+        starts.update(zip(cached.req_ids, cached.num_computed_tokens, strict=True))
+        chunks = set()
+        for request_id, count in out.num_scheduled_tokens.items():
             request = self.requests[request_id]
+            start, end = starts[request_id], starts[request_id] + count
+            if end < request.num_prompt_tokens:
+                chunks.add(request_id)
             blocks = self.scheduler.kv_cache_manager.get_block_ids(request_id)[0]
             self.block_table[request_id] = list(blocks)
             hashes = request.block_hashes
-            for index, block in enumerate(blocks[: len(hashes)]):
-                if block not in planned:  # the forward takes every planned load as done
-                    right = all(  # as in a transformer: over bad KV the block comes out wrong
-                        torch.equal(self.kv[blocks[j]], content(hashes[j])) for j in range(index)
-                    )
-                    self.kv[block] = content(hashes[index]) + (0 if right else 1)
+            first, last = (0, len(hashes)) if every_block else (start // BLOCK, end // BLOCK)
+            for index in range(first, min(last, len(hashes), len(blocks))):
+                if blocks[index] in planned:  # the forward takes every planned load as done
+                    continue
+                right = all(  # as in a transformer: over bad KV the block comes out wrong
+                    torch.equal(self.kv[blocks[j]], content(hashes[j])) for j in range(index)
+                )
+                self.kv[blocks[index]] = content(hashes[index]) + (0 if right else 1)
         self.worker.wait_for_save()
         self.worker.clear_connector_metadata()
+        return invalid, chunks
+
+    def report(self, out: Any, invalid: set[int], chunks: set[str]) -> None:
+        """vLLM's scheduler takes the step's output (a prefill chunk samples nothing)."""
         ids = list(out.num_scheduled_tokens)
         self.scheduler.update_from_output(
             out,
             ModelRunnerOutput(
                 req_ids=ids,
                 req_id_to_index={r: i for i, r in enumerate(ids)},
-                sampled_token_ids=[[7] for _ in ids],
+                sampled_token_ids=[[] if r in chunks else [7] for r in ids],
                 kv_connector_output=KVConnectorOutput(invalid_block_ids=invalid),
             ),
         )
-        return out
 
 
 def content(block_hash: bytes) -> torch.Tensor:
@@ -366,3 +396,62 @@ def test_block_views_keep_k_and_v_apart_in_either_layout(layout: tuple[int, ...]
         for block in (3, 5):
             picked = (slice(None), block) if kv_first else (block,)
             assert torch.equal(target[name][picked], source[name][picked])
+
+
+def test_async_scheduling_saves_nothing_over_a_failed_load_before_it_is_reported(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    """vLLM's ``AsyncScheduler`` builds step N+1 before it takes step N's output. A request loads
+    a four-block prefix from L3 (the store lost it since the lookup) and prefills the rest in
+    chunks of three blocks: the second chunk is scheduled, and computed over the same bad KV,
+    before the failure is reported. Nothing computed over it reaches the store: once vLLM has
+    recomputed, a later request loads all ten blocks with their right bytes."""
+    root = tmp_path / "l3"
+    _prefix_in_l3_only(model_dir, root).worker.shutdown()
+    rig = Rig(model_dir, {"store": "file", "path": str(root), "l2_pages": 1}, AsyncScheduler, 48)
+    tokens = [*prompt(64), *prompt(96, salt=3), 5, 5]
+    rig.add("b", tokens)
+    for _ in range(40):  # let the lookup land: the 4 prefix pages are in L3 only
+        if rig.connector.get_num_new_matched_tokens(rig.requests["b"], 0)[0] is not None:
+            break
+        time.sleep(0.05)
+    for path in sorted(root.rglob("*"), key=str):
+        if path.is_file() and path.suffix != ".tmp":
+            path.unlink()  # the store loses the prefix between the lookup and the load
+    first = rig.scheduler.schedule()
+    assert "b" in first.num_scheduled_tokens
+    ran = rig.run(first)
+    assert len(ran[0]) == 4  # the prefix failed to load
+    second = rig.scheduler.schedule()  # before the first step's output: b's next chunk
+    assert second.num_scheduled_tokens.get("b") == 48
+    assert second.kv_connector_metadata.plan.saves  # it plans saves over the failed prefix
+    rig.report(first, *ran)
+    pending = (second, rig.run(second))
+    for _ in range(12):  # async: each step is scheduled before the previous one's output
+        if "b" not in rig.scheduler.requests:
+            break
+        following = rig.scheduler.schedule()
+        rig.report(pending[0], *pending[1])
+        pending = (following, rig.run(following))
+    rig.report(pending[0], *pending[1])
+    assert "b" not in rig.scheduler.requests
+    rig.scheduler.reset_prefix_cache()
+    rig.failed.clear()
+    rig.add("c", [*tokens[:-2], 6, 6])
+    scheduled = None
+    for _ in range(40):
+        out = rig.scheduler.schedule()
+        rig.report(out, *rig.run(out))
+        scheduled = next((new for new in out.scheduled_new_reqs if new.req_id == "c"), None)
+        if scheduled is not None:
+            break
+        time.sleep(0.05)
+    assert scheduled is not None and not rig.failed
+    assert scheduled.num_computed_tokens == 160  # all ten blocks from kvstrata
+    hashes = rig.requests["c"].block_hashes
+    wrong = [
+        index
+        for index, block in enumerate(rig.block_table["c"][:10])
+        if not torch.equal(rig.kv[block], content(hashes[index]))
+    ]
+    assert not wrong, f"blocks {wrong} were served with bytes computed over a failed load"
