@@ -324,9 +324,8 @@ class ConnectorWorker:
         self.loaded_pages = 0
         self.failed_blocks: set[int] = set()
         self.failed_from: dict[str, int] = {}  # request -> its first failed page, this step
-        #: the failed loads not yet reported to the plans: (plan number, failed blocks, each
-        #: request's first failed page); every save of a plan made before the report drops
-        #: what was computed over them
+        #: failed loads not reported yet (plan number, failed blocks, each request's first failed
+        #: page): a plan made before the report saves nothing computed over them
         self.poisoned: list[tuple[int, frozenset[int], dict[str, int]]] = []
         self.unbacked: dict[int, PageHash] = {}  # slot -> its page, whose backup put failed
         self.failed_puts: list[PageHash] = []  # the pages whose put failed in the last save
@@ -362,8 +361,7 @@ class ConnectorWorker:
         return failed
 
     def _forget_reported(self, plan: Plan) -> None:
-        """Drop the failures the index had been told of when it made ``plan``: from that plan on,
-        its saves leave out what was computed over them."""
+        """Drop the failures the index was told of before it made ``plan`` (its saves skip them)."""
         self.poisoned = [item for item in self.poisoned if item[0] > plan.reported_through]
 
     def _fetch(self, moves: Sequence[PageMove]) -> list[bool]:
@@ -400,9 +398,8 @@ class ConnectorWorker:
         moves = [move for _rid, batch in plan.saves for move in batch]
         for move in moves:
             self.written.pop(move.slot, None)  # the slot is being reused
-        # a request whose load failed (in this step, or in one not reported when this plan was
-        # made), or that attends over a block such a load failed to fill, computed this step's
-        # pages over bad KV: none from there is saved
+        # a request whose load failed (this step, or one not reported when this plan was made),
+        # or that attends over a block such a load failed to fill, computed over bad KV
         self._forget_reported(plan)
         cuts: dict[str, int] = {}
         bad_blocks: set[int] = set()
