@@ -92,9 +92,13 @@ class _Request:
     """Pages below this index are stored (or were loaded, or are someone else's)."""
     staging: int = 0
     """Staging slots reserved for the planned load's L3 pages (``LOAD_PLANNED`` only)."""
-    stored: tuple[tuple[int, int, bool], ...] = ()
-    """This request's saves in the last two plans: plan number, page index, and whether that save
-    put the page in L3."""
+    stored: tuple[tuple[int, int, bool, int], ...] = ()
+    """This request's saves in the last two plans: plan number, page index, whether that save put
+    the page in L3, and the L2 insertion it made."""
+    load_plan: int = 0
+    """The plan that ran this request's load."""
+    load_insertions: dict[int, int] = attrs.Factory(dict)
+    """Per page its load read from L2, the L2 insertion it read."""
 
 
 @attrs.frozen
@@ -133,6 +137,10 @@ class ConnectorModel:
     """Plans made so far (the last plan's number)."""
     reported_through: int = 0
     """The newest plan whose failed loads were reported (:meth:`load_failures`)."""
+    inserted: dict[PageHash, int] = attrs.Factory(dict)
+    """Each page L2 holds, with the number of the save that put it there (a page evicted and saved
+    again is another insertion: taking back one save never takes back another)."""
+    insertions: int = 0
 
     def __attrs_post_init__(self) -> None:
         if self.staging_free < 0:
@@ -218,9 +226,11 @@ class ConnectorModel:
             loads[request_id] = tuple(
                 (request.first + offset, source) for offset, source in enumerate(request.load)
             )
+            request.load_plan, request.load_insertions = self.plans, {}
             for index, source in loads[request_id]:
                 if source is PageSource.L2:
                     self._touch(request.pages[index])
+                    request.load_insertions[index] = self.inserted[request.pages[index]]
         self.staging_held.append(held)
         held_now = set(self.l2)  # the worker retries before this step's saves reuse any slot
         waiting = [page for page in self.unbacked if page in held_now]
@@ -240,9 +250,11 @@ class ConnectorModel:
                 if page in self.l2:
                     continue
                 if len(self.l2) == self.capacity:
-                    self.l2.pop(0)
+                    del self.inserted[self.l2.pop(0)]
                 self.l2.append(page)
-                request.stored += ((self.plans, index, page not in self.l3),)
+                self.insertions += 1
+                self.inserted[page] = self.insertions
+                request.stored += ((self.plans, index, page not in self.l3, self.insertions),)
                 if page not in self.l3:
                     self.put_by_last_plan.add(page)
                 self.l3.add(page)
@@ -265,27 +277,38 @@ class ConnectorModel:
                     self.unbacked.remove(page)
                 self.unbacked.append(page)
 
-    def load_failures(self, failed: Mapping[str, int], plan: int) -> None:
+    def load_failures(
+        self, failed: Mapping[str, int], plan: int, recompute: Mapping[str, int] | None = None
+    ) -> None:
         """The engine's report of plan ``plan``'s failed loads (``plan`` is the last plan, or the
         one before it when the engine schedules ahead): per request, its first page that held
-        bad KV (:meth:`load_failed`). Plans made from now on tell the worker that this failure
-        is reported."""
+        bad KV, and (``recompute``; default: that page) the first page the engine computes
+        again for it (:meth:`load_failed`). Plans made from now on tell the worker that this
+        failure is reported."""
         if not (self.plans - 1 <= plan <= self.plans and plan >= 1):
             raise MisuseError(f"a report of plan {plan}: the last plan is {self.plans}")
         for request_id, index in failed.items():
-            self.load_failed(request_id, index, since=plan)
+            resume = (recompute or {}).get(request_id, index)
+            self.load_failed(request_id, index, since=plan, resume=resume)
         self.reported_through = max(self.reported_through, plan)
 
-    def load_failed(self, request_id: str, index: int, since: int | None = None) -> None:
+    def load_failed(
+        self, request_id: str, index: int, since: int | None = None, resume: int | None = None
+    ) -> None:
         """Page ``index`` of the request held bad KV in plan ``since``'s step (default: the last
         plan): its own load of it (and of every later page) failed on some rank, or it shares
         that block with another request's failed load (an engine's prefix cache). The pages the
         request computed from then on attend over bad KV, so the worker drops its saves of them
-        (page ``index`` on) in that plan and every later one; here they leave L2, and L3 where
-        that save put them, and the saved mark goes back to ``index`` (the engine computes them
-        again, and a later step saves them). A saved page a later save already evicted from L2
-        is gone from L2 anyway."""
+        (page ``index`` on) in that plan and every later one; here each leaves L2 (unless saved
+        again since) and L3 where that save put it. A page its own load of that plan read from
+        L2 at ``index`` leaves L2 too (the slot did not hold it: a save dropped before its
+        report). The saved mark becomes ``resume`` (default and at least ``index``): the first
+        page the engine computes again for this request; the pages between are never saved by
+        it (shared blocks another request computes again, or pages vLLM's async scheduling keeps
+        as computed over bad KV: ``resume`` past the last page, and the request saves nothing
+        more)."""
         since = self.plans if since is None else since
+        resume = index if resume is None else max(index, resume)
         request = self._request(request_id)
         if request.state is not RequestState.RUNNING:
             raise MisuseError(
@@ -294,15 +317,23 @@ class ConnectorModel:
         if not 0 <= index < len(request.pages):
             raise MisuseError(f"request {request_id!r} has no page {index}")
         dropped = [item for item in request.stored if item[0] >= since and item[1] >= index]
-        for _plan, stored, added in dropped:
+        for _plan, stored, added, insertion in dropped:
             page = request.pages[stored]
-            if page in self.l2:
-                self.l2.remove(page)
-            if added:
+            saved_again = self.inserted.get(page, insertion) != insertion
+            self._take_back(page, insertion)
+            if added and not saved_again:
                 self.l3.discard(page)
                 self.put_by_last_plan.discard(page)
+        if request.load_plan >= since and index in request.load_insertions:
+            self._take_back(request.pages[index], request.load_insertions[index])
         request.stored = tuple(item for item in request.stored if item not in dropped)
-        request.saved = min(request.saved, index)
+        request.saved = max(min(request.saved, index), resume)
+
+    def _take_back(self, page: PageHash, insertion: int) -> None:
+        """``page`` leaves L2 if L2 still holds it from that insertion."""
+        if self.inserted.get(page) == insertion:
+            self.l2.remove(page)
+            del self.inserted[page]
 
     def _touch(self, page: PageHash) -> None:
         self.l2.remove(page)

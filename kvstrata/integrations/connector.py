@@ -1,5 +1,6 @@
-"""An engine KV connector's two halves, without the engine: :class:`ConnectorIndex` (scheduler side)
-and :class:`ConnectorWorker` (worker side). The vLLM adapter converts vLLM's types and delegates here.
+"""An engine KV connector's scheduler side without the engine: :class:`ConnectorIndex`, and the
+step plan it hands the worker side (:mod:`kvstrata.integrations.connector_worker`). The vLLM adapter
+converts vLLM's types and delegates here.
 
 The index is the model's :class:`~kvstrata.model.connector.ConnectorModel` with host slots attached
 (``tests/stateful/test_connector_differential.py`` holds the two together): an L2 index of page hash
@@ -14,20 +15,9 @@ slots (a hit is a load the worker can run); a staging slot is reused only two pl
 that took it (an engine may build the next step's plan before the previous step ran). A page read
 from L3 is not indexed in L2: had its read failed, the index would name bad bytes.
 
-The worker owns the bytes and checks every L2 read against what it last wrote into that slot
-(``written``): a plan that names a slot holding another page (a stale offset, by any route) is a load
-error, never served. A load error fails the page and every later page of that request. The engine's
-step then runs as if the load had worked, so every page the request computes in that step attends
-over bad KV: the worker drops the request's saves from its first failed page on (with ``agree``, the
-first failed page agreed by every rank: a rank whose own load went well computed its pages from the
-failed rank's hidden states), and :meth:`ConnectorIndex.load_failed` takes them out of the index
-and moves the request's saved mark back, so the pages computed again are saved later.
-
-An engine that plans one step ahead (vLLM's async scheduling) reports a step's failed loads after
-it built the next plan, whose saves were computed over the same bad KV: the worker keeps each
-failure (``poisoned``) until a plan says it was reported (``Plan.reported_through``) and drops
-those saves too; :meth:`ConnectorIndex.load_failures` takes back the saves of the failed plan and
-of the plan after it.
+A failed load (:meth:`ConnectorIndex.load_failures`, reported by the engine for the last plan or
+the one before it) takes back the saves the worker dropped over it and moves the request's saved
+mark back to the first page the engine computes again.
 """
 
 from __future__ import annotations
@@ -35,23 +25,18 @@ from __future__ import annotations
 import collections
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
-from typing import Protocol
 
 import attrs
-import torch
 
 from kvstrata.impl.errors import MisuseError
-from kvstrata.impl.pools.host import HostKVPool
-from kvstrata.impl.storage.base import GetStatus, StorageBackend
-from kvstrata.model.connector import RETRY_PAGES, PageSource
-from kvstrata.model.keys import Namespace, PageHash
+from kvstrata.model.connector import PageSource
+from kvstrata.model.keys import PageHash
 from kvstrata.model.lifecycles import CONNECTOR_REQUEST, MATCHABLE, RequestEvent, RequestState
 
 __all__ = [
     "NO_FAILURE",
-    "BlockIO",
+    "NO_SLOT",
     "ConnectorIndex",
-    "ConnectorWorker",
     "PageMove",
     "Plan",
     "Scheduled",
@@ -105,7 +90,10 @@ class _Request:
     load: tuple[PageMove, ...] = ()
     saved: int = 0
     staging: list[int] = attrs.Factory(list)  # staging slots reserved for the planned load
-    stored: tuple[tuple[int, PageMove], ...] = ()  # its saves in the last two plans, by plan
+    #: its saves in the last two plans: plan number, the save, the L2 insertion it made
+    stored: tuple[tuple[int, PageMove, int], ...] = ()
+    load_plan: int = 0  # the plan that ran its load
+    load_insertions: dict[int, int] = attrs.Factory(dict)  # page its load read from L2 -> insertion
 
 
 class ConnectorIndex:
@@ -127,6 +115,9 @@ class ConnectorIndex:
         self.reported_through = 0  # the newest plan whose failed loads were reported
         #: the blocks the last two plans load into, by plan number (which plan a report is of)
         self._loaded: collections.deque[tuple[int, frozenset[int]]] = collections.deque(maxlen=2)
+        #: each page L2 holds -> the number of the save that put it there (as the model's)
+        self._inserted: dict[PageHash, int] = {}
+        self._insertions = 0
 
     def _request(self, request_id: str) -> _Request:
         try:
@@ -222,6 +213,10 @@ class ConnectorIndex:
                     moves.append(attrs.evolve(move, slot=NO_SLOT))  # a load error, reported
             request.load = tuple(moves)
             loads.append((request_id, tuple(moves)))
+            request.load_plan = self.plans
+            request.load_insertions = {
+                m.index: self._inserted[m.page] for m in moves if m.page in self._inserted
+            }
         self._staging_held.append(held)
         self._loaded.append(
             (self.plans, frozenset(move.block for _rid, moves in loads for move in moves))
@@ -239,15 +234,27 @@ class ConnectorIndex:
                 page = request.pages[index]
                 if page in self.l2:
                     continue
-                slot = self.free.pop() if self.free else self.l2.popitem(last=False)[1]
-                self.l2[page] = slot
+                slot, insertion = self._insert(page)
                 stored.append(PageMove(index, page, slot, item.blocks[index]))
+                request.stored += ((self.plans, stored[-1], insertion),)
             request.saved = max(request.saved, done)
             if stored:
-                request.stored += tuple((self.plans, move) for move in stored)
                 saves.append((item.request_id, tuple(stored)))
                 attends.append((item.request_id, tuple(item.blocks[: stored[0].index])))
         return Plan(tuple(loads), tuple(saves), tuple(attends), self.plans, self.reported_through)
+
+    def _insert(self, page: PageHash) -> tuple[int, int]:
+        """``page`` into L2 (the least recently used page out when full): its slot, and the
+        number of this insertion."""
+        if self.free:
+            slot = self.free.pop()
+        else:
+            evicted, slot = self.l2.popitem(last=False)
+            del self._inserted[evicted]
+        self.l2[page] = slot
+        self._insertions += 1
+        self._inserted[page] = self._insertions
+        return slot, self._insertions
 
     def failed_plan(self, blocks: set[int]) -> int:
         """Which plan a report of failed ``blocks`` is of: the newer of the last two plans that
@@ -257,24 +264,29 @@ class ConnectorIndex:
                 return number
         return self.plans
 
-    def load_failures(self, failed: Mapping[str, int], plan: int) -> None:
+    def load_failures(
+        self, failed: Mapping[str, int], plan: int, recompute: Mapping[str, int] | None = None
+    ) -> None:
         """The engine's report of plan ``plan``'s failed loads (the last plan, or the one before
-        it): per request its first page that held bad KV (:meth:`load_failed`). Later plans tell
-        the worker the failure was reported (``Plan.reported_through``)."""
+        it): per request its first page that held bad KV and the first page the engine computes
+        again (``recompute``; default: that page), as the model's. Later plans tell the worker
+        the failure was reported (``Plan.reported_through``)."""
         if not (self.plans - 1 <= plan <= self.plans and plan >= 1):
             raise MisuseError(f"connector: a report of plan {plan}; the last plan is {self.plans}")
         for request_id, index in failed.items():
-            self.load_failed(request_id, index, since=plan)
+            resume = (recompute or {}).get(request_id, index)
+            self.load_failed(request_id, index, since=plan, resume=resume)
         self.reported_through = max(self.reported_through, plan)
 
-    def load_failed(self, request_id: str, index: int, since: int | None = None) -> None:
-        """Page ``index`` of the request held bad KV in plan ``since``'s step (default: the last
-        plan): its own load of it failed on some rank, or a block it shares with another
-        request's failed load (the engine reports the blocks). The worker dropped the request's
-        saves from page ``index`` on in that plan and every later one, so their pages leave the
-        index (each whose slot still holds it) and the saved mark goes back to ``index``, for a
-        later step to save them."""
+    def load_failed(
+        self, request_id: str, index: int, since: int | None = None, resume: int | None = None
+    ) -> None:
+        """Page ``index`` of the request held bad KV in plan ``since``'s step (the model's
+        ``load_failed``): the saves the worker dropped (page ``index`` on, that plan and later)
+        leave the index unless saved again since, as does the page its own load read from L2 at
+        ``index``; the saved mark becomes ``resume`` (at least ``index``)."""
         since = self.plans if since is None else since
+        resume = index if resume is None else max(index, resume)
         request = self._request(request_id)
         if request.state is not RequestState.RUNNING:
             raise MisuseError(
@@ -283,12 +295,17 @@ class ConnectorIndex:
         if not 0 <= index < len(request.pages):
             raise MisuseError(f"connector: {request_id!r} has no page {index}")
         dropped = [item for item in request.stored if item[0] >= since and item[1].index >= index]
-        for _plan, move in dropped:
-            if self.l2.get(move.page) == move.slot:
-                del self.l2[move.page]
-                self.free.append(move.slot)
+        for _plan, move, insertion in dropped:
+            self._take_back(move.page, insertion)
+        if request.load_plan >= since and index in request.load_insertions:
+            self._take_back(request.pages[index], request.load_insertions[index])
         request.stored = tuple(item for item in request.stored if item not in dropped)
-        request.saved = min(request.saved, index)
+        request.saved = max(min(request.saved, index), resume)
+
+    def _take_back(self, page: PageHash, insertion: int) -> None:
+        if self._inserted.get(page) == insertion:  # L2 holds it from that save still
+            self.free.append(self.l2.pop(page))
+            del self._inserted[page]
 
     def finish(self, request_id: str) -> None:
         request = self._request(request_id)
@@ -296,154 +313,3 @@ class ConnectorIndex:
         request.lookup.cancel()
         self.staging_free.extend(reversed(request.staging))
         del self.requests[request_id]
-
-
-class BlockIO(Protocol):
-    """An engine's KV blocks as kvstrata pages: ``read(blocks)`` gives canonical KV of those blocks,
-    ``write(blocks, kv)`` puts canonical KV into them."""
-
-    def read(self, blocks: Sequence[int]) -> torch.Tensor: ...
-
-    def write(self, blocks: Sequence[int], kv: torch.Tensor) -> None: ...
-
-
-class ConnectorWorker:
-    """The worker side: the host pool (L2 and staging slots), the store (L3), the engine's blocks."""
-
-    def __init__(
-        self,
-        host: HostKVPool,
-        backend: StorageBackend | None,
-        namespace: Namespace,
-        blocks: BlockIO,
-    ) -> None:
-        self.host, self.backend, self.namespace, self.blocks = host, backend, namespace, blocks
-        if backend is not None:
-            backend.attach(host)
-        self.written: dict[int, PageHash] = {}
-        self.loaded_pages = 0
-        self.failed_blocks: set[int] = set()
-        self.failed_from: dict[str, int] = {}  # request -> its first failed page, this step
-        #: failed loads not reported yet (plan number, failed blocks, each request's first failed
-        #: page): a plan made before the report saves nothing computed over them
-        self.poisoned: list[tuple[int, frozenset[int], dict[str, int]]] = []
-        self.unbacked: dict[int, PageHash] = {}  # slot -> its page, whose backup put failed
-        self.failed_puts: list[PageHash] = []  # the pages whose put failed in the last save
-
-    def load(self, plan: Plan, agree: Callable[[list[int]], list[int]] | None = None) -> set[int]:
-        """Run the plan's loads; the blocks that failed (each failed page and every later page of
-        its request). Nothing failed is written to a block. ``agree`` (tensor parallel: every
-        rank runs the same plan) takes each load's first failed page index on this rank
-        (``NO_FAILURE`` if none) and returns the least over the ranks; every rank then fails
-        from there, so no rank saves a page computed over another rank's failed load."""
-        fetched = [(request_id, moves, self._fetch(moves)) for request_id, moves in plan.loads]
-        cuts = [
-            moves[ok.index(False)].index if False in ok else NO_FAILURE
-            for _request_id, moves, ok in fetched
-        ]
-        if agree is not None and cuts:
-            cuts = agree(cuts)
-        failed: set[int] = set()
-        self.failed_from = {}
-        self._forget_reported(plan)
-        for (request_id, moves, _ok), cut in zip(fetched, cuts, strict=True):
-            good = [move for move in moves if move.index < cut]
-            if good:
-                kv = self.host.read_pages([move.slot for move in good])
-                self.blocks.write([move.block for move in good], kv)
-                self.loaded_pages += len(good)
-            if cut != NO_FAILURE:
-                self.failed_from[request_id] = cut
-                failed.update(move.block for move in moves if move.index >= cut)
-        self.failed_blocks = failed
-        if failed:
-            self.poisoned.append((plan.number, frozenset(failed), dict(self.failed_from)))
-        return failed
-
-    def _forget_reported(self, plan: Plan) -> None:
-        """Drop the failures the index was told of before it made ``plan`` (its saves skip them)."""
-        self.poisoned = [item for item in self.poisoned if item[0] > plan.reported_through]
-
-    def _fetch(self, moves: Sequence[PageMove]) -> list[bool]:
-        ok = [
-            move.slot != NO_SLOT
-            and (move.source is PageSource.L3 or self.written.get(move.slot) == move.page)
-            for move in moves
-        ]
-        remote = [k for k, move in enumerate(moves) if ok[k] and move.source is PageSource.L3]
-        if remote:
-            statuses = (
-                self.backend.get(
-                    self.namespace, [moves[k].page for k in remote], [moves[k].slot for k in remote]
-                )
-                if self.backend is not None
-                else [GetStatus.FAILED] * len(remote)
-            )
-            for k, status in zip(remote, statuses, strict=True):
-                ok[k] = status is GetStatus.LOADED
-        cut = ok.index(False) if False in ok else len(ok)
-        return [True] * cut + [False] * (len(ok) - cut)
-
-    def save(self, plan: Plan) -> None:
-        """Put again the pages whose backup failed before (their slots still hold them; at most
-        ``RETRY_PAGES``, oldest first), then copy the plan's saved blocks to their L2 slots and
-        back them up to L3. A page whose put fails waits in ``unbacked`` for the next save."""
-        self.failed_puts = []
-        waiting = [(s, p) for s, p in self.unbacked.items() if self.written.get(s) == p]
-        self.unbacked = dict(waiting[RETRY_PAGES:])
-        if waiting[:RETRY_PAGES]:
-            self._put(
-                [p for _s, p in waiting[:RETRY_PAGES]], [s for s, _p in waiting[:RETRY_PAGES]]
-            )
-        moves = [move for _rid, batch in plan.saves for move in batch]
-        for move in moves:
-            self.written.pop(move.slot, None)  # the slot is being reused
-        # a request whose load failed (this step, or one not reported when this plan was made),
-        # or that attends over a block such a load failed to fill, computed over bad KV
-        self._forget_reported(plan)
-        cuts: dict[str, int] = {}
-        bad_blocks: set[int] = set()
-        for _number, blocks, failed_from in self.poisoned:
-            bad_blocks |= blocks
-            for request_id, cut in failed_from.items():
-                cuts[request_id] = min(cuts.get(request_id, NO_FAILURE), cut)
-        for request_id, attended in plan.attends:
-            bad = [k for k, block in enumerate(attended) if block in bad_blocks]
-            if bad:
-                cuts[request_id] = min(cuts.get(request_id, NO_FAILURE), bad[0])
-        moves = [
-            move
-            for request_id, batch in plan.saves
-            for move in batch
-            if move.index < cuts.get(request_id, NO_FAILURE) and move.block not in bad_blocks
-        ]
-        # a full L2 reuses a slot within one plan: each run of distinct slots is written and backed
-        # up before the next run overwrites any of them (else L3 would get the later page's bytes)
-        while moves:
-            seen: set[int] = set()
-            run = []
-            for move in moves:
-                if move.slot in seen:
-                    break
-                seen.add(move.slot)
-                run.append(move)
-            moves = moves[len(run) :]
-            self.host.write_pages([m.slot for m in run], self.blocks.read([m.block for m in run]))
-            for move in run:
-                self.written[move.slot] = move.page
-                self.unbacked.pop(move.slot, None)  # the slot holds another page now
-            self._put([m.page for m in run], [m.slot for m in run])
-
-    def _put(self, pages: Sequence[PageHash], slots: Sequence[int]) -> None:
-        if self.backend is None:
-            return
-        for page, slot, status in zip(
-            pages, slots, self.backend.put(self.namespace, pages, slots), strict=True
-        ):
-            if not status.ok:
-                self.unbacked[slot] = page
-                self.failed_puts.append(page)
-
-    def close(self) -> None:
-        if self.backend is not None:
-            self.backend.close()

@@ -24,8 +24,10 @@ holds the behaviour (scheduler side: :class:`ConnectorIndex`; worker side: :clas
   step of a failed load (it attends over bad KV); with tensor parallelism the workers first agree
   on each load's first failed page (an all-reduce over vLLM's TP group's CPU group, on every step
   that loads), since a rank whose own load went well still computes from the failed rank's hidden
-  states. ``update_connector_output`` tells the scheduler side (``ConnectorIndex.load_failed``), so
-  the recomputed pages are saved by a later step. Not covered: with pipeline parallelism a later
+  states. ``update_connector_output`` (called after vLLM rolled its requests back) tells the
+  scheduler side (``ConnectorIndex.load_failures``) where vLLM computes each request again, so
+  those pages are saved by a later step; under async scheduling the workers keep dropping saves
+  over the failure until a plan made after the report. Not covered: with pipeline parallelism a later
   stage does not learn of an earlier stage's failed load before it saves (the stages run the step
   one after the other, so a collective at load time would deadlock); docs/operations.md says so.
 - Keys: each worker writes under its tensor-parallel rank and its pipeline stage (a stage holds its
@@ -55,7 +57,8 @@ from kvstrata.impl.errors import ConfigError
 from kvstrata.impl.pools.host import HostKVPool
 from kvstrata.impl.pools.shape import KVShape
 from kvstrata.impl.storage.base import StorageBackend
-from kvstrata.integrations.connector import ConnectorIndex, ConnectorWorker, Plan, Scheduled
+from kvstrata.integrations.connector import ConnectorIndex, Plan, Scheduled
+from kvstrata.integrations.connector_worker import ConnectorWorker
 from kvstrata.integrations.store import StoreOptions, open_backend
 from kvstrata.model.engines import EngineShard, HashScheme, engine_page_hash
 from kvstrata.model.keys import KVKind, PageHash
@@ -168,6 +171,11 @@ class KvstrataConnector(KVConnectorBase_V1):  # type: ignore[misc]
         parallel = vllm_config.parallel_config
         self.tp_size = int(parallel.tensor_parallel_size)
         self.pp_size = int(parallel.pipeline_parallel_size)
+        if self.pp_size > 1 and getattr(vllm_config.scheduler_config, "async_scheduling", False):
+            log.warning(
+                "kvstrata vLLM connector: async scheduling with pipeline parallelism may report a "
+                "failed load more than one plan late; the connector covers one (docs/engines.md)"
+            )
         self._template = EngineShard(
             HashScheme.VLLM,
             model_name=str(vllm_config.model_config.model),
@@ -185,6 +193,8 @@ class KvstrataConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._failed: set[int] = set()
         self._computed: dict[str, int] = {}
         self._blocks: dict[str, list[int]] = {}
+        self._requests: dict[str, Any] = {}  # vLLM's own request objects, by id
+        self._prefix: dict[str, int] = {}  # pages a request had when admitted (cached or loaded)
         if role == KVConnectorRole.SCHEDULER:
             self._probes = [
                 self._probe(tp_rank, pp_rank)
@@ -218,6 +228,7 @@ class KvstrataConnector(KVConnectorBase_V1):  # type: ignore[misc]
         return [engine_page_hash(bytes(h), HashScheme.VLLM) for h in request.block_hashes]
 
     def on_new_request(self, request: Any) -> None:
+        self._requests[request.request_id] = request
         if self.index is not None and request.request_id not in self.index.requests:
             self.index.new_request(request.request_id, self._pages(request))
 
@@ -241,6 +252,7 @@ class KvstrataConnector(KVConnectorBase_V1):  # type: ignore[misc]
         computed = self._computed.get(request.request_id, 0)
         pages = num_external_tokens // self.block_size
         block_ids = list(blocks.get_block_ids()[0]) if pages else []
+        self._prefix[request.request_id] = computed + pages
         self.index.alloc(
             request.request_id,
             computed,
@@ -282,13 +294,24 @@ class KvstrataConnector(KVConnectorBase_V1):  # type: ignore[misc]
         if not invalid or self.index is None:
             return
         failed: dict[str, int] = {}
+        recompute: dict[str, int] = {}  # where vLLM computes each again (it rolled them back)
         for req_id, blocks in self._blocks.items():  # its own load, or blocks it shares
             bad = [index for index, block in enumerate(blocks) if block in invalid]
             request = self.index.requests.get(req_id)
-            running = request is not None and request.state is RequestState.RUNNING
-            if bad and running and bad[0] < len(request.pages):  # type: ignore[union-attr]
-                failed[req_id] = bad[0]
-        self.index.load_failures(failed, self.index.failed_plan(invalid))
+            if not bad or request is None or request.state is not RequestState.RUNNING:
+                continue
+            pages = len(request.pages)
+            if bad[0] >= pages:
+                continue
+            failed[req_id] = bad[0]
+            engine = self._requests.get(req_id)
+            if engine is not None:  # vLLM has rolled it back: it computes again from here
+                kept = int(engine.num_computed_tokens)
+                # unless it keeps tokens it computed itself over the bad blocks (async scheduling,
+                # a request sharing them): then none of its later pages is saved
+                own = kept > self._prefix.get(req_id, 0) * self.block_size
+                recompute[req_id] = pages if own else kept // self.block_size
+        self.index.load_failures(failed, self.index.failed_plan(invalid), recompute)
 
     def request_finished(
         self, request: Any, block_ids: list[int]
@@ -297,6 +320,8 @@ class KvstrataConnector(KVConnectorBase_V1):  # type: ignore[misc]
             self.index.finish(request.request_id)
         self._computed.pop(request.request_id, None)
         self._blocks.pop(request.request_id, None)
+        self._requests.pop(request.request_id, None)
+        self._prefix.pop(request.request_id, None)
         return False, None
 
     # ------------------------------------------------------------------------------ worker side

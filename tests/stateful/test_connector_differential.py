@@ -31,7 +31,8 @@ from kvstrata.impl.pools.host import HostKVPool
 from kvstrata.impl.pools.shape import KVShape
 from kvstrata.impl.storage.base import GetStatus
 from kvstrata.impl.storage.memory import MemoryBackend, MemoryStore
-from kvstrata.integrations.connector import ConnectorIndex, ConnectorWorker, Plan, Scheduled
+from kvstrata.integrations.connector import ConnectorIndex, Plan, Scheduled
+from kvstrata.integrations.connector_worker import ConnectorWorker
 from kvstrata.model.connector import ConnectorModel, PageSource
 from kvstrata.model.keys import KeySpace, KVKind, ModelIdentity, Namespace, PageHash
 
@@ -282,18 +283,24 @@ class ConnectorDifferential(RuleBasedStateMachine):
             event("a backup put failed")
         self.model.backup_failed(self.worker.failed_puts)
 
-    def _report(self, plan: Plan, first_failed: dict[str, int]) -> None:
+    def _report(
+        self, plan: Plan, first_failed: dict[str, int], kept: frozenset[str] = frozenset()
+    ) -> None:
         """The engine reports plan ``plan``'s failed loads (the index finds the plan by their
-        blocks) and computes each failed request again from its first failed page."""
+        blocks) and computes each failed request again from its first failed page, except the
+        requests in ``kept``: it keeps what they computed (as vLLM's async scheduling does for a
+        request that shares the failed blocks), so none of their pages may be saved again."""
         if not first_failed:
             return
         blocks = {self.blocks[rid][index] for rid, index in first_failed.items()}
         assert self.index.failed_plan(blocks) == plan.number
-        self.model.load_failures(first_failed, plan.number)
-        self.index.load_failures(first_failed, plan.number)
+        recompute = {rid: len(self.pages[rid]) for rid in kept & first_failed.keys()}
+        self.model.load_failures(first_failed, plan.number, recompute)
+        self.index.load_failures(first_failed, plan.number, recompute)
         for rid, index in first_failed.items():
             pages = self.pages[rid]
-            self.engine.compute(pages, self.blocks[rid], range(index, len(pages)))
+            resume = recompute.get(rid, index)
+            self.engine.compute(pages, self.blocks[rid], range(resume, len(pages)))
             if any(rid == r for r, _moves in plan.saves):
                 event("a request's saves were dropped after its load failed")
 
@@ -325,11 +332,14 @@ class ConnectorDifferential(RuleBasedStateMachine):
         second = self._plan([(rid, total)])  # planned before the first step's report
         failed_second = self._load_and_compute(second, {rid: (mid, total)})
         self._save(second)
-        self._report(first, failed)
+        kept = frozenset([rid]) if data.draw(st.booleans(), label="computed tokens kept") else None
+        self._report(first, failed, kept or frozenset())
         self._report(second, failed_second)
         if failed and any(rid == r for r, _moves in second.saves):
             event("a plan made before the report saved over the failed load")
-        self._run_step([rid])
+        if kept and failed:
+            event("the engine kept the pages computed over the failure")
+        self._run_step([rid])  # the model and the index agree on its saves (none if kept)
 
     @precondition(lambda self: self.admitted)
     @rule(data=st.data())

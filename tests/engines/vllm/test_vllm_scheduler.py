@@ -46,7 +46,9 @@ from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput  # noqa: E402
 from vllm.v1.request import Request  # noqa: E402
 from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 
+from kvstrata.impl.storage.base import GetStatus  # noqa: E402
 from kvstrata.integrations.vllm import KvstrataConnector  # noqa: E402
+from kvstrata.model.engines import HashScheme, engine_page_hash  # noqa: E402
 
 BLOCK, HEADS, HEAD_DIM, NUM_BLOCKS = 16, 2, 8, 64
 
@@ -126,10 +128,9 @@ class Rig:
     def connector(self) -> KvstrataConnector:
         return self.scheduler.connector  # type: ignore[return-value]
 
-    def add(self, request_id: str, tokens: list[int]) -> Request:
-        request = Request(
-            request_id, tokens, SamplingParams(max_tokens=1), None, None, block_hasher=self.hasher
-        )
+    def add(self, request_id: str, tokens: list[int], max_tokens: int = 1) -> Request:
+        sampling = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+        request = Request(request_id, tokens, sampling, None, None, block_hasher=self.hasher)
         self.requests[request_id] = request
         self.scheduler.add_request(request)
         return request
@@ -200,6 +201,72 @@ def content(block_hash: bytes) -> torch.Tensor:
 
 def prompt(n: int, salt: int = 0) -> list[int]:
     return [(i * 7 + salt) % 500 + 1 for i in range(n)]
+
+
+def lookup_landed(rig: Rig, request_id: str) -> None:
+    """Wait until the connector's L3 lookup of the request has landed."""
+    for _ in range(60):
+        if rig.connector.get_num_new_matched_tokens(rig.requests[request_id], 0)[0] is not None:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"{request_id}: the lookup never landed")
+
+
+def lose_everything(root: Path) -> None:
+    """The file store at ``root`` loses every object (between a lookup and its load)."""
+    for path in sorted(root.rglob("*"), key=str):
+        if path.is_file() and path.suffix != ".tmp":
+            path.unlink()
+
+
+def run_async(rig: Rig, pending: tuple[Any, tuple[set[int], set[str]]], steps: int = 20) -> None:
+    """Async scheduling until no request is left: each step is scheduled before the previous
+    step's output is taken (``pending``: a step run and not reported yet)."""
+    for _ in range(steps):
+        if not rig.scheduler.requests:
+            break
+        following = rig.scheduler.schedule()
+        rig.report(pending[0], *pending[1])
+        pending = (following, rig.run(following))
+    rig.report(pending[0], *pending[1])
+    assert not rig.scheduler.requests
+
+
+def loaded_wrong(rig: Rig, request_id: str, tokens: list[int]) -> tuple[int, list[int]]:
+    """A new request over ``tokens`` (vLLM's own prefix cache reset first), run until scheduled:
+    how many of its tokens came from kvstrata, and which of those blocks hold wrong bytes."""
+    rig.scheduler.reset_prefix_cache()
+    rig.failed.clear()
+    rig.add(request_id, tokens)
+    for _ in range(40):
+        out = rig.scheduler.schedule()
+        rig.report(out, *rig.run(out))
+        scheduled = next((new for new in out.scheduled_new_reqs if new.req_id == request_id), None)
+        if scheduled is not None:
+            hashes = rig.requests[request_id].block_hashes
+            blocks = rig.block_table[request_id][: scheduled.num_computed_tokens // BLOCK]
+            wrong = [
+                i for i, b in enumerate(blocks) if not torch.equal(rig.kv[b], content(hashes[i]))
+            ]
+            return scheduled.num_computed_tokens, wrong
+        time.sleep(0.05)
+    raise AssertionError(f"{request_id} was never scheduled")
+
+
+def stored_wrong(rig: Rig, request_id: str) -> list[int]:
+    """The pages of the request the store holds with bytes other than its page's: each read back
+    through the worker's backend into a spare host slot, then into a spare vLLM block."""
+    worker = rig.worker.worker
+    assert worker is not None and worker.backend is not None
+    slot, block = worker.host.num_pages - 1, NUM_BLOCKS - 1
+    wrong = []
+    for index, block_hash in enumerate(rig.requests[request_id].block_hashes):
+        page = engine_page_hash(bytes(block_hash), HashScheme.VLLM)
+        if worker.backend.get(worker.namespace, [page], [slot]) == [GetStatus.LOADED]:
+            worker.blocks.write([block], worker.host.read_pages([slot]))
+            if not torch.equal(rig.kv[block], content(block_hash)):
+                wrong.append(index)
+    return wrong
 
 
 def run_until_scheduled(rig: Rig, request_id: str, steps: int = 200) -> Any:
@@ -411,13 +478,8 @@ def test_async_scheduling_saves_nothing_over_a_failed_load_before_it_is_reported
     rig = Rig(model_dir, {"store": "file", "path": str(root), "l2_pages": 1}, AsyncScheduler, 48)
     tokens = [*prompt(64), *prompt(96, salt=3), 5, 5]
     rig.add("b", tokens)
-    for _ in range(40):  # let the lookup land: the 4 prefix pages are in L3 only
-        if rig.connector.get_num_new_matched_tokens(rig.requests["b"], 0)[0] is not None:
-            break
-        time.sleep(0.05)
-    for path in sorted(root.rglob("*"), key=str):
-        if path.is_file() and path.suffix != ".tmp":
-            path.unlink()  # the store loses the prefix between the lookup and the load
+    lookup_landed(rig, "b")  # the 4 prefix pages are in L3 only
+    lose_everything(root)
     first = rig.scheduler.schedule()
     assert "b" in first.num_scheduled_tokens
     ran = rig.run(first)
@@ -426,32 +488,36 @@ def test_async_scheduling_saves_nothing_over_a_failed_load_before_it_is_reported
     assert second.num_scheduled_tokens.get("b") == 48
     assert second.kv_connector_metadata.plan.saves  # it plans saves over the failed prefix
     rig.report(first, *ran)
-    pending = (second, rig.run(second))
-    for _ in range(12):  # async: each step is scheduled before the previous one's output
-        if "b" not in rig.scheduler.requests:
-            break
-        following = rig.scheduler.schedule()
-        rig.report(pending[0], *pending[1])
-        pending = (following, rig.run(following))
-    rig.report(pending[0], *pending[1])
-    assert "b" not in rig.scheduler.requests
-    rig.scheduler.reset_prefix_cache()
-    rig.failed.clear()
-    rig.add("c", [*tokens[:-2], 6, 6])
-    scheduled = None
-    for _ in range(40):
-        out = rig.scheduler.schedule()
-        rig.report(out, *rig.run(out))
-        scheduled = next((new for new in out.scheduled_new_reqs if new.req_id == "c"), None)
-        if scheduled is not None:
-            break
-        time.sleep(0.05)
-    assert scheduled is not None and not rig.failed
-    assert scheduled.num_computed_tokens == 160  # all ten blocks from kvstrata
-    hashes = rig.requests["c"].block_hashes
-    wrong = [
-        index
-        for index, block in enumerate(rig.block_table["c"][:10])
-        if not torch.equal(rig.kv[block], content(hashes[index]))
-    ]
-    assert not wrong, f"blocks {wrong} were served with bytes computed over a failed load"
+    run_async(rig, (second, rig.run(second)))
+    assert loaded_wrong(rig, "c", [*tokens[:-2], 6, 6]) == (160, [])  # all ten, right
+
+
+def test_async_scheduling_a_request_sharing_the_failed_blocks_saves_nothing_over_them(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    """Async scheduling: b's load of a prefix fails in step 1; before that is reported, c
+    arrives, hits b's (bad) blocks in vLLM's own prefix cache and prefills its next three blocks
+    over them in step 2. vLLM keeps c's tokens as computed when it takes the report (the blocks
+    are b's to recompute), so c's later chunks attend over bad KV too: the connector never saves
+    a page of c again (the review's find: c's saved mark went back and a later step saved the
+    three blocks)."""
+    root = tmp_path / "l3"
+    _prefix_in_l3_only(model_dir, root).worker.shutdown()
+    extra = {"store": "file", "path": str(root), "l2_pages": 16}
+    rig = Rig(model_dir, extra, AsyncScheduler, 48)
+    rig.add("b", [*prompt(64), 5, 5])
+    lookup_landed(rig, "b")
+    lose_everything(root)
+    first = rig.scheduler.schedule()
+    ran = rig.run(first)
+    assert len(ran[0]) == 4
+    rig.add("c", [*prompt(64), *prompt(96, salt=5), 9])
+    lookup_landed(rig, "c")
+    second = rig.scheduler.schedule()
+    assert second.num_scheduled_tokens.get("c") == 48  # over b's blocks, from vLLM's cache
+    rig.report(first, *ran)
+    run_async(rig, (second, rig.run(second)))
+    assert not stored_wrong(rig, "c"), "the store holds pages computed over a failed load"
+    assert stored_wrong(rig, "b") == []
+    computed, wrong = loaded_wrong(rig, "d", [*prompt(64), *prompt(96, salt=5), 3, 3])
+    assert (computed, wrong) == (64, [])  # b's recomputed prefix; none of c's pages

@@ -15,7 +15,9 @@ from kvstrata.impl.pools.host import HostKVPool
 from kvstrata.impl.pools.shape import KVShape
 from kvstrata.impl.storage.base import GetStatus
 from kvstrata.impl.storage.memory import MemoryBackend, MemoryStore
-from kvstrata.integrations.connector import ConnectorIndex, ConnectorWorker, Plan, Scheduled
+from kvstrata.integrations.connector import ConnectorIndex, Plan, Scheduled
+from kvstrata.integrations.connector_worker import ConnectorWorker
+from kvstrata.model.connector import ConnectorModel
 from kvstrata.model.keys import KeySpace, KVKind, ModelIdentity, Namespace, PageHash, Shard
 
 PAGE = 2
@@ -190,3 +192,69 @@ def test_a_report_names_the_last_plan_or_the_one_before() -> None:
         index.load_failures({}, 1)
     index.load_failures({}, 2)
     assert index.plan([]).reported_through == 2
+
+
+class _Both:
+    """A ConnectorModel and a ConnectorIndex driven alike (no loads from L3), compared."""
+
+    def __init__(self, capacity: int) -> None:
+        done: Future[int] = Future()
+        done.set_result(0)
+        self.model = ConnectorModel(capacity, 2)
+        self.index = ConnectorIndex(capacity, 2, start_lookup=lambda pages: done)
+        self.blocks: dict[str, tuple[int, ...]] = {}
+
+    def new(self, request_id: str, pages: list[PageHash], loads: int = 0) -> None:
+        self.blocks[request_id] = tuple(range(10 * len(self.blocks), 10 * len(self.blocks) + 9))
+        self.model.new_request(request_id, pages)
+        self.model.answer(request_id)
+        self.index.new_request(request_id, pages)
+        assert self.index.match(request_id, 0, 9) == self.model.match(request_id, 0, 9)
+        self.model.alloc(request_id, 0, loads, 9)
+        self.index.alloc(request_id, 0, self.blocks[request_id][:loads], 9)
+
+    def plan(self, scheduled: list[tuple[str, int]]) -> dict[str, tuple[int, ...]]:
+        expected = self.model.plan(scheduled)
+        plan = self.index.plan([Scheduled(r, d, self.blocks[r]) for r, d in scheduled])
+        saves = {r: tuple(m.index for m in moves) for r, moves in plan.saves}
+        assert saves == expected.saves and plan.number == expected.number
+        return saves
+
+    def report(
+        self, failed: dict[str, int], plan: int, recompute: dict[str, int] | None = None
+    ) -> None:
+        self.model.load_failures(failed, plan, recompute)
+        self.index.load_failures(failed, plan, recompute)
+        assert list(self.index.l2) == self.model.l2
+
+    def finish(self, request_id: str) -> None:
+        self.model.finish(request_id)
+        self.index.finish(request_id)
+
+
+def test_the_index_takes_back_exactly_what_the_model_does() -> None:
+    """The review's three cases, on both sides: a request the engine does not compute again keeps
+    its mark; taking back a save leaves a later save of the same page; a failed read of an L2
+    page (a save dropped before its request finished) takes the page out of L2."""
+    both = _Both(capacity=2)
+    both.new("a", PAGES[:2])
+    both.new("e", PAGES[2:4])
+    both.new("d", PAGES[1:2])
+    both.plan([("a", 2)])
+    both.plan([("e", 2), ("d", 1)])  # evicts a's pages; d saves page 1 again
+    both.report({"a": 1}, 1)
+    assert PAGES[1] in both.index.l2
+    both = _Both(capacity=8)
+    both.new("c", PAGES[:5])
+    first = both.plan([("c", 5)])
+    both.report({"c": 1}, 1, recompute={"c": 5})
+    assert first["c"] == (0, 1, 2, 3, 4) and "c" not in both.plan([("c", 5)])
+    both.finish("c")
+    both.new("a", PAGES[:4])
+    both.plan([("a", 4)])  # the worker dropped these saves; a finishes before the report
+    both.finish("a")
+    both.new("b", PAGES[:4], loads=2)
+    both.plan([("b", 4)])
+    both.report({"b": 0}, both.index.plans)  # its slot did not hold page 0
+    assert PAGES[0] not in both.index.l2
+    assert both.plan([("b", 4)]) == {"b": (0,)}

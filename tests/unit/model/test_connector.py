@@ -134,3 +134,55 @@ def test_a_report_of_the_last_plan_keeps_the_saves_of_the_plan_before() -> None:
     assert set(PAGES[:3]) <= set(model.l2) and set(PAGES[:3]) <= model.l3
     assert not set(PAGES[3:6]) & model.l3
     assert model.plan([("a", 6)]).saves["a"] == (3, 4, 5)
+
+
+def test_a_request_the_engine_does_not_compute_again_never_saves_the_pages_over_the_failure() -> (
+    None
+):
+    """A request that shares a failed block (vLLM's async scheduling keeps it computed): its saved
+    mark goes back only to where the engine computes it again, so the pages between, computed
+    over bad KV, are never saved by it."""
+    model = ConnectorModel(capacity=8, staging=4)
+    model.new_request("c", PAGES[:6])
+    model.answer("c")
+    model.alloc("c", 0, 0, 6)
+    first = model.plan([("c", 6)])
+    model.load_failures({"c": 1}, first.number, recompute={"c": 6})
+    assert not set(PAGES[1:6]) & (set(model.l2) | model.l3)
+    assert "c" not in model.plan([("c", 6)]).saves
+
+
+def test_taking_back_a_save_leaves_a_later_save_of_the_same_page() -> None:
+    """Page p saved by a (plan 1, over a failure reported later), evicted in plan 2 and saved
+    again there by d (its own, good): the report of plan 1 takes back a's save only."""
+    model = ConnectorModel(capacity=2, staging=0)
+    pages = {"a": [PAGES[0], PAGES[1]], "e": [PAGES[2], PAGES[3]], "d": [PAGES[1]]}
+    for request_id, chain in pages.items():
+        model.new_request(request_id, chain)
+        model.answer(request_id)
+        model.alloc(request_id, 0, 0, 9)
+    first = model.plan([("a", 2)])
+    model.plan([("e", 2), ("d", 1)])
+    model.load_failures({"a": 1}, first.number)
+    assert model.l2 == [PAGES[3], PAGES[1]] and PAGES[1] in model.l3
+
+
+def test_a_failed_read_of_an_l2_page_takes_it_out_of_l2() -> None:
+    """An L2 page whose slot the worker never wrote (its save was dropped over a failure and its
+    request finished before the report) fails the next load that reads it: the report takes
+    the page out of L2, so the request saves it again instead of hitting it forever."""
+    model = ConnectorModel(capacity=8, staging=2)
+    model.new_request("a", PAGES[:4])
+    model.answer("a")
+    model.alloc("a", 0, 0, 4)
+    model.plan([("a", 4)])  # the worker dropped these saves; a finishes before the report
+    model.finish("a")
+    model.new_request("b", PAGES[:4])
+    model.answer("b")
+    assert model.match("b", 0, 4) == 4
+    model.alloc("b", 0, 2, 4)
+    plan = model.plan([("b", 4)])
+    assert plan.loads["b"] == ((0, PageSource.L2), (1, PageSource.L2))
+    model.load_failures({"b": 0}, plan.number)  # slot 0 did not hold page 0
+    assert PAGES[0] not in model.l2 and PAGES[1] in model.l2
+    assert model.plan([("b", 4)]).saves["b"] == (0,)

@@ -1,0 +1,183 @@
+"""An engine KV connector's worker side without the engine: :class:`ConnectorWorker` runs each step
+plan of :class:`~kvstrata.integrations.connector.ConnectorIndex` between the host pool (L2 slots and
+staging slots), the store (L3) and the engine's blocks (:class:`BlockIO`).
+
+The worker owns the bytes and checks every L2 read against what it last wrote into that slot
+(``written``): a plan that names a slot holding another page (a stale offset, by any route) is a load
+error, never served. A load error fails the page and every later page of that request. The engine's
+step then runs as if the load had worked, so every page the request computes in that step attends
+over bad KV: the worker drops the request's saves from its first failed page on (with ``agree``, the
+first failed page agreed by every rank: a rank whose own load went well computed its pages from the
+failed rank's hidden states), and the index takes them back once the engine reports the failure.
+
+An engine that plans one step ahead (vLLM's async scheduling) reports a step's failed loads after
+it built the next plan, whose saves were computed over the same bad KV: the worker keeps each
+failure (``poisoned``) until a plan says it was reported (``Plan.reported_through``) and drops
+those saves too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Protocol
+
+import torch
+
+from kvstrata.impl.pools.host import HostKVPool
+from kvstrata.impl.storage.base import GetStatus, StorageBackend
+from kvstrata.integrations.connector import NO_FAILURE, NO_SLOT, PageMove, Plan
+from kvstrata.model.connector import RETRY_PAGES, PageSource
+from kvstrata.model.keys import Namespace, PageHash
+
+__all__ = ["BlockIO", "ConnectorWorker"]
+
+
+class BlockIO(Protocol):
+    """An engine's KV blocks as kvstrata pages: ``read(blocks)`` gives canonical KV of those blocks,
+    ``write(blocks, kv)`` puts canonical KV into them."""
+
+    def read(self, blocks: Sequence[int]) -> torch.Tensor: ...
+
+    def write(self, blocks: Sequence[int], kv: torch.Tensor) -> None: ...
+
+
+class ConnectorWorker:
+    """The worker side: the host pool (L2 and staging slots), the store (L3), the engine's blocks."""
+
+    def __init__(
+        self,
+        host: HostKVPool,
+        backend: StorageBackend | None,
+        namespace: Namespace,
+        blocks: BlockIO,
+    ) -> None:
+        self.host, self.backend, self.namespace, self.blocks = host, backend, namespace, blocks
+        if backend is not None:
+            backend.attach(host)
+        self.written: dict[int, PageHash] = {}
+        self.loaded_pages = 0
+        self.failed_blocks: set[int] = set()
+        self.failed_from: dict[str, int] = {}  # request -> its first failed page, this step
+        #: failed loads not reported yet (plan number, failed blocks, each request's first failed
+        #: page): a plan made before the report saves nothing computed over them
+        self.poisoned: list[tuple[int, frozenset[int], dict[str, int]]] = []
+        self.unbacked: dict[int, PageHash] = {}  # slot -> its page, whose backup put failed
+        self.failed_puts: list[PageHash] = []  # the pages whose put failed in the last save
+
+    def load(self, plan: Plan, agree: Callable[[list[int]], list[int]] | None = None) -> set[int]:
+        """Run the plan's loads; the blocks that failed (each failed page and every later page of
+        its request). Nothing failed is written to a block. ``agree`` (tensor parallel: every
+        rank runs the same plan) takes each load's first failed page index on this rank
+        (``NO_FAILURE`` if none) and returns the least over the ranks; every rank then fails
+        from there, so no rank saves a page computed over another rank's failed load."""
+        fetched = [(request_id, moves, self._fetch(moves)) for request_id, moves in plan.loads]
+        cuts = [
+            moves[ok.index(False)].index if False in ok else NO_FAILURE
+            for _request_id, moves, ok in fetched
+        ]
+        if agree is not None and cuts:
+            cuts = agree(cuts)
+        failed: set[int] = set()
+        self.failed_from = {}
+        self._forget_reported(plan)
+        for (request_id, moves, _ok), cut in zip(fetched, cuts, strict=True):
+            good = [move for move in moves if move.index < cut]
+            if good:
+                kv = self.host.read_pages([move.slot for move in good])
+                self.blocks.write([move.block for move in good], kv)
+                self.loaded_pages += len(good)
+            if cut != NO_FAILURE:
+                self.failed_from[request_id] = cut
+                failed.update(move.block for move in moves if move.index >= cut)
+        self.failed_blocks = failed
+        if failed:
+            self.poisoned.append((plan.number, frozenset(failed), dict(self.failed_from)))
+        return failed
+
+    def _forget_reported(self, plan: Plan) -> None:
+        """Drop the failures the index was told of before it made ``plan`` (its saves skip them)."""
+        self.poisoned = [item for item in self.poisoned if item[0] > plan.reported_through]
+
+    def _fetch(self, moves: Sequence[PageMove]) -> list[bool]:
+        ok = [
+            move.slot != NO_SLOT
+            and (move.source is PageSource.L3 or self.written.get(move.slot) == move.page)
+            for move in moves
+        ]
+        remote = [k for k, move in enumerate(moves) if ok[k] and move.source is PageSource.L3]
+        if remote:
+            statuses = (
+                self.backend.get(
+                    self.namespace, [moves[k].page for k in remote], [moves[k].slot for k in remote]
+                )
+                if self.backend is not None
+                else [GetStatus.FAILED] * len(remote)
+            )
+            for k, status in zip(remote, statuses, strict=True):
+                ok[k] = status is GetStatus.LOADED
+        cut = ok.index(False) if False in ok else len(ok)
+        return [True] * cut + [False] * (len(ok) - cut)
+
+    def save(self, plan: Plan) -> None:
+        """Put again the pages whose backup failed before (their slots still hold them; at most
+        ``RETRY_PAGES``, oldest first), then copy the plan's saved blocks to their L2 slots and
+        back them up to L3. A page whose put fails waits in ``unbacked`` for the next save."""
+        self.failed_puts = []
+        waiting = [(s, p) for s, p in self.unbacked.items() if self.written.get(s) == p]
+        self.unbacked = dict(waiting[RETRY_PAGES:])
+        if waiting[:RETRY_PAGES]:
+            self._put(
+                [p for _s, p in waiting[:RETRY_PAGES]], [s for s, _p in waiting[:RETRY_PAGES]]
+            )
+        moves = [move for _rid, batch in plan.saves for move in batch]
+        for move in moves:
+            self.written.pop(move.slot, None)  # the slot is being reused
+        # a request whose load failed (this step, or one not reported when this plan was made),
+        # or that attends over a block such a load failed to fill, computed over bad KV
+        self._forget_reported(plan)
+        cuts: dict[str, int] = {}
+        bad_blocks: set[int] = set()
+        for _number, blocks, failed_from in self.poisoned:
+            bad_blocks |= blocks
+            for request_id, cut in failed_from.items():
+                cuts[request_id] = min(cuts.get(request_id, NO_FAILURE), cut)
+        for request_id, attended in plan.attends:
+            bad = [k for k, block in enumerate(attended) if block in bad_blocks]
+            if bad:
+                cuts[request_id] = min(cuts.get(request_id, NO_FAILURE), bad[0])
+        moves = [
+            move
+            for request_id, batch in plan.saves
+            for move in batch
+            if move.index < cuts.get(request_id, NO_FAILURE) and move.block not in bad_blocks
+        ]
+        # a full L2 reuses a slot within one plan: each run of distinct slots is written and backed
+        # up before the next run overwrites any of them (else L3 would get the later page's bytes)
+        while moves:
+            seen: set[int] = set()
+            run = []
+            for move in moves:
+                if move.slot in seen:
+                    break
+                seen.add(move.slot)
+                run.append(move)
+            moves = moves[len(run) :]
+            self.host.write_pages([m.slot for m in run], self.blocks.read([m.block for m in run]))
+            for move in run:
+                self.written[move.slot] = move.page
+                self.unbacked.pop(move.slot, None)  # the slot holds another page now
+            self._put([m.page for m in run], [m.slot for m in run])
+
+    def _put(self, pages: Sequence[PageHash], slots: Sequence[int]) -> None:
+        if self.backend is None:
+            return
+        for page, slot, status in zip(
+            pages, slots, self.backend.put(self.namespace, pages, slots), strict=True
+        ):
+            if not status.ok:
+                self.unbacked[slot] = page
+                self.failed_puts.append(page)
+
+    def close(self) -> None:
+        if self.backend is not None:
+            self.backend.close()
