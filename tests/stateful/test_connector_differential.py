@@ -215,18 +215,26 @@ class ConnectorDifferential(RuleBasedStateMachine):
         """Chain 0 is computed and saved whole (its first pages leave the small L2 for L3 only);
         then chain 3, which shares its first three pages, loads them and computes the rest in the
         same step, after the store lost a page it planned to read from L3."""
+        second, _lost = self._chain_3_over_a_lost_page(data)
+        self._run_step([second])
+        self._run_step([second])
+
+    def _chain_3_over_a_lost_page(self, data: st.DataObject) -> tuple[str, bool]:
+        """Chain 0 computed, saved whole and finished; then a request over chain 3 admitted with
+        its whole hit, and the store loses one of the pages its load reads from L3 (if any).
+        The request, and whether a page was lost."""
         first = self._admit_whole(0)
         self._run_step([first])
         self.finish_request(first)
-        second = self._admit_whole(3)
-        request = self.model.requests[second]
+        rid = self._admit_whole(3)
+        request = self.model.requests[rid]
         remote = [request.first + k for k, src in enumerate(request.load) if src is PageSource.L3]
-        if remote:
-            lost = data.draw(st.sampled_from(remote), label="L3 page lost")
-            self.probe.evict(NAMESPACE, request.pages[lost])
-            self.model.evict_l3(request.pages[lost])
-        self._run_step([second])
-        self._run_step([second])
+        if not remote:
+            return rid, False
+        lost = data.draw(st.sampled_from(remote), label="L3 page lost")
+        self.probe.evict(NAMESPACE, request.pages[lost])
+        self.model.evict_l3(request.pages[lost])
+        return rid, True
 
     def _run_step(self, chosen: list[str]) -> None:
         """One step of every request in ``chosen`` to its end, its failed loads reported before
@@ -313,17 +321,10 @@ class ConnectorDifferential(RuleBasedStateMachine):
         before it reports the failed load. The pages of both steps attend over bad KV: neither
         plan's saves of them may reach L2 or L3; after the report the recomputed pages are
         saved right."""
-        first_request = self._admit_whole(0)
-        self._run_step([first_request])
-        self.finish_request(first_request)
-        rid = self._admit_whole(3)
-        request = self.model.requests[rid]
-        remote = [request.first + k for k, src in enumerate(request.load) if src is PageSource.L3]
-        if not remote:
+        rid, lost = self._chain_3_over_a_lost_page(data)
+        if not lost:
             return
-        lost = data.draw(st.sampled_from(remote), label="L3 page lost")
-        self.probe.evict(NAMESPACE, request.pages[lost])
-        self.model.evict_l3(request.pages[lost])
+        request = self.model.requests[rid]
         total = len(self.pages[rid])
         mid = data.draw(st.integers(request.first + len(request.load), total), label="first step")
         first = self._plan([(rid, mid)])

@@ -43,11 +43,25 @@ def _worker(rank: int, store: MemoryStore) -> ConnectorWorker:
     return ConnectorWorker(host, MemoryBackend(keys, store=store), NAMESPACE, Blocks(rank + 1.0))
 
 
-def _plan(store: MemoryStore) -> Plan:
-    """A request whose pages 0-2 come from L3 and whose pages 3-4 are computed in the step."""
+def _index() -> ConnectorIndex:
+    """4 L2 slots, 4 staging slots; every lookup answers that L3 holds the first 3 pages."""
     done: Future[int] = Future()
     done.set_result(3)
-    index = ConnectorIndex(capacity=4, staging=4, start_lookup=lambda pages: done)
+    return ConnectorIndex(capacity=4, staging=4, start_lookup=lambda pages: done)
+
+
+def _worker_page_lost(lost: int) -> ConnectorWorker:
+    """Rank 0's worker on a fresh store holding pages 0-2, less page ``lost``."""
+    worker = _worker(0, MemoryStore())
+    worker.host.write_pages([0, 1, 2], torch.full((2, 1, 3, PAGE, 1, 2), 10.0))
+    worker.backend.put(NAMESPACE, PAGES[:3], [0, 1, 2])  # type: ignore[union-attr]
+    worker.backend.evict(NAMESPACE, PAGES[lost])  # type: ignore[union-attr]
+    return worker
+
+
+def _plan(store: MemoryStore) -> Plan:
+    """A request whose pages 0-2 come from L3 and whose pages 3-4 are computed in the step."""
+    index = _index()
     index.new_request("a", PAGES)
     assert index.match("a", 0, 5) == 3
     index.alloc("a", 0, [0, 1, 2], 5)
@@ -96,12 +110,8 @@ def test_a_rank_whose_load_went_well_saves_nothing_computed_over_another_ranks_f
 
 
 def test_one_rank_saves_nothing_of_the_step_after_its_own_failed_load() -> None:
-    store = MemoryStore()
-    worker = _worker(0, store)
-    worker.host.write_pages([0, 1, 2], torch.full((2, 1, 3, PAGE, 1, 2), 10.0))
-    worker.backend.put(NAMESPACE, PAGES[:3], [0, 1, 2])  # type: ignore[union-attr]
-    worker.backend.evict(NAMESPACE, PAGES[2])  # type: ignore[union-attr]
-    plan = _plan(store)
+    worker = _worker_page_lost(2)
+    plan = _plan(MemoryStore())
     assert worker.load(plan) == {2}
     worker.save(plan)
     assert worker.backend.get(NAMESPACE, [PAGES[3]], [7]) == [GetStatus.MISSING]  # type: ignore[union-attr]
@@ -111,14 +121,8 @@ def test_a_request_over_blocks_another_request_failed_to_load_saves_nothing() ->
     """An engine's prefix cache lets request c use the blocks request a loads in the same step
     (a's load of page 1 fails): c's pages computed over them are not saved, and the index takes
     them back when the engine reports the blocks."""
-    store = MemoryStore()
-    worker = _worker(0, store)
-    worker.host.write_pages([0, 1, 2], torch.full((2, 1, 3, PAGE, 1, 2), 10.0))
-    worker.backend.put(NAMESPACE, PAGES[:3], [0, 1, 2])  # type: ignore[union-attr]
-    worker.backend.evict(NAMESPACE, PAGES[1])  # type: ignore[union-attr]
-    done: Future[int] = Future()
-    done.set_result(3)
-    index = ConnectorIndex(capacity=4, staging=4, start_lookup=lambda pages: done)
+    worker = _worker_page_lost(1)
+    index = _index()
     index.new_request("a", PAGES[:3])
     assert index.match("a", 0, 3) == 3
     index.alloc("a", 0, [0, 1, 2], 3)
@@ -142,14 +146,8 @@ def test_a_plan_made_before_the_report_saves_nothing_over_the_failed_load() -> N
     builds the next plan, where a computes page 4 and request c (sharing a's blocks) computes
     its own pages, before it reports the failure. Neither saves anything over the bad KV; the
     report takes back both plans' saves, and the plan after it saves the recomputed pages."""
-    store = MemoryStore()
-    worker = _worker(0, store)
-    worker.host.write_pages([0, 1, 2], torch.full((2, 1, 3, PAGE, 1, 2), 10.0))
-    worker.backend.put(NAMESPACE, PAGES[:3], [0, 1, 2])  # type: ignore[union-attr]
-    worker.backend.evict(NAMESPACE, PAGES[1])  # type: ignore[union-attr]
-    done: Future[int] = Future()
-    done.set_result(3)
-    index = ConnectorIndex(capacity=4, staging=4, start_lookup=lambda pages: done)
+    worker = _worker_page_lost(1)
+    index = _index()
     index.new_request("a", PAGES)
     assert index.match("a", 0, 5) == 3
     index.alloc("a", 0, [0, 1, 2], 5)

@@ -22,6 +22,18 @@ def _stored(model: ConnectorModel, pages: int) -> None:
     model.finish("warm")
 
 
+def _loading_from_l3() -> ConnectorModel:
+    """8 L2 slots, 4 staging slots; pages 0-2 in L3 only, and request "a" (pages 0-5) with its
+    load of them planned."""
+    model = ConnectorModel(capacity=8, staging=4)
+    _stored(model, 3)
+    model.l2.clear()
+    model.new_request("a", PAGES[:6])
+    model.answer("a")
+    model.alloc("a", 0, 3, 6)
+    return model
+
+
 def test_match_serves_no_more_l3_pages_than_free_staging_slots() -> None:
     model = ConnectorModel(capacity=1, staging=3)
     _stored(model, 6)  # L2 keeps the last page; pages 0-4 are in L3 only
@@ -53,12 +65,7 @@ def test_finish_before_the_plan_frees_the_reserved_slots() -> None:
 
 
 def test_a_failed_load_takes_back_the_saves_of_its_step() -> None:
-    model = ConnectorModel(capacity=8, staging=4)
-    _stored(model, 3)
-    model.l2.clear()  # pages 0-2 now in L3 only
-    model.new_request("a", PAGES[:6])
-    model.answer("a")
-    model.alloc("a", 0, 3, 6)
+    model = _loading_from_l3()
     plan = model.plan([("a", 6)])
     assert plan.loads["a"] == ((0, PageSource.L3), (1, PageSource.L3), (2, PageSource.L3))
     assert plan.saves["a"] == (3, 4, 5)
@@ -103,12 +110,7 @@ def test_a_failed_backup_is_put_again_by_the_next_step_while_l2_holds_it() -> No
 def test_a_report_one_plan_behind_takes_back_both_plans_saves_over_the_failure() -> None:
     """Async scheduling: plan 2 is made before plan 1's failed load is reported; the report
     takes back the saves of both plans from the failed page on, and no earlier save."""
-    model = ConnectorModel(capacity=8, staging=4)
-    _stored(model, 3)
-    model.l2.clear()  # pages 0-2 now in L3 only
-    model.new_request("a", PAGES[:6])
-    model.answer("a")
-    model.alloc("a", 0, 3, 6)
+    model = _loading_from_l3()
     first = model.plan([("a", 4)])
     assert (first.number, first.reported_through, first.saves["a"]) == (2, 0, (3,))
     second = model.plan([("a", 6)])
