@@ -56,8 +56,6 @@ class ConnectorWorker:
             backend.attach(host)
         self.written: dict[int, PageHash] = {}
         self.loaded_pages = 0
-        self.failed_blocks: set[int] = set()
-        self.failed_from: dict[str, int] = {}  # request -> its first failed page, this step
         #: failed loads not reported yet (plan number, failed blocks, each request's first failed
         #: page): a plan made before the report saves nothing computed over them
         self.poisoned: list[tuple[int, frozenset[int], dict[str, int]]] = []
@@ -78,7 +76,7 @@ class ConnectorWorker:
         if agree is not None and cuts:
             cuts = agree(cuts)
         failed: set[int] = set()
-        self.failed_from = {}
+        failed_from: dict[str, int] = {}  # request -> its first failed page
         self._forget_reported(plan)
         for (request_id, moves, _ok), cut in zip(fetched, cuts, strict=True):
             good = [move for move in moves if move.index < cut]
@@ -87,11 +85,10 @@ class ConnectorWorker:
                 self.blocks.write([move.block for move in good], kv)
                 self.loaded_pages += len(good)
             if cut != NO_FAILURE:
-                self.failed_from[request_id] = cut
+                failed_from[request_id] = cut
                 failed.update(move.block for move in moves if move.index >= cut)
-        self.failed_blocks = failed
         if failed:
-            self.poisoned.append((plan.number, frozenset(failed), dict(self.failed_from)))
+            self.poisoned.append((plan.number, frozenset(failed), failed_from))
         return failed
 
     def _forget_reported(self, plan: Plan) -> None:
