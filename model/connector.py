@@ -28,31 +28,33 @@ Per request (:data:`~kvstrata.model.lifecycles.CONNECTOR_REQUEST`):
   its own saves, while L2 still holds it (at most ``RETRY_PAGES`` a step, oldest first), so a short
   outage loses no page from L3 for good (SPEC §9: retried later, never silently dropped).
 - Staging: a page read from L3 lands in one of ``staging`` slots first. ``alloc`` reserves one slot
-  per L3 page of its load; the step's plan takes them, and they are free again two plans later (an
-  engine may build the next plan before the step ran). ``match`` therefore serves at most as many L3
-  pages as there are unreserved free slots: a hit it answers is a load the worker can run, never a
-  load error made by the connector itself (under vLLM's default failure policy that fails the
-  request).
+  per L3 page of its load; the step's plan takes them, and they are free again ``lag + 1`` plans
+  later (an engine may build the next ``lag`` plans before the step ran). ``match`` therefore
+  serves at most as many L3 pages as there are unreserved free slots: a hit it answers is a load
+  the worker can run, never a load error made by the connector itself (under vLLM's default
+  failure policy that fails the request).
 - A failed load (:meth:`ConnectorModel.load_failed`): the engine's step ran as if every planned page
   had loaded, so the pages a request computed in that step attend over bad KV. The worker drops the
   request's saves at and after its first failed page (on every tensor-parallel rank, agreed: a
-  rank whose own load went well computed its pages from the failed rank's hidden states; pipeline
-  stages are not covered, docs/engines.md); they leave L2 and L3 again, and the request's saved
-  mark goes back to that page, so the pages it computes again are saved by a later step.
-- Reports one plan behind (:meth:`ConnectorModel.load_failures`): an engine that schedules ahead
-  (vLLM's async scheduling) builds plan N+1 before it reports plan N's failed loads, and plan
-  N+1 saves pages the request computed over the same bad KV. Each plan carries its ``number`` and
-  ``reported_through`` (the newest plan whose failed loads had been reported when it was made):
-  the worker keeps dropping a failed request's saves, and saves over a failed block, in every plan
-  made before the report (``reported_through`` below the failed plan); the report takes back the
-  saves of the failed plan and of every plan after it. An engine plans at most one step ahead of
-  its reports: a report names the last plan or the one before it.
+  rank whose own load went well computed its pages from the failed rank's hidden states; and on
+  every later pipeline stage, told by the stage that failed: its layers take that stage's hidden
+  states); they leave L2 and L3 again, and the request's saved mark goes back to that page, so the
+  pages it computes again are saved by a later step.
+- Reports behind the plans (:meth:`ConnectorModel.load_failures`): an engine that schedules ahead
+  (vLLM's async scheduling, its pipeline's batch queue) builds plans N+1 .. N+``lag`` before it
+  reports plan N's failed loads, and they save pages the request computed over the same bad KV.
+  Each plan carries its ``number`` and ``reported_through`` (the newest plan whose failed loads
+  had been reported when it was made): the worker keeps dropping a failed request's saves, and
+  saves over a failed block, in every plan made before the report (``reported_through`` below the
+  failed plan); the report takes back the saves of the failed plan and of every plan after it.
+  ``lag`` bounds how far behind a report may come: it names one of the last ``lag + 1`` plans
+  (vLLM: its ``max_concurrent_batches`` less one; 1 for async scheduling alone).
 
 Invariants (:meth:`ConnectorModel.check`): L2 holds at most ``capacity`` distinct pages; a planned L2
 read names a page L2 held when the plan was made; a planned L3 read lies below the request's lookup
 answer; a request answers ``None`` only while its lookup is in flight; **C3** the staging slots
-reserved, held by the last two plans and free add up to ``staging``, and every planned L3 read has
-a slot.
+reserved, held by the last ``lag + 1`` plans and free add up to ``staging``, and every planned L3
+read has a slot.
 """
 
 from __future__ import annotations
@@ -93,8 +95,8 @@ class _Request:
     staging: int = 0
     """Staging slots reserved for the planned load's L3 pages (``LOAD_PLANNED`` only)."""
     stored: tuple[tuple[int, int, bool, int], ...] = ()
-    """This request's saves in the last two plans: plan number, page index, whether that save put
-    the page in L3, and the L2 insertion it made."""
+    """This request's saves in the last ``lag + 1`` plans: plan number, page index, whether that
+    save put the page in L3, and the L2 insertion it made."""
     load_plan: int = 0
     """The plan that ran this request's load."""
     load_insertions: dict[int, int] = attrs.Factory(dict)
@@ -122,13 +124,17 @@ class ConnectorModel:
 
     capacity: int
     staging: int = 0
+    lag: int = attrs.field(default=1, kw_only=True)
+    """How many plans an engine builds after plan N before it reports N's failed loads (1: one
+    step ahead, vLLM's async scheduling; more with a pipeline's batch queue)."""
     l2: list[PageHash] = attrs.Factory(list)
     l3: set[PageHash] = attrs.Factory(set)
     requests: dict[str, _Request] = attrs.Factory(dict)
     staging_free: int = attrs.field(default=-1)
-    """Staging slots neither reserved by an ``alloc`` nor held by one of the last two plans."""
-    staging_held: collections.deque[int] = attrs.Factory(lambda: collections.deque([0, 0]))
-    """Staging slots each of the last two plans took (oldest first)."""
+    """Staging slots neither reserved by an ``alloc`` nor held by one of the last ``lag + 1``
+    plans."""
+    staging_held: collections.deque[int] = attrs.Factory(collections.deque)
+    """Staging slots each of the last ``lag + 1`` plans took (oldest first)."""
     unbacked: list[PageHash] = attrs.Factory(list)
     """Pages in L2 whose backup failed, oldest first: the next steps put them again."""
     put_by_last_plan: set[PageHash] = attrs.Factory(set)
@@ -143,8 +149,12 @@ class ConnectorModel:
     insertions: int = 0
 
     def __attrs_post_init__(self) -> None:
+        if isinstance(self.lag, bool) or not isinstance(self.lag, int) or self.lag < 1:
+            raise MisuseError(f"ConnectorModel: lag is an int >= 1, got {self.lag!r}")
         if self.staging_free < 0:
             self.staging_free = self.staging
+        if not self.staging_held:
+            self.staging_held.extend([0] * (self.lag + 1))
 
     def _request(self, request_id: str) -> _Request:
         try:
@@ -216,8 +226,8 @@ class ConnectorModel:
         self.staging_free += self.staging_held.popleft()
         held = 0
         self.plans += 1
-        for request in self.requests.values():  # a report names this plan or the one before
-            request.stored = tuple(item for item in request.stored if item[0] == self.plans - 1)
+        for request in self.requests.values():  # a report names one of the last lag + 1 plans
+            request.stored = tuple(i for i in request.stored if i[0] >= self.plans - self.lag)
         for request_id, request in self.requests.items():
             if request.state is not RequestState.LOAD_PLANNED:
                 continue
@@ -280,13 +290,16 @@ class ConnectorModel:
     def load_failures(
         self, failed: Mapping[str, int], plan: int, recompute: Mapping[str, int] | None = None
     ) -> None:
-        """The engine's report of plan ``plan``'s failed loads (``plan`` is the last plan, or the
-        one before it when the engine schedules ahead): per request, its first page that held
+        """The engine's report of plan ``plan``'s failed loads (``plan`` is one of the last
+        ``lag + 1`` plans: an engine that schedules ahead reports late): per request, its first
+        page that held
         bad KV, and (``recompute``; default: that page) the first page the engine computes
         again for it (:meth:`load_failed`). Plans made from now on tell the worker that this
         failure is reported."""
-        if not (self.plans - 1 <= plan <= self.plans and plan >= 1):
-            raise MisuseError(f"a report of plan {plan}: the last plan is {self.plans}")
+        if not (self.plans - self.lag <= plan <= self.plans and plan >= 1):
+            raise MisuseError(
+                f"a report of plan {plan}: the last plan is {self.plans}, lag {self.lag}"
+            )
         for request_id, index in failed.items():
             resume = (recompute or {}).get(request_id, index)
             self.load_failed(request_id, index, since=plan, resume=resume)

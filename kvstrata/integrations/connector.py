@@ -11,12 +11,12 @@ it lands the request's match is ``None``.
 Slots: ``[0, capacity)`` hold L2 pages; ``[capacity, capacity + staging)`` are staging slots that L3
 reads land in before they are copied to the engine's blocks. ``alloc`` reserves a staging slot for
 each L3 page of its load and ``match`` never answers more L3 pages than there are free unreserved
-slots (a hit is a load the worker can run); a staging slot is reused only two plans after the plan
-that took it (an engine may build the next step's plan before the previous step ran). A page read
+slots (a hit is a load the worker can run); a staging slot is reused only ``lag + 1`` plans after
+the plan that took it (an engine may build the next ``lag`` plans before a step ran). A page read
 from L3 is not indexed in L2: had its read failed, the index would name bad bytes.
 
-A failed load (:meth:`ConnectorIndex.load_failures`, reported by the engine for the last plan or
-the one before it) takes back the saves the worker dropped over it and moves the request's saved
+A failed load (:meth:`ConnectorIndex.load_failures`, reported by the engine for one of the last
+``lag + 1`` plans) takes back the saves the worker dropped over it and moves the request's saved
 mark back to the first page the engine computes again.
 """
 
@@ -90,31 +90,44 @@ class _Request:
     load: tuple[PageMove, ...] = ()
     saved: int = 0
     staging: list[int] = attrs.Factory(list)  # staging slots reserved for the planned load
-    #: its saves in the last two plans: plan number, the save, the L2 insertion it made
+    #: its saves in the last lag + 1 plans: plan number, the save, the L2 insertion it made
     stored: tuple[tuple[int, PageMove, int], ...] = ()
     load_plan: int = 0  # the plan that ran its load
     load_insertions: dict[int, int] = attrs.Factory(dict)  # page its load read from L2 -> insertion
 
 
 class ConnectorIndex:
-    """The scheduler side: ``capacity`` L2 slots and ``staging`` staging slots of one host pool."""
+    """The scheduler side: ``capacity`` L2 slots and ``staging`` staging slots of one host pool;
+    ``lag``: how many plans the engine builds after a plan before it reports that plan's failed
+    loads (the model's ``lag``)."""
 
     def __init__(
-        self, capacity: int, staging: int, start_lookup: Callable[[Sequence[PageHash]], Future[int]]
+        self,
+        capacity: int,
+        staging: int,
+        start_lookup: Callable[[Sequence[PageHash]], Future[int]],
+        *,
+        lag: int = 1,
     ) -> None:
         if capacity < 1 or staging < 0:
             raise MisuseError(f"ConnectorIndex: capacity {capacity}, staging {staging}")
-        self.capacity, self.staging = capacity, staging
+        if isinstance(lag, bool) or not isinstance(lag, int) or lag < 1:
+            raise MisuseError(f"ConnectorIndex: lag is an int >= 1, got {lag!r}")
+        self.capacity, self.staging, self.lag = capacity, staging, lag
         self.start_lookup = start_lookup
         self.l2: collections.OrderedDict[PageHash, int] = collections.OrderedDict()
         self.free = list(range(capacity - 1, -1, -1))
         self.staging_free = list(range(capacity + staging - 1, capacity - 1, -1))
-        self._staging_held: collections.deque[list[int]] = collections.deque([[], []])
+        self._staging_held: collections.deque[list[int]] = collections.deque(
+            [] for _ in range(lag + 1)
+        )
         self.requests: dict[str, _Request] = {}
         self.plans = 0  # plans made (the last plan's number)
         self.reported_through = 0  # the newest plan whose failed loads were reported
-        #: the blocks the last two plans load into, by plan number (which plan a report is of)
-        self._loaded: collections.deque[tuple[int, frozenset[int]]] = collections.deque(maxlen=2)
+        #: the blocks the last lag + 1 plans load into, by plan number (which plan a report is of)
+        self._loaded: collections.deque[tuple[int, frozenset[int]]] = collections.deque(
+            maxlen=lag + 1
+        )
         #: each page L2 holds -> the number of the save that put it there (as the model's)
         self._inserted: dict[PageHash, int] = {}
         self._insertions = 0
@@ -194,8 +207,8 @@ class ConnectorIndex:
         held: list[int] = []
         loads = []
         self.plans += 1
-        for request in self.requests.values():  # a report names this plan or the one before
-            request.stored = tuple(item for item in request.stored if item[0] == self.plans - 1)
+        for request in self.requests.values():  # a report names one of the last lag + 1 plans
+            request.stored = tuple(i for i in request.stored if i[0] >= self.plans - self.lag)
         for request_id, request in self.requests.items():
             if request.state is not RequestState.LOAD_PLANNED:
                 continue
@@ -257,8 +270,8 @@ class ConnectorIndex:
         return slot, self._insertions
 
     def failed_plan(self, blocks: set[int]) -> int:
-        """Which plan a report of failed ``blocks`` is of: the newer of the last two plans that
-        loads into one of them (the last plan if neither does)."""
+        """Which plan a report of failed ``blocks`` is of: the newest of the last ``lag + 1`` plans
+        that loads into one of them (the last plan if none does)."""
         for number, loaded in reversed(self._loaded):
             if loaded & blocks:
                 return number
@@ -267,12 +280,14 @@ class ConnectorIndex:
     def load_failures(
         self, failed: Mapping[str, int], plan: int, recompute: Mapping[str, int] | None = None
     ) -> None:
-        """The engine's report of plan ``plan``'s failed loads (the last plan, or the one before
-        it): per request its first page that held bad KV and the first page the engine computes
-        again (``recompute``; default: that page), as the model's. Later plans tell the worker
-        the failure was reported (``Plan.reported_through``)."""
-        if not (self.plans - 1 <= plan <= self.plans and plan >= 1):
-            raise MisuseError(f"connector: a report of plan {plan}; the last plan is {self.plans}")
+        """The engine's report of plan ``plan``'s failed loads (one of the last ``lag + 1``
+        plans): per request its first page that held bad KV and the first page the engine
+        computes again (``recompute``; default: that page), as the model's. Later plans tell the
+        worker the failure was reported (``Plan.reported_through``)."""
+        if not (self.plans - self.lag <= plan <= self.plans and plan >= 1):
+            raise MisuseError(
+                f"connector: a report of plan {plan}; the last plan is {self.plans}, lag {self.lag}"
+            )
         for request_id, index in failed.items():
             resume = (recompute or {}).get(request_id, index)
             self.load_failed(request_id, index, since=plan, resume=resume)

@@ -14,22 +14,34 @@ An engine that plans one step ahead (vLLM's async scheduling) reports a step's f
 it built the next plan, whose saves were computed over the same bad KV: the worker keeps each
 failure (``poisoned``) until a plan says it was reported (``Plan.reported_through``) and drops
 those saves too.
+
+Pipeline parallelism (a :class:`StagePipe`): a stage computes its layers from the hidden states of
+the stages before it, so an earlier stage's failed load makes a later stage's pages of that step
+wrong too (not the other way round: a stage's KV depends on its own layers and the ones before).
+Each stage sends its loads' first failed pages (agreed over its tensor-parallel ranks) to every
+later stage when it loads, and receives every earlier stage's when it saves: a later stage saves
+only after its forward, which waited for the earlier stages' forward of the same step, so the
+message was sent before it is awaited (no collective: the stages never wait for a later one).
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import torch
 
+from kvstrata.impl.errors import InvariantViolation, MisuseError
 from kvstrata.impl.pools.host import HostKVPool
 from kvstrata.impl.storage.base import GetStatus, StorageBackend
 from kvstrata.integrations.connector import NO_FAILURE, NO_SLOT, PageMove, Plan
 from kvstrata.model.connector import RETRY_PAGES, PageSource
 from kvstrata.model.keys import Namespace, PageHash
 
-__all__ = ["BlockIO", "ConnectorWorker"]
+__all__ = ["BlockIO", "ConnectorWorker", "StagePipe", "TorchStagePipe"]
+
+log = logging.getLogger("kvstrata.integrations.connector_worker")
 
 
 class BlockIO(Protocol):
@@ -39,6 +51,66 @@ class BlockIO(Protocol):
     def read(self, blocks: Sequence[int]) -> torch.Tensor: ...
 
     def write(self, blocks: Sequence[int], kv: torch.Tensor) -> None: ...
+
+
+class StagePipe(Protocol):
+    """Pipeline parallelism: each step's failed loads, from a stage to every later stage. Every
+    stage runs every plan, in order; ``send`` never waits for a later stage."""
+
+    def send(self, plan: int, cuts: Sequence[int]) -> None:
+        """Plan ``plan``'s loads' first failed pages on this stage, to every later stage."""
+
+    def receive(self, plan: int, count: int) -> list[list[int]]:
+        """Plan ``plan``'s ``count`` first failed pages from each earlier stage (waits for them)."""
+
+
+class TorchStagePipe:
+    """A :class:`StagePipe` over a ``torch.distributed`` group of the stages (gloo: CPU tensors),
+    on a tag of its own, so it never takes a message of the engine's own traffic on that group.
+    ``ranks`` are the stages' global ranks in order; this process is stage ``stage``."""
+
+    TAG = 0x6B7673  # "kvs"
+    PENDING_WARNING = 256
+    """Sends not taken yet past which a later stage is taken not to be receiving (warned once):
+    vLLM's V1 runner with speculative decoding never runs a middle stage's ``wait_for_save``."""
+
+    def __init__(self, group: object, ranks: Sequence[int], stage: int) -> None:
+        if not 0 <= stage < len(ranks):
+            raise MisuseError(f"TorchStagePipe: stage {stage} of {len(ranks)} ranks")
+        self.group, self.ranks, self.stage = group, list(ranks), stage
+        self._sending: list[tuple[object, torch.Tensor]] = []  # (work, the buffer it sends)
+        self._warned = False
+
+    def send(self, plan: int, cuts: Sequence[int]) -> None:
+        import torch.distributed as dist  # noqa: PLC0415
+
+        self._sending = [(w, t) for w, t in self._sending if not w.is_completed()]  # type: ignore[attr-defined]
+        message = torch.tensor([plan, *cuts], dtype=torch.int64)
+        for dst in self.ranks[self.stage + 1 :]:
+            work = dist.isend(message, dst=dst, group=self.group, tag=self.TAG)  # type: ignore[arg-type]
+            self._sending.append((work, message))
+        if len(self._sending) > self.PENDING_WARNING and not self._warned:
+            self._warned = True
+            log.warning(
+                "kvstrata connector, pipeline stage %d: %d failed-load messages not taken by a "
+                "later stage (does it run wait_for_save?); they are kept until taken",
+                self.stage,
+                len(self._sending),
+            )
+
+    def receive(self, plan: int, count: int) -> list[list[int]]:
+        import torch.distributed as dist  # noqa: PLC0415
+
+        out = []
+        for src in self.ranks[: self.stage]:
+            message = torch.empty(count + 1, dtype=torch.int64)
+            dist.recv(message, src=src, group=self.group, tag=self.TAG)  # type: ignore[arg-type]
+            if int(message[0]) != plan:
+                raise InvariantViolation(
+                    "pipeline", f"stage {self.stage} got plan {int(message[0])}'s loads for {plan}"
+                )
+            out.append([int(cut) for cut in message[1:].tolist()])
+        return out
 
 
 class ConnectorWorker:
@@ -62,12 +134,18 @@ class ConnectorWorker:
         self.unbacked: dict[int, PageHash] = {}  # slot -> its page, whose backup put failed
         self.failed_puts: list[PageHash] = []  # the pages whose put failed in the last save
 
-    def load(self, plan: Plan, agree: Callable[[list[int]], list[int]] | None = None) -> set[int]:
+    def load(
+        self,
+        plan: Plan,
+        agree: Callable[[list[int]], list[int]] | None = None,
+        pipe: StagePipe | None = None,
+    ) -> set[int]:
         """Run the plan's loads; the blocks that failed (each failed page and every later page of
         its request). Nothing failed is written to a block. ``agree`` (tensor parallel: every
         rank runs the same plan) takes each load's first failed page index on this rank
         (``NO_FAILURE`` if none) and returns the least over the ranks; every rank then fails
-        from there, so no rank saves a page computed over another rank's failed load."""
+        from there, so no rank saves a page computed over another rank's failed load. ``pipe``
+        (pipeline parallel) takes them to the later stages (see the module docstring)."""
         fetched = [(request_id, moves, self._fetch(moves)) for request_id, moves in plan.loads]
         cuts = [
             moves[ok.index(False)].index if False in ok else NO_FAILURE
@@ -75,15 +153,23 @@ class ConnectorWorker:
         ]
         if agree is not None and cuts:
             cuts = agree(cuts)
-        failed: set[int] = set()
-        failed_from: dict[str, int] = {}  # request -> its first failed page
+        if pipe is not None and cuts:
+            pipe.send(plan.number, cuts)
         self._forget_reported(plan)
-        for (request_id, moves, _ok), cut in zip(fetched, cuts, strict=True):
+        for (_request_id, moves, _ok), cut in zip(fetched, cuts, strict=True):
             good = [move for move in moves if move.index < cut]
             if good:
                 kv = self.host.read_pages([move.slot for move in good])
                 self.blocks.write([move.block for move in good], kv)
                 self.loaded_pages += len(good)
+        return self._poison(plan, cuts)
+
+    def _poison(self, plan: Plan, cuts: Sequence[int]) -> set[int]:
+        """Keep plan ``plan``'s failed loads (each load's first failed page, ``cuts``) until a
+        plan says they were reported; the blocks that failed."""
+        failed: set[int] = set()
+        failed_from: dict[str, int] = {}  # request -> its first failed page
+        for (request_id, moves), cut in zip(plan.loads, cuts, strict=True):
             if cut != NO_FAILURE:
                 failed_from[request_id] = cut
                 failed.update(move.block for move in moves if move.index >= cut)
@@ -115,10 +201,15 @@ class ConnectorWorker:
         cut = ok.index(False) if False in ok else len(ok)
         return [True] * cut + [False] * (len(ok) - cut)
 
-    def save(self, plan: Plan) -> None:
+    def save(self, plan: Plan, pipe: StagePipe | None = None) -> None:
         """Put again the pages whose backup failed before (their slots still hold them; at most
         ``RETRY_PAGES``, oldest first), then copy the plan's saved blocks to their L2 slots and
-        back them up to L3. A page whose put fails waits in ``unbacked`` for the next save."""
+        back them up to L3. A page whose put fails waits in ``unbacked`` for the next save.
+        ``pipe``: the earlier stages' failed loads of this plan count as this stage's own."""
+        if pipe is not None and plan.loads:
+            earlier = pipe.receive(plan.number, len(plan.loads))
+            if earlier:
+                self._poison(plan, [min(cuts) for cuts in zip(*earlier, strict=True)])
         self.failed_puts = []
         waiting = [(s, p) for s, p in self.unbacked.items() if self.written.get(s) == p]
         self.unbacked = dict(waiting[RETRY_PAGES:])

@@ -27,9 +27,9 @@ holds the behaviour (scheduler side: :class:`ConnectorIndex`; worker side: :clas
   states. ``update_connector_output`` (called after vLLM rolled its requests back) tells the
   scheduler side (``ConnectorIndex.load_failures``) where vLLM computes each request again, so
   those pages are saved by a later step; under async scheduling the workers keep dropping saves
-  over the failure until a plan made after the report. Not covered: with pipeline parallelism a later
-  stage does not learn of an earlier stage's failed load before it saves (the stages run the step
-  one after the other, so a collective at load time would deadlock); docs/operations.md says so.
+  over the failure until a plan made after the report. With pipeline parallelism each stage sends
+  its loads' first failed pages to every later stage over vLLM's PP group's CPU group (a tag of
+  its own), and a stage drops the saves over an earlier stage's failure too (``TorchStagePipe``).
 - Keys: each worker writes under its tensor-parallel rank and its pipeline stage (a stage holds its
   own layers); the scheduler side's lookup asks for every rank's keys of every stage.
 
@@ -39,7 +39,6 @@ pages for L2, default 1024) and ``staging_pages`` (L3 read slots, default 256).
 
 from __future__ import annotations
 
-import logging
 import re
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -58,7 +57,7 @@ from kvstrata.impl.pools.host import HostKVPool
 from kvstrata.impl.pools.shape import KVShape
 from kvstrata.impl.storage.base import StorageBackend
 from kvstrata.integrations.connector import ConnectorIndex, Plan, Scheduled
-from kvstrata.integrations.connector_worker import ConnectorWorker
+from kvstrata.integrations.connector_worker import ConnectorWorker, TorchStagePipe
 from kvstrata.integrations.store import StoreOptions, open_backend
 from kvstrata.model.engines import EngineShard, HashScheme, engine_page_hash
 from kvstrata.model.keys import KVKind, PageHash
@@ -66,7 +65,6 @@ from kvstrata.model.lifecycles import RequestState
 
 __all__ = ["KvstrataConnector", "KvstrataConnectorMetadata"]
 
-log = logging.getLogger("kvstrata.integrations.vllm")
 _OWN = frozenset({"l2_pages", "staging_pages"})
 
 
@@ -171,11 +169,7 @@ class KvstrataConnector(KVConnectorBase_V1):  # type: ignore[misc]
         parallel = vllm_config.parallel_config
         self.tp_size = int(parallel.tensor_parallel_size)
         self.pp_size = int(parallel.pipeline_parallel_size)
-        if self.pp_size > 1 and getattr(vllm_config.scheduler_config, "async_scheduling", False):
-            log.warning(
-                "kvstrata vLLM connector: async scheduling with pipeline parallelism may report a "
-                "failed load more than one plan late; the connector covers one (docs/engines.md)"
-            )
+        self.lag = _report_lag(vllm_config, self.pp_size)
         self._template = EngineShard(
             HashScheme.VLLM,
             model_name=str(vllm_config.model_config.model),
@@ -190,6 +184,7 @@ class KvstrataConnector(KVConnectorBase_V1):  # type: ignore[misc]
         )
         self.index: ConnectorIndex | None = None
         self.worker: ConnectorWorker | None = None
+        self._pipe: TorchStagePipe | None = None  # the worker's, with pipeline parallelism
         self._failed: set[int] = set()
         self._computed: dict[str, int] = {}
         self._blocks: dict[str, list[int]] = {}
@@ -202,7 +197,9 @@ class KvstrataConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 for tp_rank in range(1 if mla else self.tp_size)
             ]
             self._lookups = ThreadPoolExecutor(1, thread_name_prefix="kvstrata-lookup")
-            self.index = ConnectorIndex(self.l2_pages, self.staging_pages, self._lookup)
+            self.index = ConnectorIndex(
+                self.l2_pages, self.staging_pages, self._lookup, lag=self.lag
+            )
 
     def _shard(self, tp_rank: int, pp_rank: int = 0) -> EngineShard:
         return attrs.evolve(self._template, tp_rank=tp_rank, pp_rank=pp_rank)
@@ -333,12 +330,15 @@ class KvstrataConnector(KVConnectorBase_V1):  # type: ignore[misc]
         backend = open_backend(self.options, shard.keyspace(), writer=shard.writer)
         blocks = _Blocks(kv_caches, self.num_blocks, self.shape)
         self.worker = ConnectorWorker(host, backend, shard.namespace(), blocks)
+        if self.pp_size > 1:
+            group = _group("pp")
+            self._pipe = TorchStagePipe(group.cpu_group, group.ranks, int(group.rank_in_group))
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         if self.worker is not None and isinstance(meta, KvstrataConnectorMetadata):
             agree = _agree_least if self.tp_size > 1 else None
-            self._failed |= self.worker.load(meta.plan, agree)
+            self._failed |= self.worker.load(meta.plan, agree, self._pipe)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return None  # loads complete in start_load_kv
@@ -351,7 +351,7 @@ class KvstrataConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def wait_for_save(self) -> None:
         meta = self._get_connector_metadata()
         if self.worker is not None and isinstance(meta, KvstrataConnectorMetadata):
-            self.worker.save(meta.plan)
+            self.worker.save(meta.plan, self._pipe)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         failed, self._failed = self._failed, set()
@@ -368,6 +368,17 @@ class KvstrataConnector(KVConnectorBase_V1):  # type: ignore[misc]
         for _shard, backend in getattr(self, "_probes", []):
             if backend is not None:
                 backend.close()
+
+
+def _report_lag(vllm_config: Any, pp_size: int) -> int:
+    """How many plans vLLM builds after a step's plan before it takes that step's output (its
+    engine core's batch queue holds ``max_concurrent_batches`` steps): at least 1, the one step
+    ahead of async scheduling, so a report is taken back whichever runner vLLM picked."""
+    batches = getattr(vllm_config, "max_concurrent_batches", None)
+    if not isinstance(batches, int):  # an older vLLM: its batch queue, by the same rule
+        asynchronous = bool(getattr(vllm_config.scheduler_config, "async_scheduling", False))
+        batches = pp_size + 1 if asynchronous else pp_size
+    return max(1, batches - 1)
 
 
 def _group(which: str) -> Any:

@@ -12,11 +12,13 @@ import hashlib
 import time
 from concurrent.futures import Future
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import torch
 from support.engines import require
+from support.stages import LocalStagePipes
 
 require(
     "vllm", "run scripts/engines (it builds .venv-vllm) and use .venv-vllm/bin/python -m pytest"
@@ -47,6 +49,7 @@ from vllm.v1.request import Request  # noqa: E402
 from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 
 from kvstrata.impl.storage.base import GetStatus  # noqa: E402
+from kvstrata.integrations import vllm as vllm_connector  # noqa: E402
 from kvstrata.integrations.vllm import KvstrataConnector  # noqa: E402
 from kvstrata.model.engines import HashScheme, engine_page_hash  # noqa: E402
 
@@ -105,9 +108,11 @@ class Rig:
         extra: dict[str, Any],
         scheduler: type[Scheduler] = Scheduler,
         budget: int = 1024,
+        stages: int = 1,
     ) -> None:
         init_none_hash(sha256)
         self.config = vllm_config(model_dir, extra, budget)
+        self.config.parallel_config.pipeline_parallel_size = stages
         self.config.cache_config.num_gpu_blocks = NUM_BLOCKS  # what the engine sets after profiling
         self.scheduler = scheduler(
             self.config,
@@ -154,7 +159,22 @@ class Rig:
         self.after_load = self.kv.clone()
         invalid: set[int] = self.worker.get_block_ids_with_load_errors()  # as vLLM's runner
         self.failed |= invalid
-        planned = {m.block for _r, moves in meta.plan.loads for m in moves}
+        chunks = self.compute(out, self.kv, every_block)
+        self.worker.wait_for_save()
+        self.worker.clear_connector_metadata()
+        return invalid, chunks
+
+    def compute(
+        self,
+        out: Any,
+        kv: torch.Tensor,
+        every_block: bool = False,
+        upstream: torch.Tensor | None = None,
+    ) -> set[str]:
+        """The "model" over ``kv``: the step's full blocks, each right only when the blocks before
+        it are (and, on a later pipeline stage, when the stage before it, ``upstream``, computed
+        it right); the requests whose prefill goes on after this step."""
+        planned = {m.block for _r, moves in out.kv_connector_metadata.plan.loads for m in moves}
         starts = {new.req_id: new.num_computed_tokens for new in out.scheduled_new_reqs}
         cached = out.scheduled_cached_reqs
         starts.update(zip(cached.req_ids, cached.num_computed_tokens, strict=True))
@@ -172,12 +192,12 @@ class Rig:
                 if blocks[index] in planned:  # the forward takes every planned load as done
                     continue
                 right = all(  # as in a transformer: over bad KV the block comes out wrong
-                    torch.equal(self.kv[blocks[j]], content(hashes[j])) for j in range(index)
+                    torch.equal(kv[blocks[j]], content(hashes[j])) for j in range(index)
                 )
-                self.kv[blocks[index]] = content(hashes[index]) + (0 if right else 1)
-        self.worker.wait_for_save()
-        self.worker.clear_connector_metadata()
-        return invalid, chunks
+                if upstream is not None:  # its input: the stage before's output of this block
+                    right = right and torch.equal(upstream[blocks[index]], content(hashes[index]))
+                kv[blocks[index]] = content(hashes[index]) + (0 if right else 1)
+        return chunks
 
     def report(self, out: Any, invalid: set[int], chunks: set[str]) -> None:
         """vLLM's scheduler takes the step's output (a prefill chunk samples nothing)."""
@@ -253,10 +273,12 @@ def loaded_wrong(rig: Rig, request_id: str, tokens: list[int]) -> tuple[int, lis
     raise AssertionError(f"{request_id} was never scheduled")
 
 
-def stored_wrong(rig: Rig, request_id: str) -> list[int]:
-    """The pages of the request the store holds with bytes other than its page's: each read back
-    through the worker's backend into a spare host slot, then into a spare vLLM block."""
-    worker = rig.worker.worker
+def stored_wrong(rig: Rig, request_id: str, stage: int = 0) -> list[int]:
+    """The pages of the request the store holds with bytes other than its page's (pipeline stage
+    ``stage``'s keys): each read back through that stage's backend into a spare host slot, then
+    into a spare vLLM block of that stage."""
+    connector = rig.worker if stage == 0 else rig.stages[stage]
+    worker, kv = connector.worker, rig.kv if stage == 0 else rig.kvs[stage]
     assert worker is not None and worker.backend is not None
     slot, block = worker.host.num_pages - 1, NUM_BLOCKS - 1
     wrong = []
@@ -264,7 +286,7 @@ def stored_wrong(rig: Rig, request_id: str) -> list[int]:
         page = engine_page_hash(bytes(block_hash), HashScheme.VLLM)
         if worker.backend.get(worker.namespace, [page], [slot]) == [GetStatus.LOADED]:
             worker.blocks.write([block], worker.host.read_pages([slot]))
-            if not torch.equal(rig.kv[block], content(block_hash)):
+            if not torch.equal(kv[block], content(block_hash)):
                 wrong.append(index)
     return wrong
 
@@ -521,3 +543,159 @@ def test_async_scheduling_a_request_sharing_the_failed_blocks_saves_nothing_over
     assert stored_wrong(rig, "b") == []
     computed, wrong = loaded_wrong(rig, "d", [*prompt(64), *prompt(96, salt=5), 3, 3])
     assert (computed, wrong) == (64, [])  # b's recomputed prefix; none of c's pages
+
+
+class PipelineRig(Rig):
+    """Two pipeline stages: vLLM's scheduler (``pipeline_parallel_size`` 2) as in :class:`Rig`,
+    and each stage's worker side on a paged KV of its own (its layers), keyed by its ``pp_rank``.
+    One process has no PP group: vLLM's group lookup and the gloo pipe are stood in for by the
+    stage number and in-process queues (the gloo pipe has its own test with two processes,
+    tests/unit/integrations/test_connector_failed_load.py)."""
+
+    def __init__(
+        self,
+        model_dir: Path,
+        extra: dict[str, Any],
+        monkeypatch: Any,
+        scheduler: type[Scheduler] = Scheduler,
+        budget: int = 1024,
+    ) -> None:
+        pipes, building = LocalStagePipes(2), [0]
+        monkeypatch.setattr(
+            vllm_connector,
+            "_group",
+            lambda which: SimpleNamespace(rank_in_group=building[0], cpu_group=None, ranks=[0, 1]),
+        )
+        monkeypatch.setattr(
+            vllm_connector, "TorchStagePipe", lambda group, ranks, stage: pipes.pipe(stage)
+        )
+        super().__init__(model_dir, extra, scheduler, budget, stages=2)  # stage 0's worker side
+        building[0] = 1
+        self.kvs = [self.kv, torch.zeros_like(self.kv)]
+        self.stages = [
+            self.worker,
+            KvstrataConnector(self.config, KVConnectorRole.WORKER, kv_cache_config()),
+        ]
+        self.stages[1].register_kv_caches({"layers.0.attn": self.kvs[1]})
+
+    def run(self, out: Any, every_block: bool = False) -> tuple[set[int], set[str]]:
+        """Each stage in turn loads, computes from the stage before it and saves (vLLM's
+        pipeline); the engine reports every stage's failed blocks."""
+        invalid: set[int] = set()
+        chunks: set[str] = set()
+        for stage, (worker, kv) in enumerate(zip(self.stages, self.kvs, strict=True)):
+            worker.bind_connector_metadata(out.kv_connector_metadata)
+            worker.start_load_kv(None)
+            invalid |= worker.get_block_ids_with_load_errors()
+            upstream = self.kvs[stage - 1] if stage else None
+            chunks = self.compute(out, kv, every_block, upstream)
+            worker.wait_for_save()
+            worker.clear_connector_metadata()
+        self.failed |= invalid
+        return invalid, chunks
+
+
+def test_a_later_stage_saves_nothing_over_an_earlier_stages_failed_load(
+    model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Pipeline parallelism: request b loads a prefix both stages stored, and computes two more
+    blocks in the same step; stage 0's store lost the prefix, stage 1's did not. Stage 1's own
+    load works, but its blocks 4-5 are computed from stage 0's hidden states over bad KV: they
+    must not reach stage 1's store (before the stages told each other, they did). After vLLM's
+    recompute a third request loads all six blocks right on both stages."""
+    rig = PipelineRig(
+        model_dir, {"store": "file", "path": str(tmp_path / "l3"), "l2_pages": 1}, monkeypatch
+    )
+    rig.add("a", prompt(66))
+    run_until_scheduled(rig, "a")
+    rig.step()
+    rig.scheduler.reset_prefix_cache()  # the prefix is in L3 (L2 holds only its last page)
+    rig.add("b", [*prompt(64), *prompt(32, salt=3), 5, 5])
+    lookup_landed(rig, "b")
+    stage0 = rig.stages[0].worker
+    assert stage0 is not None and stage0.backend is not None
+    for block_hash in rig.requests["b"].block_hashes[:4]:  # lost on stage 0 only
+        stage0.backend.evict(stage0.namespace, engine_page_hash(bytes(block_hash), HashScheme.VLLM))
+    out = rig.step()
+    assert "b" in out.num_scheduled_tokens and len(rig.failed) == 4
+    assert stored_wrong(rig, "b", stage=1) == []
+    for _ in range(5):  # vLLM recomputes (kv_load_failure_policy: recompute) and finishes b
+        rig.step()
+    assert "b" not in rig.scheduler.requests
+    assert stored_wrong(rig, "b", stage=0) == [] and stored_wrong(rig, "b", stage=1) == []
+    rig.scheduler.reset_prefix_cache()
+    rig.failed.clear()
+    rig.add("c", [*prompt(64), *prompt(32, salt=3), 6, 6])
+    scheduled = run_until_scheduled(rig, "c")
+    assert scheduled.num_computed_tokens == 96 and not rig.failed  # all six from kvstrata
+    hashes = rig.requests["c"].block_hashes
+    for kv in rig.kvs:
+        for index, block in enumerate(rig.block_table["c"][:6]):
+            assert torch.equal(kv[block], content(hashes[index])), f"block {index} wrong"
+
+
+def _lose_on_stage_0(rig: PipelineRig, request_id: str, pages: int) -> None:
+    """Stage 0's store loses the request's first ``pages`` pages; stage 1's keeps them."""
+    stage0 = rig.stages[0].worker
+    assert stage0 is not None and stage0.backend is not None
+    for block_hash in rig.requests[request_id].block_hashes[:pages]:
+        page = engine_page_hash(bytes(block_hash), HashScheme.VLLM)
+        stage0.backend.evict(stage0.namespace, page)
+
+
+def test_async_scheduling_a_later_stage_drops_the_next_plans_saves_too(
+    model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Pipeline parallelism under vLLM's ``AsyncScheduler``: b's four-block prefix fails to load
+    on stage 0 only, and b prefills the rest in chunks; the second chunk is scheduled before the
+    failure is reported. Stage 1 learned of stage 0's failure when it saved the first step and
+    drops the second chunk's saves too; after the recompute both stages' stores hold only right
+    bytes and a later request loads all ten blocks right on both stages."""
+    extra = {"store": "file", "path": str(tmp_path / "l3"), "l2_pages": 1}
+    first_rig = PipelineRig(model_dir, extra, monkeypatch)
+    first_rig.add("a", prompt(66))
+    run_until_scheduled(first_rig, "a")
+    first_rig.step()  # a's four pages in both stages' stores
+    for connector in first_rig.stages:
+        connector.shutdown()
+    rig = PipelineRig(model_dir, extra, monkeypatch, AsyncScheduler, 48)
+    tokens = [*prompt(64), *prompt(96, salt=3), 5, 5]
+    rig.add("b", tokens)
+    lookup_landed(rig, "b")
+    _lose_on_stage_0(rig, "b", 4)
+    first = rig.scheduler.schedule()
+    ran = rig.run(first)
+    assert len(ran[0]) == 4  # stage 0's load of the prefix failed
+    second = rig.scheduler.schedule()  # before the first step's output: b's next chunk
+    assert second.num_scheduled_tokens.get("b") == 48
+    assert second.kv_connector_metadata.plan.saves  # it plans saves over the failed prefix
+    rig.report(first, *ran)
+    run_async(rig, (second, rig.run(second)))
+    assert stored_wrong(rig, "b", stage=0) == [] and stored_wrong(rig, "b", stage=1) == []
+    assert loaded_wrong(rig, "c", [*tokens[:-2], 6, 6]) == (160, [])  # all ten, stage 0 right
+    hashes = rig.requests["c"].block_hashes
+    for index, block in enumerate(rig.block_table["c"][:10]):
+        assert torch.equal(rig.kvs[1][block], content(hashes[index])), f"stage 1 block {index}"
+
+
+@pytest.mark.parametrize(
+    ("stages", "asynchronous"), [(1, False), (1, True), (2, False), (3, False)]
+)
+def test_the_connector_takes_reports_as_late_as_vllms_batch_queue_gives_them(
+    model_dir: Path, stages: int, asynchronous: bool
+) -> None:
+    """The scheduler side's ``lag`` is vLLM's ``max_concurrent_batches`` less one (at least 1):
+    the plans its engine core builds after a step's plan before it takes that step's output."""
+    config = vllm_config(model_dir, {"store": "memory"})
+    config.parallel_config.pipeline_parallel_size = stages
+    config.scheduler_config.async_scheduling = asynchronous
+    connector = KvstrataConnector(config, KVConnectorRole.SCHEDULER, kv_cache_config())
+    assert connector.lag == max(1, config.max_concurrent_batches - 1)
+    assert (
+        connector.lag
+        == {(1, False): 1, (1, True): 1, (2, False): 1, (3, False): 2}[stages, asynchronous]
+    )
+    assert connector.index is not None and connector.index.lag == connector.lag
+    connector.shutdown()
+    older = SimpleNamespace(scheduler_config=SimpleNamespace(async_scheduling=True))  # no property
+    assert vllm_connector._report_lag(older, 2) == 2

@@ -3,20 +3,29 @@
 from __future__ import annotations
 
 import hashlib
+import json
+import logging
+import os
+import socket
+import subprocess
+import sys
 import threading
+import types
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
+from pathlib import Path
 
 import pytest
 import torch
+from support.stages import LocalStagePipes
 
 from kvstrata.impl.errors import MisuseError
 from kvstrata.impl.pools.host import HostKVPool
 from kvstrata.impl.pools.shape import KVShape
 from kvstrata.impl.storage.base import GetStatus
 from kvstrata.impl.storage.memory import MemoryBackend, MemoryStore
-from kvstrata.integrations.connector import ConnectorIndex, Plan, Scheduled
-from kvstrata.integrations.connector_worker import ConnectorWorker
+from kvstrata.integrations.connector import NO_FAILURE, ConnectorIndex, Plan, Scheduled
+from kvstrata.integrations.connector_worker import ConnectorWorker, TorchStagePipe
 from kvstrata.model.connector import ConnectorModel
 from kvstrata.model.keys import KeySpace, KVKind, ModelIdentity, Namespace, PageHash, Shard
 
@@ -256,3 +265,240 @@ def test_the_index_takes_back_exactly_what_the_model_does() -> None:
     both.report({"b": 0}, both.index.plans)  # its slot did not hold page 0
     assert PAGES[0] not in both.index.l2
     assert both.plan([("b", 4)]) == {"b": (0,)}
+
+
+# ------------------------------------------------------------------------------ pipeline stages
+def _stage(store_holds: list[int]) -> ConnectorWorker:
+    """One pipeline stage's worker on a store of its own (its own layers' keys) that holds pages
+    ``store_holds`` of the first three."""
+    worker = _worker(0, MemoryStore())
+    worker.host.write_pages([0, 1, 2], torch.full((2, 1, 3, PAGE, 1, 2), 10.0))
+    worker.backend.put(NAMESPACE, [PAGES[k] for k in store_holds], store_holds)  # type: ignore[union-attr]
+    return worker
+
+
+def test_a_later_stage_saves_nothing_computed_over_an_earlier_stages_failed_load() -> None:
+    """Stage 0's store lost page 1, stage 1's holds it: stage 1's load works, but its layers of
+    pages 3-4 were computed from stage 0's hidden states over the bad KV, so it saves neither;
+    the other way round, stage 0's pages do not depend on stage 1's layers and are kept."""
+    pipes = LocalStagePipes(2)
+    stages = [_stage([0, 2]), _stage([0, 1, 2])]
+    plan = _plan(MemoryStore())
+    assert [stages[k].load(plan, pipe=pipes.pipe(k)) for k in range(2)] == [{1, 2}, set()]
+    for k in range(2):
+        stages[k].save(plan, pipes.pipe(k))
+    assert pipes.empty() and pipes.sent == 1
+    for stage in stages:
+        assert stage.backend.exists(NAMESPACE, PAGES[3:]) == 0  # type: ignore[union-attr]
+        assert not set(stage.written.values()) & set(PAGES[3:])
+    pipes = LocalStagePipes(2)
+    stages = [_stage([0, 1, 2]), _stage([0, 2])]
+    assert [stages[k].load(plan, pipe=pipes.pipe(k)) for k in range(2)] == [set(), {1, 2}]
+    for k in range(2):
+        stages[k].save(plan, pipes.pipe(k))
+    assert stages[0].backend.get(NAMESPACE, PAGES[3:], [5, 6]) == [GetStatus.LOADED] * 2  # type: ignore[union-attr]
+    assert stages[1].backend.exists(NAMESPACE, PAGES[3:]) == 0  # type: ignore[union-attr]
+
+
+def test_a_later_stage_drops_the_next_plans_saves_until_the_report() -> None:
+    """Async scheduling under pipeline parallelism: the plan after stage 0's failed load is made
+    before the report; stage 1 learned of the failure when it saved the first plan and drops
+    the second plan's saves over it too, then forgets it once a plan says it was reported."""
+    pipes = LocalStagePipes(2)
+    stages = [_stage([0, 2]), _stage([0, 1, 2])]
+    index = _index()
+    index.new_request("a", PAGES)
+    assert index.match("a", 0, 5) == 3
+    index.alloc("a", 0, [0, 1, 2], 5)
+    first = index.plan([Scheduled("a", 4, (0, 1, 2, 3, 4))])
+    second = index.plan([Scheduled("a", 5, (0, 1, 2, 3, 4))])
+    for plan in (first, second):
+        for k, stage in enumerate(stages):
+            stage.load(plan, pipe=pipes.pipe(k))
+            stage.save(plan, pipes.pipe(k))
+    assert stages[1].backend.exists(NAMESPACE, PAGES[3:]) == 0  # type: ignore[union-attr]
+    assert [number for number, _blocks, _from in stages[1].poisoned] == [1]
+    index.load_failures({"a": 1}, 1)
+    third = index.plan([Scheduled("a", 5, (0, 1, 2, 3, 4))])
+    assert [m.index for _r, moves in third.saves for m in moves] == [1, 2, 3, 4]
+    for k, stage in enumerate(stages):
+        stage.load(third, pipe=pipes.pipe(k))  # nothing to load: nothing sent
+        stage.save(third, pipes.pipe(k))
+        assert not stage.poisoned
+    assert pipes.empty() and pipes.sent == 1  # only the first plan loads
+    assert stages[1].backend.exists(NAMESPACE, PAGES[:5]) == 5  # type: ignore[union-attr]
+
+
+STAGE = r"""
+import datetime, json, sys
+import torch
+import torch.distributed as dist
+sys.path[:0] = sys.argv[2:4]  # this test's folder, and tests/ (its support package)
+import test_connector_failed_load as t
+from kvstrata.impl.errors import InvariantViolation
+from kvstrata.integrations.connector import NO_FAILURE
+from kvstrata.integrations.connector_worker import TorchStagePipe
+
+spec = json.loads(sys.argv[1])
+rank = spec["rank"]  # global ranks 0 and 2 are the two stages; rank 1 stands by (another TP rank)
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{spec['port']}", rank=rank,
+                        world_size=3, timeout=datetime.timedelta(seconds=60))
+group = dist.new_group([0, 2], backend="gloo")  # the PP group: group ranks are not global ones
+if rank == 1:
+    dist.barrier()
+    print(json.dumps({"rank": 1}), flush=True)
+    dist.destroy_process_group()
+    sys.exit(0)
+stage = rank // 2
+pipe = TorchStagePipe(group, [0, 2], stage)
+chains = [[t.PageHash(bytes([k, i]) * 16) for i in range(5)] for k in range(3)]
+keys = t.KeySpace(t.ModelIdentity("t", "float32", t.KVKind.MHA, t.PAGE))
+host = t.HostKVPool(t.SHAPE, 20, "page_first_direct")  # 8 L2 slots, 12 staging slots
+backend = t.MemoryBackend(keys, store=t.MemoryStore())  # this stage's own store:
+worker = t.ConnectorWorker(host, backend, t.NAMESPACE, t.Blocks(1.0 + stage))
+for chain in chains:  # pages 0-2 of each chain, less page 1 on stage 0
+    worker.host.write_pages([0, 1, 2], torch.full((2, 1, 3, t.PAGE, 1, 2), 10.0))
+    held = [0, 2] if stage == 0 else [0, 1, 2]
+    worker.backend.put(t.NAMESPACE, [chain[i] for i in held], held)
+done = t.Future()
+done.set_result(3)
+index = t.ConnectorIndex(capacity=8, staging=12, start_lookup=lambda pages: done)
+plans = []  # the scheduler's plans reach every stage alike
+for k, chain in enumerate(chains):  # three requests, each loading pages 0-2 from L3
+    index.new_request(f"r{k}", chain)
+    assert index.match(f"r{k}", 0, 5) == 3
+    index.alloc(f"r{k}", 0, [5 * k, 5 * k + 1, 5 * k + 2], 5)
+    plans.append(index.plan([t.Scheduled(f"r{k}", 5, tuple(range(5 * k, 5 * k + 5)))]))
+if stage == 0:  # all three plans loaded (and sent) before stage 1 takes any: no wait
+    failed = [sorted(worker.load(plan, pipe=pipe)) for plan in plans]
+    for plan in plans:
+        worker.save(plan, pipe)
+    dist.send(torch.tensor([7]), dst=2, group=group)  # the engine's own traffic, tag 0
+    pipe.send(99, [NO_FAILURE])  # a plan the later stage does not run next
+    mismatch = None
+else:
+    got = torch.zeros(1, dtype=torch.int64)
+    dist.recv(got, src=0, group=group)  # sent after the pipe's messages: not taken in their place
+    failed = []
+    for plan in plans:
+        failed.append(sorted(worker.load(plan, pipe=pipe)))
+        worker.save(plan, pipe)
+    assert int(got) == 7
+    try:
+        pipe.receive(100, 1)
+        mismatch = "accepted"
+    except InvariantViolation as error:
+        mismatch = str(error)
+saved = [worker.backend.exists(t.NAMESPACE, chain) for chain in chains]
+print(json.dumps({"stage": stage, "failed": failed, "saved": saved, "mismatch": mismatch,
+                  "poisoned": [p[0] for p in worker.poisoned]}), flush=True)
+dist.barrier()
+dist.destroy_process_group()
+"""
+
+
+def test_the_torch_pipe_carries_each_plans_failures_to_the_later_stage(tmp_path: Path) -> None:
+    """Two stage processes (global ranks 0 and 2 of three: a PP group's ranks are not its group
+    ranks) joined by gloo: stage 0 loads (and sends) three plans before stage 1 takes any, and
+    sends a tag-0 message of its own after them; stage 1 gets that message first, then each
+    plan's failed loads in order, and saves nothing over them. A message of another plan than
+    the one asked for is an invariant violation, never applied."""
+    script = tmp_path / "stage.py"
+    script.write_text(STAGE)
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    here = Path(__file__).resolve().parent
+    paths = [str(here), str(here.parents[1])]  # this test's folder, and tests/ (its support)
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(script), json.dumps({"rank": k, "port": port}), *paths],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        for k in range(3)
+    ]
+    reports = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=120)
+        assert proc.returncode == 0, err[-3000:]
+        reports.append(json.loads(out.splitlines()[-1]))
+    reports = [reports[0], reports[2]]  # the two stages
+    assert "got plan 99's loads for 100" in reports[1]["mismatch"]
+    assert reports[0]["failed"] == [[1, 2], [6, 7], [11, 12]]
+    assert reports[1]["failed"] == [[], [], []]  # its own loads worked
+    assert reports[1]["saved"] == [3, 3, 3]  # its store's pages 0-2; 3-4 never saved
+    assert reports[0]["saved"] == [1, 1, 1]
+    assert reports[1]["poisoned"] == [1, 2, 3]
+
+
+def test_a_report_two_plans_late_is_matched_to_its_plan_and_no_save_over_it_is_kept() -> None:
+    """vLLM's batch queue of three steps (two pipeline stages under async scheduling; the
+    review's case): a's load fails in plan 1 and b's in plan 2; plan 1's report comes when three
+    plans were made, plan 2's when four were. Each report is matched to its own plan, so the
+    worker keeps b's failure until plan 2 is reported and saves none of b's pages computed over
+    it (with the index of two plans, plan 1's report was taken as plan 3's and b's pages 5-6
+    reached the store in plan 4)."""
+    chains = [[PageHash(bytes([k, i]) * 16) for i in range(7)] for k in range(2)]
+    keys = KeySpace(ModelIdentity("t", "float32", KVKind.MHA, PAGE))
+    worker = ConnectorWorker(
+        HostKVPool(SHAPE, 20, "page_first_direct"),
+        MemoryBackend(keys, store=MemoryStore()),
+        NAMESPACE,
+        Blocks(1.0),
+    )
+    for chain in chains:  # the store holds pages 0 and 2 of each chain: page 1 was lost
+        worker.host.write_pages([0, 2], torch.full((2, 1, 2, PAGE, 1, 2), 10.0))
+        worker.backend.put(NAMESPACE, [chain[0], chain[2]], [0, 2])  # type: ignore[union-attr]
+    done: Future[int] = Future()
+    done.set_result(3)  # the lookups ran before the store lost page 1
+    index = ConnectorIndex(capacity=8, staging=12, start_lookup=lambda pages: done, lag=2)
+    a_blocks, b_blocks = (0, 1, 2, 3, 4), (5, 6, 7, 8, 9, 10, 11)
+    for request_id, chain in (("a", chains[0][:5]), ("b", chains[1])):
+        index.new_request(request_id, chain)
+        assert index.match(request_id, 0, len(chain)) == 3
+    index.alloc("a", 0, a_blocks[:3], 5)
+    plans = [index.plan([Scheduled("a", 5, a_blocks)])]
+    index.alloc("b", 0, b_blocks[:3], 7)
+    plans.append(index.plan([Scheduled("b", 4, b_blocks)]))
+    plans.append(index.plan([Scheduled("b", 5, b_blocks)]))
+    failed = [worker.load(plan) for plan in plans]
+    for plan in plans:
+        worker.save(plan)
+    assert failed[:2] == [{1, 2}, {6, 7}]
+    assert index.failed_plan(failed[0]) == 1  # three plans made: the oldest is still known
+    index.load_failures({"a": 1}, 1)
+    plans.append(index.plan([Scheduled("b", 7, b_blocks)]))  # b's pages 5-6, over its failure
+    assert plans[-1].reported_through == 1
+    worker.load(plans[-1])
+    worker.save(plans[-1])
+    assert worker.backend.exists(NAMESPACE, chains[1]) == 1  # type: ignore[union-attr]
+    assert not set(worker.written.values()) & set(chains[1][1:])
+    assert index.failed_plan(failed[1]) == 2
+    index.load_failures({"b": 1}, 2)
+    assert [
+        m.index for _r, moves in index.plan([Scheduled("b", 7, b_blocks)]).saves for m in moves
+    ] == [1, 2, 3, 4, 5, 6]
+    with pytest.raises(MisuseError):
+        ConnectorIndex(capacity=8, staging=1, start_lookup=lambda pages: done, lag=0)
+
+
+def test_the_torch_pipe_warns_once_when_a_later_stage_takes_nothing(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A later stage that never runs ``wait_for_save`` (vLLM's V1 runner with speculative
+    decoding, middle stages) leaves every send pending: the buffers are kept (a send in flight
+    reads them) and one warning says so."""
+    pending = types.SimpleNamespace(is_completed=lambda: False)
+    monkeypatch.setattr(torch.distributed, "isend", lambda *args, **kwargs: pending)
+    pipe = TorchStagePipe(None, [0, 1], 0)
+    with caplog.at_level(logging.WARNING, "kvstrata.integrations.connector_worker"):
+        for plan in range(1, 2 * TorchStagePipe.PENDING_WARNING):
+            pipe.send(plan, [NO_FAILURE])
+    assert len(caplog.records) == 1 and "not taken by a later stage" in caplog.text
+    assert len(pipe._sending) == 2 * TorchStagePipe.PENDING_WARNING - 1
+    with pytest.raises(MisuseError):
+        TorchStagePipe(None, [0, 1], 2)

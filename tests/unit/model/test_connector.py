@@ -188,3 +188,34 @@ def test_a_failed_read_of_an_l2_page_takes_it_out_of_l2() -> None:
     model.load_failures({"b": 0}, plan.number)  # slot 0 did not hold page 0
     assert PAGES[0] not in model.l2 and PAGES[1] in model.l2
     assert model.plan([("b", 4)]).saves["b"] == (0,)
+
+
+def test_a_report_lag_plans_behind_takes_back_every_plan_since() -> None:
+    """A pipeline's batch queue (``lag`` 2): plans 2 and 3 are made before plan 1's failed load
+    is reported; the report takes back all three plans' saves over the failure, and staging
+    slots stay held for three plans. A report three plans behind is misuse."""
+    model = ConnectorModel(capacity=8, staging=4, lag=2)
+    _stored(model, 3)
+    model.l2.clear()
+    model.new_request("a", PAGES[:7])
+    model.answer("a")
+    model.alloc("a", 0, 3, 7)
+    assert model.staging_free == 1
+    first = model.plan([("a", 4)])
+    second = model.plan([("a", 5)])
+    assert model.staging_free == 1  # the load's three slots are held by the plan that took them
+    third = model.plan([("a", 7)])
+    assert [p.saves["a"] for p in (first, second, third)] == [(3,), (4,), (5, 6)]
+    model.load_failures({"a": 1}, first.number)
+    assert not set(PAGES[3:7]) & (set(model.l2) | model.l3)
+    fourth = model.plan([("a", 7)])
+    assert model.staging_free == 4
+    assert (fourth.reported_through, fourth.saves["a"]) == (first.number, (1, 2, 3, 4, 5, 6))
+    model.plan([])
+    model.plan([])
+    with pytest.raises(MisuseError):
+        model.load_failures({}, fourth.number - 1)  # three plans back
+    model.check()
+    for lag in (0, -1, True, 1.5):
+        with pytest.raises(MisuseError):
+            ConnectorModel(capacity=8, lag=lag)  # type: ignore[arg-type]
