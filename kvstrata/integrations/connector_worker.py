@@ -10,10 +10,10 @@ over bad KV: the worker drops the request's saves from its first failed page on 
 first failed page agreed by every rank: a rank whose own load went well computed its pages from the
 failed rank's hidden states), and the index takes them back once the engine reports the failure.
 
-An engine that plans one step ahead (vLLM's async scheduling) reports a step's failed loads after
-it built the next plan, whose saves were computed over the same bad KV: the worker keeps each
-failure (``poisoned``) until a plan says it was reported (``Plan.reported_through``) and drops
-those saves too.
+An engine that plans ahead (vLLM's async scheduling, its pipeline's batch queue) reports a step's
+failed loads after it built the next plans (up to the index's ``lag``), whose saves were computed
+over the same bad KV: the worker keeps each failure (``poisoned``) until a plan says it was
+reported (``Plan.reported_through``) and drops those saves too.
 
 Pipeline parallelism (a :class:`StagePipe`): a stage computes its layers from the hidden states of
 the stages before it, so an earlier stage's failed load makes a later stage's pages of that step

@@ -26,10 +26,12 @@ holds the behaviour (scheduler side: :class:`ConnectorIndex`; worker side: :clas
   that loads), since a rank whose own load went well still computes from the failed rank's hidden
   states. ``update_connector_output`` (called after vLLM rolled its requests back) tells the
   scheduler side (``ConnectorIndex.load_failures``) where vLLM computes each request again, so
-  those pages are saved by a later step; under async scheduling the workers keep dropping saves
-  over the failure until a plan made after the report. With pipeline parallelism each stage sends
-  its loads' first failed pages to every later stage over vLLM's PP group's CPU group (a tag of
-  its own), and a stage drops the saves over an earlier stage's failure too (``TorchStagePipe``).
+  those pages are saved by a later step; vLLM builds up to ``max_concurrent_batches - 1`` plans
+  before it reports a step (async scheduling, the pipeline's batch queue: the index's ``lag``), and
+  the workers keep dropping saves over the failure until a plan made after the report. With
+  pipeline parallelism each stage sends its loads' first failed pages to every later stage over
+  vLLM's PP group's CPU group (a tag of its own), and a stage drops the saves over an earlier
+  stage's failure too (``TorchStagePipe``).
 - Keys: each worker writes under its tensor-parallel rank and its pipeline stage (a stage holds its
   own layers); the scheduler side's lookup asks for every rank's keys of every stage.
 
@@ -375,7 +377,8 @@ def _report_lag(vllm_config: Any, pp_size: int) -> int:
     engine core's batch queue holds ``max_concurrent_batches`` steps): at least 1, the one step
     ahead of async scheduling, so a report is taken back whichever runner vLLM picked."""
     batches = getattr(vllm_config, "max_concurrent_batches", None)
-    if not isinstance(batches, int):  # an older vLLM: its batch queue, by the same rule
+    if not isinstance(batches, int):  # an older vLLM: 0.33's rule, which may count one more
+        # plan than its queue held (a larger lag only keeps saves and staging slots longer)
         asynchronous = bool(getattr(vllm_config.scheduler_config, "async_scheduling", False))
         batches = pp_size + 1 if asynchronous else pp_size
     return max(1, batches - 1)

@@ -139,17 +139,23 @@ class ConnectorDifferential(RuleBasedStateMachine):
 
     def _in_store(self, pages: Sequence[PageHash]) -> int:
         """The lookup's answer: the consecutive pages every stage's store holds. With stages, the
-        model's L3 (one set) is first taken from the stores: a page one stage's store lost and
-        another kept, then stored again by the stage that lost it (over a later stage's failed
-        load, which takes the save back in the model), is held by every store while the model
-        took it out. The single-stage machine checks the model's own L3 against the lookup."""
+        model's L3 (one set) may trail the stores, never lead them: a page one stage's store
+        lost while another kept it, then stored again by the stage that lost it (over a later
+        stage's failed load, which takes the save back in the model), is held by every store
+        while the model took it out. Such pages are added to the model's L3 first; a page the
+        model holds and a store lacks is still a failure. The single-stage machine checks the
+        model's own L3 against the lookup."""
         if self.STAGES > 1:
-            self.model.l3 = {
+            held = {
                 page
                 for chain in CHAINS
                 for page in chain
                 if all(probe.exists(NAMESPACE, [page]) for probe in self.probes)
             }
+            assert self.model.l3 <= held, "a page the model backed up is missing from a store"
+            if held - self.model.l3:
+                event("a page every stage's store holds, taken back in the model")
+            self.model.l3 |= held
         return min(probe.exists(NAMESPACE, pages) for probe in self.probes)
 
     def _lose(self, page: PageHash, data: st.DataObject | None = None) -> None:

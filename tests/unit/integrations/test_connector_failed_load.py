@@ -300,6 +300,33 @@ def test_a_later_stage_saves_nothing_computed_over_an_earlier_stages_failed_load
     assert stages[1].backend.exists(NAMESPACE, PAGES[3:]) == 0  # type: ignore[union-attr]
 
 
+def test_with_three_stages_each_drops_from_the_first_failure_at_or_before_it() -> None:
+    """Three stages: a middle stage both takes and sends. Stage 1's store lost page 2 and stage
+    0's page 1: stage 0 keeps its pages 3-4, stage 1 and stage 2 drop theirs (the least of the
+    failures before them: page 1), and stage 2 takes a message from each earlier stage."""
+    pipes = LocalStagePipes(3)
+    stages = [_stage([0, 2]), _stage([0, 1]), _stage([0, 1, 2])]
+    plan = _plan(MemoryStore())
+    failed = [stages[k].load(plan, pipe=pipes.pipe(k)) for k in range(3)]
+    assert failed == [{1, 2}, {2}, set()]
+    for k in range(3):
+        stages[k].save(plan, pipes.pipe(k))
+    assert pipes.empty() and pipes.sent == 3
+    assert stages[0].backend.exists(NAMESPACE, PAGES[3:]) == 0  # type: ignore[union-attr]
+    assert [cuts for _n, _b, cuts in stages[1].poisoned] == [{"a": 2}, {"a": 1}]  # own, stage 0's
+    assert [cuts for _n, _b, cuts in stages[2].poisoned] == [{"a": 1}]  # the least before it
+    for stage in stages[1:]:
+        assert stage.backend.exists(NAMESPACE, PAGES[3:]) == 0  # type: ignore[union-attr]
+    pipes = LocalStagePipes(3)
+    stages = [_stage([0, 1, 2]), _stage([0, 2]), _stage([0, 1, 2])]
+    assert [stages[k].load(plan, pipe=pipes.pipe(k)) for k in range(3)] == [set(), {1, 2}, set()]
+    for k in range(3):
+        stages[k].save(plan, pipes.pipe(k))
+    assert stages[0].backend.get(NAMESPACE, PAGES[3:], [5, 6]) == [GetStatus.LOADED] * 2  # type: ignore[union-attr]
+    for stage in stages[1:]:
+        assert stage.backend.exists(NAMESPACE, PAGES[3:]) == 0  # type: ignore[union-attr]
+
+
 def test_a_later_stage_drops_the_next_plans_saves_until_the_report() -> None:
     """Async scheduling under pipeline parallelism: the plan after stage 0's failed load is made
     before the report; stage 1 learned of the failure when it saved the first plan and drops

@@ -205,6 +205,7 @@ def test_a_report_lag_plans_behind_takes_back_every_plan_since() -> None:
     second = model.plan([("a", 5)])
     assert model.staging_free == 1  # the load's three slots are held by the plan that took them
     third = model.plan([("a", 7)])
+    assert model.staging_free == 1  # still held: the first plan's slots come back with the fourth
     assert [p.saves["a"] for p in (first, second, third)] == [(3,), (4,), (5, 6)]
     model.load_failures({"a": 1}, first.number)
     assert not set(PAGES[3:7]) & (set(model.l2) | model.l3)
