@@ -146,17 +146,16 @@ class ConnectorWorker:
         (``NO_FAILURE`` if none) and returns the least over the ranks; every rank then fails
         from there, so no rank saves a page computed over another rank's failed load. ``pipe``
         (pipeline parallel) takes them to the later stages (see the module docstring)."""
-        fetched = [(request_id, moves, self._fetch(moves)) for request_id, moves in plan.loads]
+        fetched = [(moves, self._fetch(moves)) for _request_id, moves in plan.loads]
         cuts = [
-            moves[ok.index(False)].index if False in ok else NO_FAILURE
-            for _request_id, moves, ok in fetched
+            moves[ok.index(False)].index if False in ok else NO_FAILURE for moves, ok in fetched
         ]
         if agree is not None and cuts:
             cuts = agree(cuts)
         if pipe is not None and cuts:
             pipe.send(plan.number, cuts)
         self._forget_reported(plan)
-        for (_request_id, moves, _ok), cut in zip(fetched, cuts, strict=True):
+        for (_request_id, moves), cut in zip(plan.loads, cuts, strict=True):
             good = [move for move in moves if move.index < cut]
             if good:
                 kv = self.host.read_pages([move.slot for move in good])

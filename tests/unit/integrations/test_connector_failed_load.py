@@ -59,13 +59,18 @@ def _index() -> ConnectorIndex:
     return ConnectorIndex(capacity=4, staging=4, start_lookup=lambda pages: done)
 
 
-def _worker_page_lost(lost: int) -> ConnectorWorker:
-    """Rank 0's worker on a fresh store holding pages 0-2, less page ``lost``."""
+def _stage(store_holds: list[int]) -> ConnectorWorker:
+    """Rank 0's worker (or one pipeline stage's) on a store of its own that holds pages
+    ``store_holds`` of the first three."""
     worker = _worker(0, MemoryStore())
     worker.host.write_pages([0, 1, 2], torch.full((2, 1, 3, PAGE, 1, 2), 10.0))
-    worker.backend.put(NAMESPACE, PAGES[:3], [0, 1, 2])  # type: ignore[union-attr]
-    worker.backend.evict(NAMESPACE, PAGES[lost])  # type: ignore[union-attr]
+    worker.backend.put(NAMESPACE, [PAGES[k] for k in store_holds], store_holds)  # type: ignore[union-attr]
     return worker
+
+
+def _worker_page_lost(lost: int) -> ConnectorWorker:
+    """Rank 0's worker on a fresh store holding pages 0-2, less page ``lost``."""
+    return _stage([k for k in range(3) if k != lost])
 
 
 def _plan(store: MemoryStore) -> Plan:
@@ -268,15 +273,6 @@ def test_the_index_takes_back_exactly_what_the_model_does() -> None:
 
 
 # ------------------------------------------------------------------------------ pipeline stages
-def _stage(store_holds: list[int]) -> ConnectorWorker:
-    """One pipeline stage's worker on a store of its own (its own layers' keys) that holds pages
-    ``store_holds`` of the first three."""
-    worker = _worker(0, MemoryStore())
-    worker.host.write_pages([0, 1, 2], torch.full((2, 1, 3, PAGE, 1, 2), 10.0))
-    worker.backend.put(NAMESPACE, [PAGES[k] for k in store_holds], store_holds)  # type: ignore[union-attr]
-    return worker
-
-
 def test_a_later_stage_saves_nothing_computed_over_an_earlier_stages_failed_load() -> None:
     """Stage 0's store lost page 1, stage 1's holds it: stage 1's load works, but its layers of
     pages 3-4 were computed from stage 0's hidden states over the bad KV, so it saves neither;

@@ -22,15 +22,15 @@ def _stored(model: ConnectorModel, pages: int) -> None:
     model.finish("warm")
 
 
-def _loading_from_l3() -> ConnectorModel:
-    """8 L2 slots, 4 staging slots; pages 0-2 in L3 only, and request "a" (pages 0-5) with its
-    load of them planned."""
-    model = ConnectorModel(capacity=8, staging=4)
-    _stored(model, 3)
+def _loading_from_l3(stored: int = 3, pages: int = 6, lag: int = 1) -> ConnectorModel:
+    """8 L2 slots, 4 staging slots; pages ``0 .. stored - 1`` in L3 only, and request "a" (its
+    first ``pages`` pages) with its load of them planned."""
+    model = ConnectorModel(capacity=8, staging=4, lag=lag)
+    _stored(model, stored)
     model.l2.clear()
-    model.new_request("a", PAGES[:6])
+    model.new_request("a", PAGES[:pages])
     model.answer("a")
-    model.alloc("a", 0, 3, 6)
+    model.alloc("a", 0, stored, pages)
     return model
 
 
@@ -77,12 +77,7 @@ def test_a_failed_load_takes_back_the_saves_of_its_step() -> None:
 
 
 def test_a_failed_load_is_reported_for_a_running_request_and_one_of_its_pages() -> None:
-    model = ConnectorModel(capacity=8, staging=4)
-    _stored(model, 2)
-    model.l2.clear()
-    model.new_request("a", PAGES[:4])
-    model.answer("a")
-    model.alloc("a", 0, 2, 4)
+    model = _loading_from_l3(stored=2, pages=4)
     with pytest.raises(MisuseError):
         model.load_failed("a", 0)  # not planned yet
     model.plan([("a", 4)])
@@ -194,12 +189,7 @@ def test_a_report_lag_plans_behind_takes_back_every_plan_since() -> None:
     """A pipeline's batch queue (``lag`` 2): plans 2 and 3 are made before plan 1's failed load
     is reported; the report takes back all three plans' saves over the failure, and staging
     slots stay held for three plans. A report three plans behind is misuse."""
-    model = ConnectorModel(capacity=8, staging=4, lag=2)
-    _stored(model, 3)
-    model.l2.clear()
-    model.new_request("a", PAGES[:7])
-    model.answer("a")
-    model.alloc("a", 0, 3, 7)
+    model = _loading_from_l3(pages=7, lag=2)
     assert model.staging_free == 1
     first = model.plan([("a", 4)])
     second = model.plan([("a", 5)])
