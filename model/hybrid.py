@@ -74,6 +74,7 @@ __all__ = [
     "hybrid_exists",
     "is_usable",
     "pool_boundary",
+    "pool_segment",
     "side_components",
     "side_page_keys",
     "side_rendered",
@@ -89,6 +90,7 @@ KV_POOL = "kv"
 Probe = Callable[[int], bool]
 
 _NAME_RE = re.compile(r"[a-z][a-z0-9_]*\Z")
+_LAYOUT_RE = re.compile(r"[0-9a-z]{1,32}\Z")
 
 
 class HitPolicy(enum.Enum):
@@ -115,6 +117,23 @@ def _check_components(_instance: object, _attribute: object, value: tuple[str, .
         raise MisuseError(f"component names must be distinct, got {value!r}")
 
 
+def pool_segment(name: str, layout: str = "") -> str:
+    """A pool's segment in store keys: ``name``, or ``name.layout`` when its entries carry a layout
+    token (:attr:`SidePool.layout`), so two layouts of one pool name never share a key. ``name``
+    matches ``[a-z][a-z0-9_]*``, ``layout`` is empty or 1-32 of ``[0-9a-z]`` (:class:`MisuseError`
+    otherwise)."""
+    if not isinstance(name, str) or not _NAME_RE.match(name):
+        raise MisuseError(f"a pool name must match [a-z][a-z0-9_]*, got {name!r}")
+    if not isinstance(layout, str) or (layout and not _LAYOUT_RE.match(layout)):
+        raise MisuseError(f"a pool layout is empty or 1-32 of [0-9a-z], got {layout!r}")
+    return f"{name}.{layout}" if layout else name
+
+
+def _check_layout(_instance: object, _attribute: object, value: str) -> None:
+    if not isinstance(value, str) or (value and not _LAYOUT_RE.match(value)):
+        raise MisuseError(f"a side pool layout is empty or 1-32 of [0-9a-z], got {value!r}")
+
+
 def _to_components(value: Iterable[str]) -> tuple[str, ...]:
     if isinstance(value, str):
         raise MisuseError(f"components is a sequence of names, got the string {value!r}")
@@ -126,14 +145,31 @@ class SidePool:
     """One side pool of a hybrid model: its name in store keys, hit policy and components.
 
     Invariants: ``name`` and every component match ``[a-z][a-z0-9_]*``; ``name`` is not the
-    anchor pool ``"kv"``; ``components`` is non-empty and has no repeats. A page of the pool
-    exists only if *all* the store objects of its entry exist (:func:`side_components`: one per
-    component under key schema 1, the one ``page`` object under schema 2).
+    anchor pool ``"kv"``; ``components`` is non-empty and has no repeats; ``layout`` is empty or
+    1-32 of ``[0-9a-z]``. A page of the pool exists only if *all* the store objects of its entry
+    exist (:func:`side_components`: one per component under key schema 1, the one ``page`` object
+    under schema 2).
+
+    ``layout`` names how an entry's bytes are laid out (each component's dtype and shape, in
+    order): the model identity fixes the KV pool's layout, but not a side pool's (an engine may
+    keep a Mamba state's SSM buffer in float32, bfloat16 or float16 for the same model). It is
+    part of the pool's key segment (:attr:`segment`), so two pools of one name whose entries are
+    laid out differently never read each other's objects, even when the entries have the same
+    size. The model treats it as an opaque token; the implementation derives it from the pool's
+    shapes and dtypes (``kvstrata.impl.pools.side.side_layout``).
     """
 
     name: str = attrs.field(validator=_check_pool_name)
     policy: HitPolicy = attrs.field(validator=attrs.validators.instance_of(HitPolicy))
     components: tuple[str, ...] = attrs.field(converter=_to_components, validator=_check_components)
+    layout: str = attrs.field(default="", kw_only=True, validator=_check_layout)
+
+    @property
+    def segment(self) -> str:
+        """The pool's segment in store keys: ``name``, or ``name.layout`` (:func:`pool_segment`;
+        both fields were checked when the pool was made, so nothing is checked again here: this
+        runs once per page on the store paths)."""
+        return f"{self.name}.{self.layout}" if self.layout else self.name
 
 
 def _check_count(name: str, value: int) -> None:
@@ -236,12 +272,13 @@ def side_page_keys(
     keys: KeySpace, namespace: Namespace, pool: SidePool, page_hash: PageHash
 ) -> tuple[StoreKey, ...]:
     """The store keys of every object of ``pool``'s entry for one page (:func:`side_components`
-    of the key space's schema, in that order), rendered by ``keys``.
+    of the key space's schema, in that order), rendered by ``keys`` under the pool's key segment
+    (:attr:`SidePool.segment`: its name, and its layout when it has one).
 
     For a ``TRAILING_PAGES`` pool, ``page_hash`` is the hash of the last page of the prefix the
     state belongs to.
     """
-    return keys.component_keys(namespace, pool.name, side_components(keys, pool), page_hash)
+    return keys.component_keys(namespace, pool.segment, side_components(keys, pool), page_hash)
 
 
 def side_rendered(
@@ -249,7 +286,7 @@ def side_rendered(
 ) -> RenderedKeys:
     """:func:`side_page_keys` of every page of ``pages``, page-major, as one batch of text (what a
     store call on many entries sends; issue 20: no object per key)."""
-    return keys.rendered(namespace, pages, pool.name, side_components(keys, pool))
+    return keys.rendered(namespace, pages, pool.segment, side_components(keys, pool))
 
 
 def check_side_pools(side_pools: Sequence[SidePool]) -> None:

@@ -104,14 +104,17 @@ def check_i1_keys(cache: CacheView) -> None:
     """I1: every key in the store was built by the one schema function and parses back (prevents
     the double tag: a key tagged twice never parses, and every lookup of it would miss), and lies
     in this cache's key space: its model, shard, tag and schema version, and a pool of this cache
-    with one of the objects that pool's entry is under that version (the KV components, or a side
-    pool's :func:`~kvstrata.model.hybrid.side_components`)."""
+    (by its key segment, so a side pool's layout included) with one of the objects that pool's
+    entry is under that version (the KV components, or a side pool's
+    :func:`~kvstrata.model.hybrid.side_components`)."""
     keys = cache.config.keys
     store = cache.store
     # the objects each pool's entry is stored as under the key space's schema version
     objects = {} if keys is None else {KV_POOL: keys.components}
     if keys is not None:
-        objects.update({pool.name: side_components(keys, pool) for pool in cache.config.side_pools})
+        objects.update(
+            {pool.segment: side_components(keys, pool) for pool in cache.config.side_pools}
+        )
     for key in [
         *(k for k, _ in store.visible_items()),
         *store.writing_keys(),

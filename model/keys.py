@@ -21,15 +21,14 @@ versions never answer each other's lookups)
        :func:`kvstrata.model.hybrid.side_components`); an embedding is one ``emb`` object under
        either version, where only the version segment differs.
 
-    A :class:`KeySpace` picks one (``schema``, default :data:`SCHEMA_VERSION`); every instance that
-    shares a key space shares that choice.
+    A :class:`KeySpace` picks one (``schema``, default :data:`SCHEMA_VERSION`) for all who share it.
 
 Rendered form, one path segment per field, each percent-escaped::
 
     kvs<version>/<tag|_>/<model>/<dtype>/<kind>/<p<page_size>|d<dim>>/<namespace>/
-        <tp<r>of<s>|tp-rep>/pp<r>of<s>/<pool>/<component>/<hex digest>
+        <tp<r>of<s>|tp-rep>/pp<r>of<s>/<pool[.layout]>/<component>/<hex digest>
 
-(one line, no spaces; split here for reading).
+(one line, no spaces; split here for reading; ``.layout``: :func:`kvstrata.model.hybrid.pool_segment`).
 """
 
 from __future__ import annotations
@@ -82,6 +81,7 @@ PAGE_COMPONENT = "page"
 """The one component of a KV page under schema version 2."""
 _PREFIX = "kvs"
 _NAME_RE = re.compile(r"[a-z][a-z0-9_]*\Z")
+_POOL_RE = re.compile(r"[a-z][a-z0-9_]*(?:\.[0-9a-z]{1,32})?\Z")
 _TAG_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9.\-]*\Z")
 
 
@@ -126,9 +126,8 @@ class ModelIdentity:
     @property
     def components(self) -> tuple[str, ...]:
         """The objects one page of the KV pool is stored as."""
-        return {KVKind.MHA: ("k", "v"), KVKind.MLA: ("latent",), KVKind.EMBEDDING: ("emb",)}[
-            self.kind
-        ]
+        components = {KVKind.MHA: ("k", "v"), KVKind.MLA: ("latent",), KVKind.EMBEDDING: ("emb",)}
+        return components[self.kind]
 
 
 @attrs.frozen
@@ -177,9 +176,14 @@ class StoreKey:
         return f"StoreKey({self.text!r})"
 
 
+#: a pool's segment may end in a side pool's layout token (kvstrata.model.hybrid.pool_segment)
+_NAME_RULES = {"pool": (_POOL_RE, "[a-z][a-z0-9_]* with an optional .<layout> of 1-32 [0-9a-z]")}
+
+
 def _check_component_name(_instance: object, attribute: attrs.Attribute[str], value: str) -> None:
-    if not isinstance(value, str) or not _NAME_RE.match(value):
-        raise MisuseError(f"{attribute.name} must match [a-z][a-z0-9_]*, got {value!r}")
+    pattern, rule = _NAME_RULES.get(attribute.name, (_NAME_RE, "[a-z][a-z0-9_]*"))
+    if not isinstance(value, str) or not pattern.match(value):
+        raise MisuseError(f"{attribute.name} must match {rule}, got {value!r}")
 
 
 def _check_schema(_instance: object, _attribute: object, value: int) -> None:
@@ -371,9 +375,7 @@ class KeySpace:
         self, namespace: Namespace, page_hash: PageHash, pool: str = "kv"
     ) -> tuple[StoreKey, ...]:
         """The keys of every component object of one page of ``pool``."""
-        return tuple(
-            self.key(namespace, pool, component, page_hash) for component in self.components
-        )
+        return self.component_keys(namespace, pool, self.components, page_hash)
 
     @property
     def components(self) -> tuple[str, ...]:

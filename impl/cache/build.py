@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol, Self, TypeVar, cast
 
+import attrs
 import numpy as np
 import numpy.typing as npt
 
@@ -25,7 +26,7 @@ from kvstrata.impl.storage.hybrid import HybridStorage
 from kvstrata.impl.storage.link import Lanes
 from kvstrata.impl.tp import TpGroup
 from kvstrata.impl.transfer import Direction, Executor, PoolTransfer, TransferController
-from kvstrata.model.hybrid import HitPolicy
+from kvstrata.model.hybrid import HitPolicy, SidePool
 
 __all__ = ["BuildTarget", "build_cache"]
 
@@ -79,6 +80,16 @@ def _state_allocator(group: PoolGroup) -> Allocator:
     return allocators[0] if len(allocators) == 1 else _LockstepSlots(allocators)
 
 
+def _names(pool: SidePool, spec: object) -> bool:
+    """Whether a config's side pool names ``spec``'s: the same pool, or the same but for the
+    layout the spec filled in (a config may list pools without one: the cache reads their names
+    and policies only, and keys every entry by the spec's pool, layout included)."""
+    given = getattr(spec, "pool", None)
+    if not isinstance(given, SidePool):
+        return False
+    return pool == given or (not pool.layout and pool == attrs.evolve(given, layout=""))
+
+
 def _check(
     config: RadixCacheConfig,
     device_pool: KVPool,
@@ -87,10 +98,12 @@ def _check(
 ) -> None:
     if device_pool.shape.page_size != config.page_size:
         raise ConfigError("the device pool's page size differs from the cache's page_size")
-    if tuple(getattr(spec, "pool", None) for spec in specs) != config.side_pools:
+    if len(specs) != len(config.side_pools) or not all(
+        _names(pool, spec) for pool, spec in zip(config.side_pools, specs, strict=False)
+    ):
         raise ConfigError(
             f"side_specs: expected one SideSpec per side pool of the config "
-            f"{[p.name for p in config.side_pools]}, got {specs!r}"
+            f"{[p.name for p in config.side_pools]}, in order, got {specs!r}"
         )
     if specs and host_pool is None and config.host_states:
         raise ConfigError(f"host_states: expected 0 without a host pool, got {config.host_states}")

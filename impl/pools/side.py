@@ -23,6 +23,12 @@ bytes of the one object under schema 2), which is the one fact a store needs.
 Layers: attention layers (KV, indexer) and state layers (Mamba) are different subsets of a model's
 layers. :class:`LayerMap` records both; a per-layer transfer walks their union (:meth:`LayerMap.steps`).
 
+Layout in the key: :func:`side_layout` names an entry's byte layout (components, shapes, dtypes) with a
+short digest, and :class:`SideSpec` puts it in its pool (:attr:`SidePool.layout
+<kvstrata.model.hybrid.SidePool.layout>`), so the pool's store keys differ whenever its entries are laid
+out differently, even at the same size (a Mamba SSM state in bfloat16 on one deployment and float16 on
+another). Such deployments miss each other's side objects instead of reading wrong bytes.
+
 Invariants: a buffer never changes identity or size; ``read``/``write``/``copy_entries`` validate every
 index before touching memory (:class:`MisuseError`, nothing written); entries' bytes are unspecified
 until written (the cache owns which entries are valid).
@@ -30,6 +36,7 @@ until written (the cache owns which entries are valid).
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections.abc import Sequence
 
@@ -53,7 +60,11 @@ __all__ = [
     "copy_entries",
     "indexer_spec",
     "mamba_spec",
+    "side_layout",
 ]
+
+_LAYOUT_DOMAIN = b"kvstrata.side-layout.v1\0"
+_LAYOUT_HEX_DIGITS = 16
 
 
 @attrs.frozen
@@ -87,18 +98,50 @@ def _dtypes(value: torch.dtype | Sequence[torch.dtype]) -> tuple[torch.dtype, ..
     return items
 
 
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def side_layout(
+    components: Sequence[str],
+    shapes: Sequence[Sequence[int]],
+    dtypes: Sequence[torch.dtype],
+    detail: str = "",
+) -> str:
+    """The layout token of a side pool's entry: 16 hex digits of SHA-256 over a domain tag, each
+    component's name, dtype and shape in order, and ``detail`` (what else the bytes depend on, for
+    a pool known only as flat bytes: the engine's dtypes). Equal for equal layouts on every node;
+    different layouts differ but by a 2**-64 chance. Not a security boundary: tenants are kept apart
+    by the namespace, not by this token."""
+    if len(components) != len(shapes) or len(components) != len(dtypes):
+        raise ConfigError(
+            f"side_layout: {len(components)} components, {len(shapes)} shapes, {len(dtypes)} dtypes"
+        )
+    text = ";".join(
+        f"{name}:{_dtype_name(dtype)}:{'x'.join(str(d) for d in shape)}"
+        for name, shape, dtype in zip(components, shapes, dtypes, strict=True)
+    )
+    digest = hashlib.sha256(_LAYOUT_DOMAIN + text.encode() + b"\0" + detail.encode()).hexdigest()
+    return digest[:_LAYOUT_HEX_DIGITS]
+
+
 @attrs.frozen
 class SideSpec:
     """What one entry of a side pool holds: one shape and dtype per component of ``pool``.
 
     Invariants (:class:`ConfigError` otherwise): one shape per component, each of positive ints; one
     dtype for all components or one per component. ``shapes[c]`` is the shape of component
-    ``pool.components[c]`` for one entry, layers included.
+    ``pool.components[c]`` for one entry, layers included. ``pool.layout`` is
+    :func:`side_layout` of the components, shapes, dtypes and ``detail``: a pool given without a
+    layout gets it here (``spec.pool`` is what a cache's config lists; a config may also list the
+    pool without it), a pool given with another is refused. So is ``attrs.evolve(spec, dtypes=...)``
+    (the pool keeps the old layout): make the new spec from ``attrs.evolve(spec.pool, layout="")``.
     """
 
     pool: SidePool = attrs.field(validator=attrs.validators.instance_of(SidePool))
     shapes: tuple[tuple[int, ...], ...] = attrs.field(converter=_shapes)
     dtypes: tuple[torch.dtype, ...] = attrs.field(converter=_dtypes)
+    detail: str = attrs.field(default="", kw_only=True, validator=attrs.validators.instance_of(str))
 
     def __attrs_post_init__(self) -> None:
         count = len(self.pool.components)
@@ -112,6 +155,15 @@ class SideSpec:
         elif len(self.dtypes) != count:
             raise ConfigError(
                 f"SideSpec.dtypes: expected 1 or {count} dtypes, got {len(self.dtypes)}"
+            )
+        layout = side_layout(self.pool.components, self.shapes, self.dtypes, self.detail)
+        if not self.pool.layout:
+            object.__setattr__(self, "pool", attrs.evolve(self.pool, layout=layout))
+        elif self.pool.layout != layout:
+            raise ConfigError(
+                f"SideSpec: pool {self.pool.name!r} has layout {self.pool.layout!r}, but its "
+                f"components, shapes and dtypes give {layout!r} (leave the pool's layout empty "
+                f"to have it filled in)"
             )
 
     @property

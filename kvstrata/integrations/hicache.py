@@ -235,19 +235,30 @@ class HiCachePages:
         entry_nbytes: int,
         read: Callable[[int], torch.Tensor],
         write: Callable[[int, torch.Tensor], None],
+        detail: str = "",
     ) -> None:
         """Register a side pool whose entry is ``entry_nbytes`` flat bytes (``read(index)`` gives
-        them, ``write(index, bytes)`` puts them back). Registering a name twice is a no-op."""
-        if name in self._side or self.backend is None:
+        them, ``write(index, bytes)`` puts them back). ``detail`` says what else those bytes
+        depend on (the engine pool's dtypes): with the size it makes the pool's layout token, so
+        engines that lay an entry out differently never share its objects. Registering a name
+        again is a no-op when its size and detail are the same, a :class:`MisuseError` when not."""
+        if self.backend is None:
             return
         # the policy below only sizes the staging buffer's bookkeeping; keys do not depend on it
         # and every exists names its own policy per pool
-        pool = SidePool(name, HitPolicy.ALL_PAGES, ("data",))
-        staging = SideBuffer(
-            SideSpec(pool, [(entry_nbytes,)], torch.uint8), STAGING_ENTRIES, host=True
+        spec = SideSpec(
+            SidePool(name, HitPolicy.ALL_PAGES, ("data",)),
+            [(entry_nbytes,)],
+            torch.uint8,
+            detail=detail,
         )
+        if name in self._side:
+            if self._side[name].pool != spec.pool:
+                raise MisuseError(f"kvstrata: side pool {name!r} is registered with another layout")
+            return
+        staging = SideBuffer(spec, STAGING_ENTRIES, host=True)
         self._side[name] = _Side(
-            pool, staging, side_io(self.backend, staging, self.keyspace), read, write
+            spec.pool, staging, side_io(self.backend, staging, self.keyspace), read, write
         )
 
     def side(self, name: str) -> _Side:
@@ -357,3 +368,42 @@ def _prefix(flags: list[bool]) -> list[bool]:
 
 def _flat_bytes(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.contiguous().reshape(-1).view(torch.uint8)
+
+
+#: Attributes of an engine's side host pool that its flat entry bytes depend on besides their count:
+#: element types (sglang's ``MambaPoolHost``: ``conv_dtype``, ``temporal_dtype``; other pools
+#: ``dtype``), the order of the flat page (``layout``: ``get_data_page`` of a KV-shaped pool such as
+#: SWA's flattens ``layer_first`` and ``page_first`` pages in different orders) and state shapes.
+_DETAIL_ATTRIBUTES = (
+    "dtype",
+    "conv_dtype",
+    "temporal_dtype",
+    "layout",
+    "conv_state_shapes",
+    "temporal_state_shape",
+)
+
+
+def _detail_value(value: object) -> str | None:
+    """A canonical text of one attribute, or None for a kind of value that is not a layout fact."""
+    if isinstance(value, torch.dtype | str | int):
+        return str(value)
+    if isinstance(value, list | tuple):  # torch.Size is a tuple
+        parts = [_detail_value(item) for item in value]
+        return None if None in parts else "(" + ",".join(str(p) for p in parts) + ")"
+    return None
+
+
+def side_detail(host_pool: object, flat_page: torch.Tensor) -> str:
+    """What an engine side pool's flat entry bytes depend on besides their count: the pool's class,
+    the flat page's dtype and every attribute of :data:`_DETAIL_ATTRIBUTES` the pool has (as
+    canonical text). Folded into the pool's layout token (``attach_side(detail=...)``), so two
+    deployments whose entries have the same size but another SSM dtype (sglang's
+    ``--mamba-ssm-dtype``) or another host layout never read each other's side objects. The class
+    name only costs misses if the engine renames it."""
+    found = []
+    for name in _DETAIL_ATTRIBUTES:
+        value = _detail_value(getattr(host_pool, name, None))
+        if value is not None:
+            found.append(f"{name}={value}")
+    return ";".join([type(host_pool).__name__, f"flat={flat_page.dtype}", *found])

@@ -36,7 +36,7 @@ from sglang.srt.mem_cache.hicache_storage import (
 from kvstrata.impl.errors import ConfigError, MisuseError
 from kvstrata.impl.pools.host import HostKVPool
 from kvstrata.impl.pools.shape import HostLayout
-from kvstrata.integrations.hicache import HiCachePages, HostGeometry, PoolAsk
+from kvstrata.integrations.hicache import HiCachePages, HostGeometry, PoolAsk, side_detail
 from kvstrata.integrations.legacy import FlatPages
 from kvstrata.integrations.store import StoreOptions
 from kvstrata.model.engines import EngineShard, HashScheme
@@ -132,6 +132,7 @@ class KvstrataHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
             dummy.numel() * dummy.element_size(),
             read=lambda index: host_pool.get_data_page(index, flat=True),
             write=host_pool.set_from_flat_data_page,
+            detail=side_detail(host_pool, dummy),
         )
 
     def _attached(self) -> HiCachePages:

@@ -33,7 +33,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from kvstrata.impl.errors import CapacityError
 from kvstrata.impl.pools import HostKVPool, HostLayout, KVShape
 from kvstrata.impl.pools.group import GroupAllocation, PoolGroup
-from kvstrata.impl.pools.side import SideBuffer, indexer_spec, mamba_spec
+from kvstrata.impl.pools.side import SideBuffer, SideSpec, indexer_spec, mamba_spec
 from kvstrata.impl.storage.base import PutStatus, StorageBackend
 from kvstrata.impl.storage.hybrid import HybridStorage
 from kvstrata.impl.storage.memory import MemoryBackend, MemoryStore
@@ -62,14 +62,26 @@ INDEXER = indexer_spec(layers=1, page_size=2, dim=2, dtype=torch.bfloat16)
 MAMBA = mamba_spec(layers=1, conv=[(2, 2)], temporal=(3,), dtype=[torch.float16, torch.float32])
 SPECS = {spec.name: spec for spec in (INDEXER, MAMBA)}
 SIDE = (INDEXER.pool, MAMBA.pool)
+# another deployment of the same model: its side entries have the same sizes, other dtypes
+STRANGE_INDEXER = indexer_spec(layers=1, page_size=2, dim=2, dtype=torch.float16)
+STRANGE_MAMBA = mamba_spec(
+    layers=1, conv=[(2, 2)], temporal=(3,), dtype=[torch.bfloat16, torch.float32]
+)
 HOST_PAGES = 6
 STATE_SLOTS = 2
 NAMESPACES = (DEFAULT_NAMESPACE, Namespace(extra_key="lora-9"))
 
 
 def pattern(page: PageHash, pool: str, component: int, nbytes: int) -> bytes:
-    """The bytes of one object: a pure function of its page hash, pool and component."""
+    """The bytes of one object: a pure function of its page hash, pool (:func:`label`: the same
+    entry in other dtypes is other bytes) and component."""
     return random.Random(page.digest + f"{pool}/{component}".encode()).randbytes(nbytes)
+
+
+def label(spec: SideSpec) -> str:
+    """A side pool's name and dtypes: what its entries' bytes depend on here. Not its key segment,
+    so a key that lost the layout still shows up as other bytes."""
+    return f"{spec.name}:{','.join(str(dtype) for dtype in spec.dtypes)}"
 
 
 def write_entry(tensors: Sequence[torch.Tensor], entry: int, page: PageHash, pool: str) -> None:
@@ -99,10 +111,12 @@ def kv_object(host: HostKVPool, slot: int, plane: int) -> torch.Tensor:
 class Instance:
     """One cache instance's host side: KV pool, side buffers, their group and hybrid storage."""
 
-    def __init__(self, backend: StorageBackend) -> None:
+    def __init__(
+        self, backend: StorageBackend, indexer: SideSpec = INDEXER, mamba: SideSpec = MAMBA
+    ) -> None:
         self.host = HostKVPool(SHAPE, HOST_PAGES, HostLayout.PAGE_FIRST_DIRECT, pin_memory=False)
-        self.indexer = SideBuffer(INDEXER, HOST_PAGES, host=True)
-        self.mamba = SideBuffer(MAMBA, STATE_SLOTS, host=True)
+        self.indexer = SideBuffer(indexer, HOST_PAGES, host=True)
+        self.mamba = SideBuffer(mamba, STATE_SLOTS, host=True)
         self.group = PoolGroup(self.host, [self.indexer, self.mamba])
         self.storage = HybridStorage(backend, [self.indexer, self.mamba])
         self.storage.attach(self.host)
@@ -112,14 +126,14 @@ class Instance:
             raw = kv_object(self.host, slot, plane)
             data = pattern(page, KV_POOL, plane, raw.numel())
             raw.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
-        write_entry(self.indexer.tensors, slot, page, INDEXER.name)
+        write_entry(self.indexer.tensors, slot, page, label(self.indexer.spec))
 
     def page_holds(self, slot: int, page: PageHash) -> bool:
         for plane in range(SHAPE.planes):
             raw = kv_object(self.host, slot, plane).numpy().tobytes()
             if raw != pattern(page, KV_POOL, plane, len(raw)):
                 return False
-        return entry_holds(self.indexer.tensors, slot, page, INDEXER.name)
+        return entry_holds(self.indexer.tensors, slot, page, label(self.indexer.spec))
 
 
 class HybridL3Differential(RuleBasedStateMachine):
@@ -180,6 +194,28 @@ class HybridL3Differential(RuleBasedStateMachine):
                         keys[key.text] = key
         return [keys[text] for text in sorted(keys)]
 
+    def put(
+        self, instance: Instance, chain: int, count: int, states: set[int]
+    ) -> tuple[tuple[PageHash, ...], list[int]]:
+        """``instance`` backs up the first ``count`` pages of ``chain`` with states at ``states``
+        (host and state slots from its group, freed after the put); the pages and state positions."""
+        pages = self.pages_of(chain)[:count]
+        positions = sorted(p for p in states if p < count)
+        allocation = instance.group.alloc(count, {"mamba": len(positions)})
+        slots = [int(s) for s in allocation.pages]
+        state_slots = {
+            p: int(s) for p, s in zip(positions, allocation.states["mamba"], strict=True)
+        }
+        for slot, page in zip(slots, pages, strict=True):
+            instance.fill_page(slot, page)
+        for position, slot in state_slots.items():
+            write_entry(instance.mamba.tensors, slot, pages[position], label(instance.mamba.spec))
+        result = instance.storage.put(self.namespace, pages, slots, {"mamba": state_slots})
+        instance.group.free_allocation(allocation)
+        assert all(s in (PutStatus.STORED, PutStatus.EXISTED) for s in result.pages), result
+        assert all(s.ok for s in result.states["mamba"].values()), result
+        return pages, positions
+
     # -------------------------------------------------------------------------------- rules
     @rule(
         chain=chain_ids,
@@ -187,21 +223,7 @@ class HybridL3Differential(RuleBasedStateMachine):
         states=st.sets(st.integers(0, 5), max_size=2),
     )
     def back_up(self, chain: int, count: int, states: set[int]) -> None:
-        pages = self.pages_of(chain)[:count]
-        positions = sorted(p for p in states if p < count)
-        allocation = self.writer.group.alloc(count, {"mamba": len(positions)})
-        slots = [int(s) for s in allocation.pages]
-        state_slots = {
-            p: int(s) for p, s in zip(positions, allocation.states["mamba"], strict=True)
-        }
-        for slot, page in zip(slots, pages, strict=True):
-            self.writer.fill_page(slot, page)
-        for position, slot in state_slots.items():
-            write_entry(self.writer.mamba.tensors, slot, pages[position], MAMBA.name)
-        result = self.writer.storage.put(self.namespace, pages, slots, {"mamba": state_slots})
-        self.writer.group.free_allocation(allocation)
-        assert all(s in (PutStatus.STORED, PutStatus.EXISTED) for s in result.pages), result
-        assert all(s.ok for s in result.states["mamba"].values()), result
+        pages, positions = self.put(self.writer, chain, count, states)
         for page in pages:  # the model: KV and indexer objects of every page
             for key in (
                 *self.space.page_keys(self.namespace, page),
@@ -258,7 +280,7 @@ class HybridL3Differential(RuleBasedStateMachine):
         assert got.usable == hit.usable, got  # nothing changed between exists and get
         for slot, page in zip(slots, pages[: hit.usable], strict=True):
             assert self.reader.page_holds(slot, page)
-        assert entry_holds(self.reader.mamba.tensors, state, pages[hit.usable - 1], MAMBA.name)
+        assert entry_holds(self.reader.mamba.tensors, state, pages[hit.usable - 1], label(MAMBA))
         self.reader.group.free_allocation(allocation)
         event("prefetch: bytes checked")
 
@@ -307,6 +329,47 @@ class HybridL3Differential(RuleBasedStateMachine):
 STEPS = settings(stateful_step_count=40)
 TestHybridL3 = HybridL3Differential.TestCase
 TestHybridL3.settings = settings(STEPS, max_examples=max(10, settings().max_examples // 2))
+
+
+class HybridL3WithStranger(HybridL3Differential):
+    """The same machine with a *stranger*: another deployment of the same model (the same key space
+    and namespace, so the same KV objects) whose indexer keys and Mamba conv state have the same
+    sizes but other dtypes, so the same entry is other bytes. It backs up the same pages into the
+    same store. Its KV objects are this instance's (the model gains them); its side objects never
+    are: ``stores_agree`` (this instance's keys, model against store), every ``exists`` and every
+    prefetched byte must come out as if it had written none (issue 20, part 18: the side pool's
+    layout is in its keys; a stranger writing first used to leave this instance its bytes)."""
+
+    @rule(
+        chain=HybridL3Differential.chain_ids,
+        count=st.integers(1, HOST_PAGES),
+        states=st.sets(st.integers(0, 5), max_size=2),
+    )
+    def stranger_backs_up(self, chain: int, count: int, states: set[int]) -> None:
+        if not hasattr(self, "stranger"):
+            self.stranger = Instance(self.new_backend(), STRANGE_INDEXER, STRANGE_MAMBA)
+        pages, positions = self.put(self.stranger, chain, count, states)
+        for page in pages:  # the shared KV: the same bytes under the same keys
+            for key in self.space.page_keys(self.namespace, page):
+                if self.model.begin_put(key):
+                    self.model.end_put(key, key.text)
+        theirs = [
+            key
+            for page in pages
+            for pool in (STRANGE_INDEXER.pool, STRANGE_MAMBA.pool)
+            for key in side_page_keys(self.space, self.namespace, pool, page)
+        ]
+        assert not set(theirs) & set(self.all_keys())
+        event("a stranger backed up states" if positions else "a stranger backed up pages")
+
+    def teardown(self) -> None:
+        if hasattr(self, "stranger"):
+            self.stranger.storage.close()
+        super().teardown()
+
+
+TestHybridL3WithStranger = HybridL3WithStranger.TestCase
+TestHybridL3WithStranger.settings = TestHybridL3.settings
 
 
 # -------------------------------------------------------------------------- on a real Mooncake

@@ -590,12 +590,15 @@ MAMBA = "mamba"
 
 def side_bytes(spec: SideSpec, page: PageHash) -> tuple[torch.Tensor, ...]:
     """One entry of side pool ``spec`` for ``page``: per component, bytes derived from the pool's
-    name and the page hash only, shaped ``[1, *shape]`` (the indexer keys of that page, or the state
-    at the end of that page's prefix)."""
+    name, its dtypes and the page hash only, shaped ``[1, *shape]`` (the indexer keys of that
+    page, or the state at the end of that page's prefix). The same state in other dtypes of the
+    same size is other bytes, as it is on a real engine; the seed does not come from the key code,
+    so a reader that got another layout's objects sees other bytes even if the keys were alike."""
     out = []
+    dtypes = ",".join(str(dtype) for dtype in spec.dtypes)
     for component, shape, dtype in zip(spec.components, spec.shapes, spec.dtypes, strict=True):
         count = int(np.prod(shape)) * dtype.itemsize
-        seed = f"{spec.name}/{component}/".encode() + page.digest
+        seed = f"{spec.name}/{dtypes}/{component}/".encode() + page.digest
         raw = torch.frombuffer(bytearray(hashlib.shake_256(seed).digest(count)), dtype=torch.uint8)
         out.append(raw.view(dtype).reshape(1, *shape))
     return tuple(out)

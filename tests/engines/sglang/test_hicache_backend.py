@@ -288,7 +288,10 @@ def test_hybrid_v2_round_trip_through_sglang_types_keys_tagged_once() -> None:
         assert render_store_key(parts) == key
         assert parts.tag == "prod" and key.text.count("prod") == 1
         assert parts.page_hash.hex() in keys
-        assert parts.pool in {"kv", "indexer", "mamba"}
+        # a side pool's segment carries its layout (the flat page's size and the host pool's
+        # class and dtypes): name.<16 hex>
+        name, _, layout = parts.pool.partition(".")
+        assert (name, layout == "") in {("kv", True), ("indexer", False), ("mamba", False)}
     b_pool, b_states, b_index = mha_pool("page_first_direct"), StatePool(4), StatePool(8, width=3)
     b = hybrid(extra, b_pool, b_states, b_index)
     asks = [

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import attrs
 import numpy as np
 import pytest
 import torch
@@ -282,6 +283,17 @@ def test_build_validation() -> None:
     no_l2_states = RadixCacheConfig(page_size=PAGE, side_pools=POOLS, device_states=1)
     with pytest.raises(ConfigError, match="host_states"):
         HierarchicalRadixCache.build(no_l2_states, device, host, side_specs=SPECS)
+    # a config may list the pools without the layout their specs fill in; never another layout
+    bare = tuple(attrs.evolve(pool, layout="") for pool in POOLS)
+    assert all(not pool.layout for pool in bare) and bare != POOLS
+    bare_config = RadixCacheConfig(page_size=PAGE, side_pools=bare, device_states=1, host_states=1)
+    assert HierarchicalRadixCache.build(bare_config, device, host, side_specs=SPECS).device_group
+    other = (POOLS[0], attrs.evolve(POOLS[1], layout="0" * 16))
+    other_config = attrs.evolve(bare_config, side_pools=other)
+    with pytest.raises(ConfigError, match="side_specs"):
+        HierarchicalRadixCache.build(other_config, device, host, side_specs=SPECS)
+    with pytest.raises(ConfigError, match="side_specs"):
+        HierarchicalRadixCache.build(config, device, host, side_specs=(MAMBA, INDEXER))
     # side pools with an L3 backend: tests/unit/impl/test_l3_hybrid.py (layer_first refused there)
 
 

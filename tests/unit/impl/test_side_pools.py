@@ -21,6 +21,7 @@ from kvstrata.impl.pools.side import (
     copy_entries,
     indexer_spec,
     mamba_spec,
+    side_layout,
 )
 from kvstrata.model.hybrid import HitPolicy, SidePool, side_page_keys
 from kvstrata.model.keys import (
@@ -81,6 +82,51 @@ def test_bad_spec_is_a_config_error(shapes: object, dtypes: object) -> None:
     pool = SidePool("mamba", HitPolicy.TRAILING_PAGES, ("conv_0", "conv_1", "temporal"))
     with pytest.raises(ConfigError):
         SideSpec(pool, shapes, dtypes)  # type: ignore[arg-type]
+
+
+def test_a_spec_puts_its_layout_in_its_pool() -> None:
+    """The layout token names components, shapes and dtypes: equal specs on any node agree, and a
+    change of any of them (a dtype of the same size included) changes the pool's key segment."""
+    same = mamba_spec(
+        layers=3,
+        conv=[(4, 2), (2, 2)],
+        temporal=(2, 5),
+        dtype=[torch.float16, torch.float16, torch.float32],
+    )
+    assert same.pool == MAMBA.pool and len(MAMBA.pool.layout) == 16
+    assert MAMBA.pool.segment == f"mamba.{MAMBA.pool.layout}"
+    fp16, fp32 = torch.float16, torch.float32
+
+    def spec(
+        conv: list[tuple[int, int]], conv_0: torch.dtype = fp16, name: str = "mamba"
+    ) -> SideSpec:
+        return mamba_spec(
+            layers=3, conv=conv, temporal=(2, 5), dtype=[conv_0, fp16, fp32], name=name
+        )
+
+    variants = [
+        spec([(4, 2), (2, 2)], conv_0=torch.bfloat16),  # a dtype of the same size
+        spec([(2, 4), (2, 2)]),  # the same bytes per component, a shape transposed
+        spec([(2, 2), (4, 2)]),  # the same bytes per entry, split another way
+        spec([(4, 2), (2, 2)], name="linear"),  # another name: its own key segment
+    ]
+    layouts = {v.pool.layout for v in variants[:3]}
+    assert MAMBA.pool.layout not in layouts and len(layouts) == 3
+    assert all(v.bytes_per_entry == MAMBA.bytes_per_entry for v in variants)
+    assert variants[3].pool.layout == MAMBA.pool.layout  # the name is its own key segment
+    assert side_layout(("key",), [(2, 2, 3)], [torch.bfloat16]) == INDEXER.pool.layout
+    assert side_layout(("key",), [(2, 2, 3)], [torch.bfloat16], "x") != INDEXER.pool.layout
+
+
+def test_a_pool_given_another_layout_is_refused() -> None:
+    pool = SidePool("indexer", HitPolicy.ALL_PAGES, ("key",))
+    spec = SideSpec(pool, [(2, 2, 3)], torch.bfloat16)
+    assert spec.pool == INDEXER.pool != pool  # filled in
+    assert SideSpec(INDEXER.pool, [(2, 2, 3)], torch.bfloat16) == INDEXER  # given: kept
+    with pytest.raises(ConfigError, match="layout"):
+        SideSpec(INDEXER.pool, [(2, 2, 3)], torch.float16)
+    with pytest.raises(ConfigError, match="3 components, 2 shapes"):
+        side_layout(("a", "b", "c"), [(1,), (1,)], [torch.float16] * 3)
 
 
 def test_bad_buffer_sizes() -> None:

@@ -15,7 +15,7 @@ from kvstrata.impl.errors import ConfigError, MisuseError
 from kvstrata.impl.pools.host import HostKVPool
 from kvstrata.impl.pools.shape import KVShape
 from kvstrata.impl.storage.memory import MemoryStore
-from kvstrata.integrations.hicache import HiCachePages, PoolAsk
+from kvstrata.integrations.hicache import HiCachePages, PoolAsk, side_detail
 from kvstrata.integrations.store import StoreOptions
 from kvstrata.model.engines import EngineShard, HashScheme
 from kvstrata.model.hybrid import HitPolicy
@@ -173,6 +173,64 @@ def test_side_pools_are_never_asked_beyond_the_kv_hit() -> None:
     a.set_side("mamba", chain, [0, 1, 2])  # states exist for all three pages, KV for the first only
     hit = b.exists_v2(chain, [PoolAsk("mamba", HitPolicy.TRAILING_PAGES)])
     assert (hit.kv_hit, hit.restorable) == (1, [1])
+
+
+class MambaHost:
+    """The attributes of sglang's ``MambaPoolHost`` that :func:`side_detail` reads."""
+
+    def __init__(self, temporal: torch.dtype) -> None:
+        self.conv_dtype = torch.bfloat16
+        self.temporal_dtype = temporal
+        self.dtype = self.conv_dtype
+        self.conv_state_shapes = [torch.Size([3, 4])]
+        self.temporal_state_shape = torch.Size([2, 2])
+        self.page_size = 1  # not a layout fact: left out
+
+
+class KVHost:
+    """A KV-shaped side pool (sglang's SWA pool): its flat page's order follows its ``layout``."""
+
+    def __init__(self, layout: str) -> None:
+        self.dtype = torch.bfloat16
+        self.layout = layout
+
+
+def test_side_entries_of_another_engine_dtype_are_never_read() -> None:
+    """Two deployments whose flat side entries have the same size but another SSM dtype
+    (sglang's ``--mamba-ssm-dtype`` bfloat16 against float16) share the KV and never each
+    other's states: the detail (the host pool's dtypes) is part of the side pool's keys."""
+    flat = torch.empty(0, dtype=torch.uint8)
+    bf16, fp16 = (
+        side_detail(MambaHost(torch.bfloat16), flat),
+        side_detail(MambaHost(torch.float16), flat),
+    )
+    assert bf16 == (
+        "MambaHost;flat=torch.uint8;dtype=torch.bfloat16;conv_dtype=torch.bfloat16;"
+        "temporal_dtype=torch.bfloat16;conv_state_shapes=((3,4));temporal_state_shape=(2,2)"
+    )
+    assert bf16 != fp16
+    assert side_detail(KVHost("page_first"), flat) != side_detail(KVHost("layer_first"), flat)
+    store = MemoryStore()
+    a, b, a_again = pages_on(store), pages_on(store), pages_on(store)
+    chain = keys(2, "ssm-dtype")
+    a_states, b_states, read_back = Flat(4), Flat(4), Flat(4)
+    a.attach_side("mamba", 12, a_states.read, a_states.write, detail=bf16)
+    b.attach_side("mamba", 12, b_states.read, b_states.write, detail=fp16)
+    a_again.attach_side("mamba", 12, read_back.read, read_back.write, detail=bf16)
+    assert a.set(chain, runs([0, 1])) == [True, True]
+    assert a.set_side("mamba", chain[1:], [1]) == [True]
+    ask = [PoolAsk("mamba", HitPolicy.TRAILING_PAGES)]
+    assert b.exists_v2(chain, ask).restorable == []  # the KV is there, its state is not
+    assert b.get_side("mamba", chain[1:], [0]) == [False]
+    assert a_again.exists_v2(chain, ask).restorable == [2]
+    assert a_again.get_side("mamba", chain[1:], [3]) == [True]
+    assert torch.equal(read_back.data[3], a_states.data[1])
+    a.attach_side("mamba", 12, a_states.read, a_states.write, detail=bf16)  # the same: a no-op
+    with pytest.raises(MisuseError, match="another layout"):
+        a.attach_side("mamba", 12, a_states.read, a_states.write, detail=fp16)
+    with pytest.raises(MisuseError, match="another layout"):
+        a.attach_side("mamba", 16, a_states.read, a_states.write, detail=bf16)
+    assert a.get_side("mamba", chain[1:], [2]) == [True]  # the first registration still serves
 
 
 def test_side_pools_without_a_reachable_master_store_nothing_and_never_raise() -> None:

@@ -7,7 +7,7 @@ import pytest
 
 from kvstrata.model.cache import CacheConfig, CacheModel, InsertResult, WritePolicy
 from kvstrata.model.errors import CapacityError, InvariantViolation, MisuseError
-from kvstrata.model.hybrid import HitPolicy, SidePool
+from kvstrata.model.hybrid import HitPolicy, SidePool, side_page_keys
 from kvstrata.model.invariants import check_i1_keys
 from kvstrata.model.keys import (
     DEFAULT_NAMESPACE,
@@ -17,6 +17,7 @@ from kvstrata.model.keys import (
     Namespace,
     PageHash,
     chain_page_hashes,
+    parse_store_key,
 )
 from kvstrata.model.l3.policy import PrefetchPolicy, PrefetchTimeout
 from kvstrata.model.lifecycles import PrefetchState, Residency
@@ -503,6 +504,34 @@ def test_schema_2_stores_each_side_entry_as_one_object() -> None:
     stray = keys.key(DEFAULT_NAMESPACE, "mamba", "temporal", pages[0])  # a schema-1 component
     assert cache.store.begin_put(stray)
     cache.store.end_put(stray, (pages[0], "temporal"))
+    with pytest.raises(InvariantViolation, match="I1"):
+        check_i1_keys(cache)
+
+
+@pytest.mark.parametrize("schema", [1, 2])
+def test_side_pools_with_a_layout_write_under_it_and_i1_refuses_another(schema: int) -> None:
+    """A side pool with a layout token keeps every object under ``name.layout``; a key of the same
+    pool name under another layout (a deployment whose entries are laid out differently) lies
+    outside this cache's key space (I1), and its objects never count as this cache's hits."""
+    keys = attrs.evolve(KEYS, schema=schema)
+    mamba = attrs.evolve(MAMBA, layout="5eed")
+    cache = make_hybrid(keys=keys, side_pools=(INDEXER, mamba))
+    hybrid_request(cache, (1, 2, 3, 4))
+    drain(cache)
+    pages = pages_of((1, 2, 3, 4))
+    state_keys = side_page_keys(keys, DEFAULT_NAMESPACE, mamba, pages[3])
+    assert all(cache.store.contains(key) for key in state_keys)
+    assert {parse_store_key(key).pool for key in state_keys} == {"mamba.5eed"}
+    assert not any(
+        cache.store.contains(key)
+        for key in side_page_keys(keys, DEFAULT_NAMESPACE, MAMBA, pages[3])
+    )
+    check_i1_keys(cache)
+    assert cache.l3_exists((1, 2, 3, 4)) == 4
+    other = attrs.evolve(MAMBA, layout="f00d")
+    for key in side_page_keys(keys, DEFAULT_NAMESPACE, other, pages[1]):
+        assert cache.store.begin_put(key)
+        cache.store.end_put(key, key.text)
     with pytest.raises(InvariantViolation, match="I1"):
         check_i1_keys(cache)
 

@@ -20,6 +20,7 @@ from kvstrata.model.hybrid import (
     hybrid_exists,
     is_usable,
     pool_boundary,
+    pool_segment,
     side_components,
     side_page_keys,
     side_rendered,
@@ -367,6 +368,35 @@ def test_side_entries_are_one_object_under_schema_2() -> None:
     assert hybrid_exists(store, two, NS, HASHES, [INDEXER, MAMBA]) == 3
     store.evict(side_page_keys(two, NS, INDEXER, HASHES[1])[0])
     assert hybrid_exists(store, two, NS, HASHES, [INDEXER]) == 1
+
+
+@pytest.mark.parametrize("schema", SCHEMA_VERSIONS)
+def test_a_pools_layout_is_part_of_its_keys(schema: int) -> None:
+    """Two pools of one name whose entries are laid out differently (the layout token) render
+    disjoint keys under either version, so neither sees the other's objects; the layout rides in
+    the pool segment (``name.layout``) and parses back."""
+    keys = KeySpace(MODEL, schema=schema)
+    bf16 = attrs.evolve(MAMBA, layout="0123456789abcdef")
+    fp16 = attrs.evolve(MAMBA, layout="fedcba9876543210")
+    assert MAMBA.segment == "mamba" and bf16.segment == "mamba.0123456789abcdef"
+    plain, ours, theirs = (side_page_keys(keys, NS, p, HASHES[2]) for p in (MAMBA, bf16, fp16))
+    assert not set(ours) & set(theirs) and not set(ours) & set(plain)
+    assert {parse_store_key(k).pool for k in ours} == {"mamba.0123456789abcdef"}
+    store = _store_with(keys, kv=range(6))
+    for key in side_page_keys(keys, NS, fp16, HASHES[2]):
+        assert store.begin_put(key)
+        store.end_put(key, key.text)
+    assert hybrid_exists(store, keys, NS, HASHES[:3], [fp16]) == 3
+    assert hybrid_exists(store, keys, NS, HASHES[:3], [bf16]) == 0  # another layout: a miss
+    assert hybrid_exists(store, keys, NS, HASHES[:3], [MAMBA]) == 0
+
+
+@pytest.mark.parametrize("layout", ["ABC", "a.b", "a/b", "x" * 33, "a_b", 7])
+def test_a_layout_is_short_lowercase_alphanumerics(layout: object) -> None:
+    with pytest.raises(MisuseError, match="layout"):
+        SidePool("mamba", TRAILING, ("conv0",), layout=layout)  # type: ignore[arg-type]
+    with pytest.raises(MisuseError, match="layout"):
+        pool_segment("mamba", layout)  # type: ignore[arg-type]
 
 
 @given(

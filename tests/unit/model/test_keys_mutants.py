@@ -145,7 +145,20 @@ SHARD = r"Shard\(tp_rank="
         ),
         (_shard(pp_rank=1), "^" + re.escape("pp_rank must be in [0, pp_size): ") + SHARD),
         (_parts(namespace_id=""), exactly("namespace_id must be a non-empty string, got ''")),
-        (_parts(pool="KV"), exactly("pool must match [a-z][a-z0-9_]*, got 'KV'")),
+        (
+            _parts(pool="KV"),
+            exactly(
+                "pool must match [a-z][a-z0-9_]* with an optional .<layout> of 1-32 [0-9a-z], "
+                "got 'KV'"
+            ),
+        ),
+        (
+            _parts(pool="mamba.AB"),
+            exactly(
+                "pool must match [a-z][a-z0-9_]* with an optional .<layout> of 1-32 [0-9a-z], "
+                "got 'mamba.AB'"
+            ),
+        ),
         (_parts(component="k-v"), exactly("component must match [a-z][a-z0-9_]*, got 'k-v'")),
         (
             _parts(tag="-x"),

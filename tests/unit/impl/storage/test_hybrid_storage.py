@@ -367,7 +367,7 @@ def test_exists_renders_each_side_key_once_and_never_past_the_kv_hit(
     assert (hit.kv, hit.usable) == (4, 4)
     side = [key for key in asked if parse_store_key(key).pool != "kv"]
     objects = {
-        pool.name: side_components(backends.space, pool) for pool in (INDEXER.pool, MAMBA.pool)
+        pool.segment: side_components(backends.space, pool) for pool in (INDEXER.pool, MAMBA.pool)
     }
     assert len(side) == len(set(side)) == 4 * sum(len(names) for names in objects.values())
     for key in side:
