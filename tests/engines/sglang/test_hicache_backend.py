@@ -337,6 +337,75 @@ def test_hybrid_v2_round_trip_through_sglang_types_keys_tagged_once() -> None:
     assert (c_hit.kv_hit_pages, c_hit.restorable_prefix_pages) == (2, [2])
 
 
+def mamba_host(ssm: torch.dtype) -> Any:
+    """sglang's own ``MambaPoolHost`` on the CPU: one conv buffer (bfloat16) and a temporal (SSM)
+    state of dtype ``ssm``, 2 layers, flat entries of 72 bytes whatever ``ssm`` (2 bytes each)."""
+    from sglang.srt.mem_cache.device_pool_info import MambaStateBufferInfo  # noqa: PLC0415
+    from sglang.srt.mem_cache.pool_host.mamba import MambaPoolHost  # noqa: PLC0415
+
+    info = MambaStateBufferInfo(
+        temporal=torch.zeros(2, 5, 3, 4, dtype=ssm),
+        conv=(torch.zeros(2, 5, 6, dtype=torch.bfloat16),),
+    )
+    return MambaPoolHost(info, 2.0, 0, device_capacity=4, pin_memory=False, layout="page_first")
+
+
+def mamba_backend(store: MemoryStore, states: Any) -> Any:
+    extra = {"store": "memory", "memory_store": store}
+    pool = mha_pool("page_first_direct")
+    backend = StorageBackendFactory.create_backend("dynamic", storage_config(extra), pool)
+    backend.register_mem_pool_host(pool)
+    backend.register_mem_host_pool_v2(states, PoolName.MAMBA)
+    backend.on_host_pools_registered()
+    return backend, pool
+
+
+def test_mamba_states_of_another_ssm_dtype_are_never_read() -> None:
+    """Two deployments of one model with sglang's real ``MambaPoolHost``, the SSM state in
+    bfloat16 on one and float16 on the other (``--mamba-ssm-dtype``): their flat entries have the
+    same size, so before the layout was in the keys the second read the first's states as its own.
+    They share the KV pages; each reads back only the states of its own dtype."""
+    store = MemoryStore()
+    bf16, fp16, bf16_again = (
+        mamba_host(d) for d in (torch.bfloat16, torch.float16, torch.bfloat16)
+    )
+    sizes = {h.get_dummy_flat_data_page().numel() for h in (bf16, fp16)}
+    assert sizes == {72}
+    state = torch.randint(0, 256, (72,), dtype=torch.uint8)
+    bf16.set_from_flat_data_page(3, state)
+    (a, a_pool), (b, _), (c, _) = (mamba_backend(store, h) for h in (bf16, fp16, bf16_again))
+    fill(a_pool, seed=21)
+    keys = page_keys(3, seed=22)
+    mamba = PoolTransfer(
+        PoolName.MAMBA,
+        host_indices=torch.tensor([3]),
+        keys=keys[-1:],
+        hit_policy=PoolHitPolicy.TRAILING_PAGES,
+    )
+    done = a.batch_set_v2(
+        [PoolTransfer(PoolName.KV, host_indices=slots([0, 1, 2]), keys=keys), mamba]
+    )
+    assert done == {"kv": [True] * 3, "mamba": [True]}
+    ask = [PoolTransfer(PoolName.MAMBA, keys=keys[-1:], hit_policy=PoolHitPolicy.TRAILING_PAGES)]
+    other = b.batch_exists_v2(keys, ask)
+    assert (other.kv_hit_pages, other.restorable_prefix_pages) == (0, [])
+    assert other.extra_pool_hit_pages.get("kv") == 3  # the KV is there, a state of its dtype not
+    same = c.batch_exists_v2(keys, ask)
+    assert (same.kv_hit_pages, same.restorable_prefix_pages) == (3, [3])
+    got = c.batch_get_v2(
+        [
+            PoolTransfer(
+                PoolName.MAMBA,
+                host_indices=torch.tensor([1]),
+                keys=keys[-1:],
+                hit_policy=PoolHitPolicy.TRAILING_PAGES,
+            )
+        ]
+    )
+    assert got == {"mamba": [True]}
+    assert torch.equal(bf16_again.get_data_page(1, flat=True), state)
+
+
 # ------------------------------------------------------------------------------------- legacy, stats
 def test_legacy_flat_pages_share_objects_with_the_zero_copy_path() -> None:
     store = MemoryStore()
