@@ -94,6 +94,30 @@ EQUIVALENT: tuple[tuple[str, str, str, str], ...] = (
         "1 is tp_size's default",
     ),
     (
+        "KeySpace.key",
+        "prefix = self._prefixes.get((namespace, pool, component))  # inline: the hot path",
+        r"prefix = (None|self\._prefixes\.get\(None\))  #",
+        "a miss falls to _prefix, whose own lookup in the same memo finds the prefix: the same key "
+        "and no render, only slower",
+    ),
+    *(
+        (
+            function,
+            old,
+            new,
+            "a miss recomputes the prefixes through _prefix, whose memo holds each of them: the "
+            "same strings and no render, only slower",
+        )
+        for function in ("KeySpace.component_keys", "KeySpace.rendered")
+        for old, new in (
+            (
+                "prefixes = self._component_prefixes.get(slot)",
+                r"prefixes = (None|self\._component_prefixes\.get\(None\))",
+            ),
+            ("self._component_prefixes[slot] = prefixes", r"= None$"),
+        )
+    ),
+    (
         "ObjectBackend.__init__",
         "self._object_nbytes = 0",
         r"= (None|1)$",

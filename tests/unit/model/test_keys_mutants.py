@@ -16,7 +16,7 @@ from __future__ import annotations
 import hashlib
 import re
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import pytest
 
@@ -31,6 +31,7 @@ from kvstrata.model.keys import (
     ModelIdentity,
     Namespace,
     PageHash,
+    RenderedKeys,
     Shard,
     StoreKey,
     chain_page_hashes,
@@ -252,6 +253,63 @@ def test_key_space_renders_the_fixed_part_once_per_slot(monkeypatch: pytest.Monk
             )
             for component in ("k", "v")
         )
+
+
+def test_every_path_reuses_the_memoised_fixed_part(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``key``, ``component_keys``, ``page_keys`` and ``rendered`` (with the key space's components
+    or given ones) share one memo: a (namespace, pool, component)'s fixed part is rendered once,
+    whichever path asked for it first."""
+    calls: list[KeyParts] = []
+    render = keys_module.render_store_key
+    monkeypatch.setattr(
+        keys_module, "render_store_key", lambda parts: calls.append(parts) or render(parts)
+    )
+    space = KeySpace(MHA)
+    pages = [PageHash(bytes([i]) * 32) for i in range(5)]
+    space.rendered(NS, pages, "kv", ("k",))
+    assert len(calls) == 1
+    space.page_keys(NS, pages[0])  # k from the memo, v rendered
+    assert len(calls) == 2
+    space.rendered(NS, pages)
+    space.component_keys(NS, "kv", ("v", "k"), pages[1])
+    space.key(NS, "kv", "v", pages[2])
+    space.rendered(NS, pages, "kv", ("v",))
+    assert len(calls) == 2
+
+
+def test_rendered_takes_a_joins_answer_and_falls_back_when_it_declines() -> None:
+    """``join(prefixes, pages)`` gets the fixed parts in component order and the pages; its answer
+    is taken as it is when it has one key per page and component, and left for the key space's
+    own rendering when it is None or of another length."""
+    space = KeySpace(MHA, schema=1)
+    pages = [PageHash(bytes([i]) * 32) for i in range(5)]
+    expected = [key.text for page in pages for key in space.page_keys(NS, page)]
+    asked: list[tuple[tuple[str, ...], list[PageHash]]] = []
+    answer: list[str] = []
+
+    def join(prefixes: tuple[str, ...], batch: Sequence[PageHash]) -> list[str]:
+        asked.append((prefixes, list(batch)))
+        answer.extend(prefix + page.digest.hex() for page in batch for prefix in prefixes)
+        return answer
+
+    got = space.rendered(NS, pages, join=join)
+    assert got.texts is answer and got.texts == expected
+    prefixes = tuple(key.text[:-64] for key in space.page_keys(NS, pages[0]))
+    assert asked == [(prefixes, pages)]
+    assert space.rendered(NS, pages, join=lambda *_: None).texts == expected
+    short = ["not a key"]
+    assert space.rendered(NS, pages, join=lambda *_: short).texts == expected
+
+
+def test_batch_errors_name_the_value() -> None:
+    space = KeySpace(MHA)
+    message = exactly("page_hash is not a PageHash: 'abc'")
+    with pytest.raises(DoubleRenderError, match=message):
+        space.component_keys(NS, "kv", ("k",), "abc")  # type: ignore[arg-type]
+    with pytest.raises(DoubleRenderError, match=message):
+        space.rendered(NS, [PageHash(bytes(32)), "abc"])  # type: ignore[list-item]
+    with pytest.raises(MisuseError, match=exactly("RenderedKeys.join takes RenderedKeys, got 'x'")):
+        RenderedKeys.join([RenderedKeys([]), "x"])  # type: ignore[list-item]
 
 
 # --------------------------------------------------------------------------- model/l3/objects.py
