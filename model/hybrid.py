@@ -124,14 +124,13 @@ def pool_segment(name: str, layout: str = "") -> str:
     otherwise)."""
     if not isinstance(name, str) or not _NAME_RE.match(name):
         raise MisuseError(f"a pool name must match [a-z][a-z0-9_]*, got {name!r}")
-    if not isinstance(layout, str) or (layout and not _LAYOUT_RE.match(layout)):
-        raise MisuseError(f"a pool layout is empty or 1-32 of [0-9a-z], got {layout!r}")
+    _check_layout(None, None, layout)
     return f"{name}.{layout}" if layout else name
 
 
 def _check_layout(_instance: object, _attribute: object, value: str) -> None:
     if not isinstance(value, str) or (value and not _LAYOUT_RE.match(value)):
-        raise MisuseError(f"a side pool layout is empty or 1-32 of [0-9a-z], got {value!r}")
+        raise MisuseError(f"a pool layout is empty or 1-32 of [0-9a-z], got {value!r}")
 
 
 def _to_components(value: Iterable[str]) -> tuple[str, ...]:
