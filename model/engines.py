@@ -8,11 +8,13 @@ sharing is stated (and property-tested) here.
 
 Sharing rule (the invariant :class:`EngineShard` keeps): two plug-in instances read each other's
 pages **exactly when** they agree on the hash scheme, the model (its name as the engine reports it,
-verbatim), the KV dtype, the KV kind, the page size, the pipeline stage (rank and size), the tag,
-the key schema and the tenant namespace, and, for sharded (MHA) KV, on the tensor-parallel rank
-**and** size. MLA KV is replicated across TP ranks: every rank of every TP size reads it, and only
-the writer rank (rank 0, or the rank an engine names) writes it. Data-parallel replicas hold the
-same KV and share; a rank's DP index is therefore not part of the key.
+verbatim, and what else fixes its weights where the engine says: ``weights``), the KV dtype and the
+KV format (the logical element type of a byte-typed pool), the KV kind, the page size, the pipeline
+stage (rank and size), the tag, the key schema and the tenant namespace, and, for sharded (MHA) KV,
+on the tensor-parallel rank **and** size. MLA KV is replicated across TP ranks: every rank of every
+TP size reads it, and only the writer rank (rank 0, or the rank an engine names) writes it.
+Data-parallel replicas hold the same KV and share; a rank's DP index is therefore not part of the
+key.
 
 Hash schemes: each engine hashes pages its own way (sglang: a chain of SHA-256 hex strings; vLLM:
 32-byte block hashes), so equal token prefixes never have equal hashes across engines. The scheme is
@@ -20,13 +22,23 @@ still put in the key (as the namespace's ``extra_key``) so that a page written b
 never be misread by another, whatever their hashes happen to be.
 
 Model names: the engine's name (``"meta-llama/Llama-3.1-8B"``) becomes a key-safe slug followed by
-12 hex digits of the SHA-256 of the exact name, so names that slug alike stay apart.
+12 hex digits of the SHA-256 of the exact name (and of ``weights`` when given), so names that slug
+alike stay apart.
+
+KV dtypes (issue 20, part 19): engines keep every fp8 variant (e4m3, e5m2, e4m3fnuz) and other
+packed formats in ``uint8`` or ``int8`` tensors, so a byte dtype does not say what the bytes are.
+Two deployments of one model with ``--kv-cache-dtype fp8_e4m3`` and ``fp8_e5m2`` would otherwise
+share keys and read each other's pages as their own (same sizes: no size check can tell). A shard
+whose dtype is one of :data:`BYTE_DTYPES` must therefore name its ``kv_format``, and the format is
+part of the key's dtype segment (``uint8.float8_e4m3fn``); a shard of any other dtype keeps the
+key it always had unless it names a format too.
 """
 
 from __future__ import annotations
 
 import enum
 import hashlib
+import json
 import re
 
 import attrs
@@ -34,7 +46,18 @@ import attrs
 from kvstrata.model.errors import MisuseError
 from kvstrata.model.keys import KeySpace, KVKind, ModelIdentity, Namespace, PageHash, Shard
 
-__all__ = ["EngineShard", "HashScheme", "engine_page_hash", "model_slug"]
+__all__ = [
+    "BYTE_DTYPES",
+    "EngineShard",
+    "HashScheme",
+    "engine_kv_format",
+    "engine_page_hash",
+    "model_slug",
+]
+
+BYTE_DTYPES = frozenset({"uint8", "int8"})
+"""Dtypes (as :meth:`EngineShard.model` spells them) that hold some other format's bytes: a shard
+of one of them must name its ``kv_format``."""
 
 _SLUG_CHARS = re.compile(r"[^a-z0-9]+")
 _SLUG_LENGTH = 40
@@ -50,15 +73,46 @@ class HashScheme(enum.Enum):
     """vLLM: the 32-byte ``BlockHash`` of a full block."""
 
 
-def model_slug(name: str) -> str:
+def model_slug(name: str, weights: str = "") -> str:
     """A :class:`ModelIdentity` name for an engine's model name: lower-case letters, digits and
     ``_``, starting with a letter, ending with 12 hex digits of SHA-256 of ``name`` (so two names
-    that slug alike still differ). Deterministic across processes and machines."""
+    that slug alike still differ). Deterministic across processes and machines.
+
+    ``weights`` (what else fixes the weights: a revision, a quantization) goes into the digest
+    alone, domain-separated from a bare name, so ``("a", "b")`` and ``("a", "")`` never meet;
+    empty, the slug is the one a bare name always had."""
     if not isinstance(name, str) or not name.strip():
         raise MisuseError(f"a model name must be a non-empty string, got {name!r}")
+    if not isinstance(weights, str):
+        raise MisuseError(f"a model's weights must be a string, got {weights!r}")
     slug = _SLUG_CHARS.sub("_", name.strip().lower()).strip("_")[:_SLUG_LENGTH].rstrip("_")
-    digest = hashlib.sha256(name.encode()).hexdigest()[:12]
+    hashed = json.dumps(["kvstrata.weights.v1", name, weights]) if weights else name
+    digest = hashlib.sha256(hashed.encode()).hexdigest()[:12]
     return f"m_{slug}_{digest}" if slug else f"m_{digest}"
+
+
+#: engine KV cache dtype names (vLLM's and sglang's ``--kv-cache-dtype``) that name one element type
+_E4M3_NAMES = frozenset({"fp8", "fp8_e4m3"})
+_E5M2_NAMES = frozenset({"fp8_e5m2"})
+
+
+def engine_kv_format(configured: str, fp8_e4m3: str = "float8_e4m3fn") -> str:
+    """The :attr:`EngineShard.kv_format` for an engine's configured KV cache dtype: ``fp8`` and
+    ``fp8_e4m3`` become the platform's e4m3 type, ``fp8_e4m3`` (``float8_e4m3fn``, or
+    ``float8_e4m3fnuz`` on ROCm's MI300, whose bytes mean other numbers); ``fp8_e5m2`` becomes
+    ``float8_e5m2``; any other name (a torch dtype, a packed format such as vLLM's
+    ``int8_per_token_head``) is kept as it is. Engines that spell one type two ways therefore
+    share keys, and types that differ never do."""
+    if not isinstance(configured, str) or not configured.strip():
+        raise MisuseError(f"a KV cache dtype must be a non-empty string, got {configured!r}")
+    name = configured.strip().removeprefix("torch.").lower()
+    if name in _E4M3_NAMES:
+        return fp8_e4m3.strip().removeprefix("torch.")
+    return "float8_e5m2" if name in _E5M2_NAMES else name
+
+
+def _dtype_slug(value: str) -> str:
+    return _SLUG_CHARS.sub("_", value.strip().removeprefix("torch.").lower()).strip("_")
 
 
 def engine_page_hash(key: object, scheme: HashScheme) -> PageHash:
@@ -132,6 +186,13 @@ class EngineShard:
     """The store key schema (:data:`~kvstrata.model.keys.SCHEMA_VERSIONS`): 1, one object per K
     and V plane (what deployments already hold); 2, one object per page (issue 20). Part of the
     key space: instances share pages only under the same schema."""
+    kv_format: str = ""
+    """The KV's logical element type when ``dtype`` is the byte container the engine keeps it in
+    (``"float8_e5m2"`` in a ``uint8`` pool); required for :data:`BYTE_DTYPES`. Part of the key's
+    dtype segment, compared as the dtype is (case, punctuation and ``torch.`` aside)."""
+    weights: str = ""
+    """What fixes the model's weights beyond its name where the engine reports it (vLLM: the
+    revision and the weight quantization), folded into the model name's digest."""
 
     def __attrs_post_init__(self) -> None:
         if self.tp_rank >= self.tp_size:
@@ -142,8 +203,15 @@ class EngineShard:
             raise MisuseError(
                 f"EngineShard: writer_rank {self.writer_rank} >= tp_size {self.tp_size}"
             )
-        if not isinstance(self.tenant, str):
-            raise MisuseError(f"EngineShard.tenant: expected a string, got {self.tenant!r}")
+        for name in ("tenant", "kv_format", "weights"):
+            value = getattr(self, name)
+            if not isinstance(value, str):
+                raise MisuseError(f"EngineShard.{name}: expected a string, got {value!r}")
+        if _dtype_slug(self.dtype) in BYTE_DTYPES and not _dtype_slug(self.kv_format):
+            raise MisuseError(
+                f"EngineShard: a {self.dtype} KV pool holds some other format's bytes; name it "
+                "(kv_format, e.g. 'float8_e4m3fn'), or pages of every such format share keys"
+            )
 
     @property
     def writer(self) -> bool:
@@ -151,10 +219,11 @@ class EngineShard:
         return not self.mla or self.tp_rank == self.writer_rank
 
     def model(self) -> ModelIdentity:
-        dtype = self.dtype.strip().removeprefix("torch.")
+        dtype = _dtype_slug(self.dtype) or "unknown"
+        kv_format = _dtype_slug(self.kv_format)
         return ModelIdentity(
-            name=model_slug(self.model_name),
-            dtype=_SLUG_CHARS.sub("_", dtype.lower()).strip("_") or "unknown",
+            name=model_slug(self.model_name, self.weights),
+            dtype=f"{dtype}.{kv_format}" if kv_format else dtype,
             kind=KVKind.MLA if self.mla else KVKind.MHA,
             page_size=self.page_size,
         )

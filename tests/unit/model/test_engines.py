@@ -8,7 +8,13 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvstrata.model.engines import EngineShard, HashScheme, engine_page_hash, model_slug
+from kvstrata.model.engines import (
+    EngineShard,
+    HashScheme,
+    engine_kv_format,
+    engine_page_hash,
+    model_slug,
+)
 from kvstrata.model.errors import MisuseError
 from kvstrata.model.keys import PageHash, parse_store_key, render_store_key
 
@@ -17,10 +23,15 @@ from kvstrata.model.keys import PageHash, parse_store_key, render_store_key
 def shards(draw: st.DrawFn) -> EngineShard:
     tp_size = draw(st.sampled_from([1, 2, 4]))
     pp_size = draw(st.sampled_from([1, 2]))
+    dtype = draw(st.sampled_from(["bfloat16", "torch.bfloat16", "float16", "uint8", "torch.uint8"]))
+    formats = ["float8_e4m3fn", "torch.float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz"]
+    byte = dtype.removeprefix("torch.") == "uint8"
     return EngineShard(
         scheme=draw(st.sampled_from(list(HashScheme))),
         model_name=draw(st.sampled_from(["org/a", "org/A", "org-a", "org/b"])),
-        dtype=draw(st.sampled_from(["bfloat16", "torch.bfloat16", "float16"])),
+        dtype=dtype,
+        kv_format=draw(st.sampled_from(formats if byte else ["", *formats])),
+        weights=draw(st.sampled_from(["", "revision=r1", "revision=r2;quantization=fp8"])),
         mla=draw(st.booleans()),
         page_size=draw(st.sampled_from([16, 64])),
         tp_rank=draw(st.integers(0, tp_size - 1)),
@@ -38,7 +49,9 @@ def should_share(a: EngineShard, b: EngineShard) -> bool:
     same = (
         a.scheme == b.scheme
         and a.model_name == b.model_name
+        and a.weights == b.weights
         and a.dtype.removeprefix("torch.") == b.dtype.removeprefix("torch.")
+        and a.kv_format.removeprefix("torch.") == b.kv_format.removeprefix("torch.")
         and a.mla == b.mla
         and a.page_size == b.page_size
         and (a.pp_rank, a.pp_size) == (b.pp_rank, b.pp_size)
@@ -101,6 +114,10 @@ def test_engine_page_hashes_are_taken_verbatim_and_checked() -> None:
         {"page_size": 0},
         {"model_name": ""},
         {"mla": 1},
+        {"dtype": "uint8"},  # a byte pool with no format: every fp8 variant would share keys
+        {"dtype": "torch.int8", "kv_format": " "},
+        {"kv_format": None},
+        {"weights": 3},
     ],
 )
 def test_bad_shards_are_refused(fields: dict[str, object]) -> None:
@@ -109,3 +126,44 @@ def test_bad_shards_are_refused(fields: dict[str, object]) -> None:
     }  # fmt: skip
     with pytest.raises(MisuseError):
         EngineShard(**{**base, **fields})  # type: ignore[arg-type]
+
+
+def test_a_shard_that_names_no_format_or_weights_keeps_the_keys_deployments_hold() -> None:
+    """Part 19 added ``kv_format`` and ``weights``; left empty, keys are byte for byte the old ones
+    (objects already in a store stay readable)."""
+    shard = EngineShard(HashScheme.VLLM, "org/a", "torch.bfloat16", False, 16)
+    key = shard.keyspace().page_keys(shard.namespace(), PAGE)[0]
+    # rendered by the code before part 19 (cbc0ec1)
+    assert key.text == (
+        "kvs1/_/m_org_a_526e33173f53/bfloat16/mha/p16/ns-910c9b573b1a6c8bb0ce20ee69aaae38/tp0of1/"
+        "pp0of1/kv/k/3660315a9af3df255d8f19ab077e4797822b41488a0e2a04bc6af71213c23274"
+    )
+    assert model_slug("org/a") == model_slug("org/a", "") == "m_org_a_526e33173f53"
+
+
+def test_the_format_of_a_byte_pool_is_in_the_dtype_segment() -> None:
+    def dtype_segment(**fields: str) -> str:
+        shard = EngineShard(HashScheme.SGLANG, "m", "torch.uint8", False, 16, **fields)  # type: ignore[arg-type]
+        return parse_store_key(shard.keyspace().page_keys(shard.namespace(), PAGE)[0]).model.dtype
+
+    assert dtype_segment(kv_format="float8_e5m2") == "uint8.float8_e5m2"
+    assert dtype_segment(kv_format="torch.float8_e4m3fn") == "uint8.float8_e4m3fn"
+
+
+def test_weights_are_domain_separated_from_a_bare_name() -> None:
+    bare = {model_slug(name) for name in ("a", '["kvstrata.weights.v1", "a", "b"]')}
+    assert model_slug("a", "b") not in bare
+    assert model_slug("a", "b") != model_slug("a", "c")
+    assert model_slug("a", "b").startswith("m_a_")
+    with pytest.raises(MisuseError):
+        model_slug("a", None)  # type: ignore[arg-type]
+
+
+def test_engine_kv_cache_dtypes_become_one_name_per_element_type() -> None:
+    assert engine_kv_format("fp8") == engine_kv_format("fp8_e4m3") == "float8_e4m3fn"
+    assert engine_kv_format("FP8_E4M3", "torch.float8_e4m3fnuz") == "float8_e4m3fnuz"
+    assert engine_kv_format("fp8_e5m2", "float8_e4m3fnuz") == "float8_e5m2"
+    assert engine_kv_format("torch.float8_e5m2") == "float8_e5m2"
+    assert engine_kv_format("int8_per_token_head") == "int8_per_token_head"
+    with pytest.raises(MisuseError):
+        engine_kv_format(" ")
