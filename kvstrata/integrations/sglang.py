@@ -16,6 +16,14 @@ Construction (``cls(storage_config, kwargs)``, as sglang's factory calls it) par
 and refuses what kvstrata cannot key correctly (context-parallel or decode-context-parallel shards,
 split heads), naming the key; the store is opened when sglang registers its host pool, which is
 wrapped, not copied.
+
+KV formats (issue 20, part 19): sglang keeps fp8 KV of every variant in ``uint8`` pools, so the
+pool's dtype does not say what the bytes are. For such a pool the key names the KV cache dtype: the
+extra config's ``kv_dtype`` (sglang's ``--kv-cache-dtype`` value or a torch dtype name), else the
+server's ``--kv-cache-dtype`` when sglang published it and it is not ``auto``; neither is a
+:class:`ConfigError` (never a key shared by every fp8 variant). A host pool that keeps per-token
+bytes outside its KV buffer (sglang's MXFP8 pool keeps its block scales apart) is refused: its pages
+would reach L3 without them.
 """
 
 from __future__ import annotations
@@ -39,7 +47,7 @@ from kvstrata.impl.pools.shape import HostLayout
 from kvstrata.integrations.hicache import HiCachePages, HostGeometry, PoolAsk, side_detail
 from kvstrata.integrations.legacy import FlatPages
 from kvstrata.integrations.store import StoreOptions
-from kvstrata.model.engines import EngineShard, HashScheme
+from kvstrata.model.engines import BYTE_DTYPES, EngineShard, HashScheme, engine_kv_format
 from kvstrata.model.hybrid import HitPolicy
 
 __all__ = ["KvstrataHiCacheStorage"]
@@ -51,6 +59,8 @@ _POLICIES = {
     PoolHitPolicy.TRAILING_PAGES: HitPolicy.TRAILING_PAGES,
 }
 _KV = "kv"
+_OWN = frozenset({"kv_dtype"})
+"""The extra config's keys this adapter reads itself (the rest are :class:`StoreOptions`)."""
 
 
 class KvstrataHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
@@ -69,7 +79,11 @@ class KvstrataHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         if not storage_config.model_name:
             raise ConfigError(f"{where}: the storage config names no model (model_name)")
         self.config = storage_config
-        self.options = StoreOptions.parse(storage_config.extra_config, where=where)
+        self.options = StoreOptions.parse(storage_config.extra_config, where=where, own=_OWN)
+        kv_dtype = (storage_config.extra_config or {}).get("kv_dtype")
+        if kv_dtype is not None and (not isinstance(kv_dtype, str) or not kv_dtype.strip()):
+            raise ConfigError(f"{where}: key 'kv_dtype' expects a dtype name, got {kv_dtype!r}")
+        self.kv_dtype: str | None = kv_dtype
         self.pages: HiCachePages | None = None
         self.flat: FlatPages | None = None
         self._pending_side: list[tuple[Any, str]] = []
@@ -91,6 +105,13 @@ class KvstrataHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
             mla=mla,
         )
         shape = geometry.shape()
+        per_token = getattr(pool, "size_per_token", None)
+        if isinstance(per_token, int) and per_token != shape.bytes_per_token:
+            raise ConfigError(
+                f"kvstrata sglang backend: sglang's {type(pool).__name__} holds {per_token} bytes "
+                f"a token, its KV buffer {shape.bytes_per_token}; the rest (block scales, an "
+                "index) would not reach L3 and pages restored without it would be wrong"
+            )
         host = HostKVPool.wrap(pool.kv_buffer, shape, geometry.layout)
         shard = EngineShard(
             HashScheme.SGLANG,
@@ -106,6 +127,7 @@ class KvstrataHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
             tag=self.options.tag,
             tenant=self.options.tenant,
             key_schema=self.options.key_schema,
+            kv_format=_kv_format(pool.dtype, self.kv_dtype),
         )
         if self.pages is not None:
             self.pages.close()
@@ -264,3 +286,33 @@ class KvstrataHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
             self.pages.close()
         if self.flat is not None:
             self.flat.close()
+
+
+def _kv_format(dtype: torch.dtype, configured: str | None) -> str:
+    """The logical element type of a KV sglang keeps as bytes (``""`` when ``dtype`` is the
+    element type): ``configured``, else the server's ``--kv-cache-dtype``; e4m3 names become this
+    platform's e4m3 type (sglang's ``fp8_dtype``: e4m3fnuz on ROCm's MI300)."""
+    if str(dtype).removeprefix("torch.") not in BYTE_DTYPES:
+        return ""
+    name = configured or _server_kv_cache_dtype()
+    if name is None:
+        raise ConfigError(
+            f"kvstrata sglang backend: sglang keeps this KV as {dtype}, as it keeps every fp8 "
+            "variant, and its KV cache dtype is not known here: set 'kv_dtype' in the extra "
+            "config (sglang's --kv-cache-dtype, e.g. fp8_e4m3, or a torch dtype name)"
+        )
+    from sglang.kernels.ops.quantization.fp8_kernel import fp8_dtype  # noqa: PLC0415
+
+    return engine_kv_format(name, str(fp8_dtype))
+
+
+def _server_kv_cache_dtype() -> str | None:
+    """sglang's ``--kv-cache-dtype`` when the server published its arguments and named one
+    (``auto`` names none: sglang may have resolved it to fp8 from the checkpoint)."""
+    try:
+        from sglang.srt.runtime_context import get_server_args  # noqa: PLC0415
+
+        value = getattr(get_server_args(), "kv_cache_dtype", None)
+    except (ImportError, ValueError, AttributeError, RuntimeError):
+        return None
+    return str(value) if value and value != "auto" else None

@@ -33,7 +33,10 @@ holds the behaviour (scheduler side: :class:`ConnectorIndex`; worker side: :clas
   vLLM's PP group's CPU group (a tag of its own), and a stage drops the saves over an earlier
   stage's failure too (``TorchStagePipe``).
 - Keys: each worker writes under its tensor-parallel rank and its pipeline stage (a stage holds its
-  own layers); the scheduler side's lookup asks for every rank's keys of every stage.
+  own layers); the scheduler side's lookup asks for every rank's keys of every stage. The model's
+  revision and weight quantization, when set, are part of its identity, and so is the cache dtype
+  of a KV that vLLM keeps as bytes (every fp8 variant is ``uint8`` to vLLM:
+  :data:`~kvstrata.model.engines.BYTE_DTYPES`).
 
 Extra config: the store options of :mod:`kvstrata.integrations.store`, plus ``l2_pages`` (host pool
 pages for L2, default 1024) and ``staging_pages`` (L3 read slots, default 256).
@@ -61,7 +64,13 @@ from kvstrata.impl.storage.base import StorageBackend
 from kvstrata.integrations.connector import ConnectorIndex, Plan, Scheduled
 from kvstrata.integrations.connector_worker import ConnectorWorker, TorchStagePipe
 from kvstrata.integrations.store import StoreOptions, open_backend
-from kvstrata.model.engines import EngineShard, HashScheme, engine_page_hash
+from kvstrata.model.engines import (
+    BYTE_DTYPES,
+    EngineShard,
+    HashScheme,
+    engine_kv_format,
+    engine_page_hash,
+)
 from kvstrata.model.keys import KVKind, PageHash
 from kvstrata.model.lifecycles import RequestState
 
@@ -137,6 +146,33 @@ class _Blocks:
             view[index.to(view.device)] = data.to(view.device, view.dtype)
 
 
+def _kv_format(dtype: torch.dtype, cache_dtype: Any, where: str) -> str:
+    """The logical element type of a KV vLLM keeps as bytes (``""`` when ``dtype`` is the element
+    type): its ``--kv-cache-dtype`` on this platform (``fp8`` is e4m3fnuz on ROCm's MI300)."""
+    if str(dtype).removeprefix("torch.") not in BYTE_DTYPES:
+        return ""
+    configured = str(cache_dtype or "auto")
+    if configured == "auto":
+        raise ConfigError(
+            f"{where}: vLLM keeps this KV as {dtype} but its cache dtype is 'auto': kvstrata "
+            "cannot tell which format the bytes are in (set --kv-cache-dtype)"
+        )
+    from vllm.platforms import current_platform  # noqa: PLC0415 (vLLM picks it at first use)
+
+    return engine_kv_format(configured, str(current_platform.fp8_dtype()))
+
+
+def _weights(model_config: Any) -> str:
+    """What fixes the weights beyond the model's path: its revision and weight quantization, each
+    when vLLM has one (``""`` when neither, the identity every earlier version gave the model)."""
+    parts = [
+        f"{name}={value}"
+        for name in ("revision", "quantization")
+        if (value := getattr(model_config, name, None))
+    ]
+    return ";".join(parts)
+
+
 def _layer_order(name: str) -> tuple[int, ...]:
     return tuple(int(number) for number in re.findall(r"\d+", name)) or (0,)
 
@@ -183,6 +219,8 @@ class KvstrataConnector(KVConnectorBase_V1):  # type: ignore[misc]
             tag=self.options.tag,
             tenant=self.options.tenant,
             key_schema=self.options.key_schema,
+            kv_format=_kv_format(spec.dtype, vllm_config.cache_config.cache_dtype, where),
+            weights=_weights(vllm_config.model_config),
         )
         self.index: ConnectorIndex | None = None
         self.worker: ConnectorWorker | None = None

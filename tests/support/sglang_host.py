@@ -3,6 +3,7 @@ only from tests/engines/sglang (its conftest installs what sglang needs on a CPU
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -20,13 +21,23 @@ BACKEND = {
 }
 
 
-def mha_pool(layout: str, pages: int = 8, *, heads: int = HEADS) -> MHATokenToKVPoolHost:
+def mha_pool(
+    layout: str,
+    pages: int = 8,
+    *,
+    heads: int = HEADS,
+    dtype: torch.dtype = DTYPE,
+    cls: type[MHATokenToKVPoolHost] = MHATokenToKVPoolHost,
+    ready: Callable[[Any], None] | None = None,
+) -> MHATokenToKVPoolHost:
     """sglang's MHA host pool, built as sglang's own storage tests build it (no device pool):
     ``object.__new__`` and the attributes its storage paths read, with ``kv_buffer`` in
-    ``init_kv_buffer``'s shape for ``layout``."""
-    pool = object.__new__(MHATokenToKVPoolHost)
+    ``init_kv_buffer``'s shape for ``layout``; ``size_per_token`` as ``HostKVCache`` sets it, from
+    the class's own ``get_size_per_token`` (``ready`` sets what a subclass's needs first).
+    ``dtype`` is the pool's storage dtype (sglang keeps fp8 KV as ``uint8``)."""
+    pool = object.__new__(cls)
     size = pages * PAGE
-    pool.layout, pool.page_size, pool.dtype = layout, PAGE, DTYPE
+    pool.layout, pool.page_size, pool.dtype = layout, PAGE, dtype
     pool.layer_num, pool.head_num, pool.head_dim, pool.v_head_dim = (
         LAYERS,
         heads,
@@ -40,7 +51,10 @@ def mha_pool(layout: str, pages: int = 8, *, heads: int = HEADS) -> MHATokenToKV
         "page_first_direct": (2, pages, LAYERS, PAGE, heads, HEAD_DIM),
         "page_head": (2, pages, heads, PAGE, LAYERS, HEAD_DIM),
     }[layout]
-    pool.kv_buffer = torch.zeros(dims, dtype=DTYPE)
+    pool.kv_buffer = torch.zeros(dims, dtype=dtype)
+    if ready is not None:
+        ready(pool)
+    pool.size_per_token = pool.get_size_per_token()
     return pool
 
 
@@ -57,6 +71,8 @@ def mla_pool(layout: str, pages: int = 8, dim: int = 24) -> MLATokenToKVPoolHost
         "page_first_direct": (pages, LAYERS, PAGE, 1, dim),
     }[layout]
     pool.kv_buffer = torch.zeros(dims, dtype=DTYPE)
+    pool._size_per_token = dim * DTYPE.itemsize * LAYERS  # as MLATokenToKVPoolHost.__init__
+    pool.size_per_token = pool.get_size_per_token()
     return pool
 
 

@@ -22,15 +22,16 @@ from sglang.srt.mem_cache.hicache_storage import (
 )
 from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
 from sglang.srt.mem_cache.utils import get_hash_str
-from support.sglang_host import LAYERS, PAGE, mha_pool, mla_pool, storage_config
+from support.sglang_host import HEADS, LAYERS, PAGE, mha_pool, mla_pool, storage_config
 
 from kvstrata.impl.errors import ConfigError, MisuseError
 from kvstrata.impl.storage.memory import MemoryStore
 from kvstrata.impl.storage.mooncake import LocalCluster
 from kvstrata.integrations.sglang import KvstrataHiCacheStorage
-from kvstrata.model.keys import parse_store_key, render_store_key
+from kvstrata.model.keys import PageHash, parse_store_key, render_store_key
 
 LAYOUTS = ("page_first", "page_first_direct")
+PAGE_HASH = PageHash(bytes(32))
 
 
 def page_keys(pages: int, seed: int = 0) -> list[str]:
@@ -173,6 +174,56 @@ def test_tp_sizes_and_models_never_share_mla_ranks_do() -> None:
         reader_pool.get_data_page(3 * PAGE).reshape(PAGE, LAYERS, -1).transpose(0, 1),
         mla_writer.get_data_page(0).reshape(LAYERS, PAGE, -1),
     )
+
+
+def test_fp8_variants_sglang_stores_as_bytes_never_read_each_others_pages() -> None:
+    """sglang keeps fp8_e4m3 and fp8_e5m2 KV alike in uint8 host pools of one size: the KV cache
+    dtype goes into the key (issue 20, part 19), so deployments that differ in it share no page;
+    sglang's name and the torch dtype's name for one type share."""
+    store = MemoryStore()
+
+    def fp8(kv_dtype: str | None) -> tuple[Any, Any]:
+        pool = mha_pool("page_first_direct", dtype=torch.uint8)
+        extra = {"store": "memory", "memory_store": store}
+        return pool, build(extra if kv_dtype is None else {**extra, "kv_dtype": kv_dtype}, pool)
+
+    keys = page_keys(3, seed=9)
+    e4m3_pool, e4m3 = fp8("fp8_e4m3")
+    e4m3_pool.kv_buffer.copy_(torch.randint(0, 256, e4m3_pool.kv_buffer.shape, dtype=torch.uint8))
+    assert e4m3.batch_set_v1(keys, slots([0, 1, 2])) == [True, True, True]
+    e5m2_pool, e5m2 = fp8("fp8_e5m2")
+    assert e5m2.batch_exists(keys) == 0  # same bytes a page, other numbers: never served
+    assert e5m2.batch_get_v1(keys, slots([3, 4, 5]))[0] is False
+    assert not e5m2_pool.kv_buffer.any()
+    reader_pool, reader = fp8("float8_e4m3fn")
+    assert reader.batch_get_v1(keys, slots([3, 4, 5])) == [True, True, True]
+    for written, read in zip([0, 1, 2], [3, 4, 5], strict=True):
+        assert torch.equal(page_bytes(reader_pool, read), page_bytes(e4m3_pool, written))
+    with pytest.raises(ConfigError, match="kv_dtype"):
+        fp8(None)  # the server published no --kv-cache-dtype here: never a key of every variant
+    with pytest.raises(ConfigError, match="'kv_dtype'"):
+        fp8(" ")
+    # a bfloat16 pool's dtype is its element type: kv_dtype is not read, keys stay as they were
+    plain = build({"store": "memory", "memory_store": store}, mha_pool("page_first_direct"))
+    assert "/bfloat16/" in plain.pages.keyspace.page_keys(plain.pages.namespace, PAGE_HASH)[0].text
+
+
+def test_a_host_pool_with_bytes_outside_its_kv_buffer_is_refused() -> None:
+    """sglang's MXFP8 host pool keeps its per-page block scales apart from ``kv_buffer``; its
+    pages would reach L3 without them (and come back with another page's scales)."""
+    from sglang.srt.mem_cache.pool_host.mha_mxfp8 import (  # noqa: PLC0415
+        MHATokenToKVPoolMXFP8Host,
+    )
+
+    def mxfp8(pool: Any) -> None:
+        pool.k_sf_page_bytes = pool.v_sf_page_bytes = 2 * PAGE * HEADS  # as its __init__ sets
+
+    pool = mha_pool("page_first", dtype=torch.uint8, cls=MHATokenToKVPoolMXFP8Host, ready=mxfp8)
+    backend = StorageBackendFactory.create_backend(
+        "dynamic", storage_config({"store": "memory", "kv_dtype": "fp8_e4m3"}), pool
+    )
+    with pytest.raises(ConfigError, match="MHATokenToKVPoolMXFP8Host holds"):
+        backend.register_mem_pool_host(pool)
 
 
 def test_misaligned_or_short_host_indices_are_refused_and_change_nothing() -> None:

@@ -48,7 +48,8 @@ from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput  # noqa: E402
 from vllm.v1.request import Request  # noqa: E402
 from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 
-from kvstrata.impl.storage.base import GetStatus  # noqa: E402
+from kvstrata.impl.errors import ConfigError  # noqa: E402
+from kvstrata.impl.storage.base import GetStatus, PutStatus  # noqa: E402
 from kvstrata.integrations import vllm as vllm_connector  # noqa: E402
 from kvstrata.integrations.vllm import KvstrataConnector  # noqa: E402
 from kvstrata.model.engines import HashScheme, engine_page_hash  # noqa: E402
@@ -699,3 +700,55 @@ def test_the_connector_takes_reports_as_late_as_vllms_batch_queue_gives_them(
     connector.shutdown()
     older = SimpleNamespace(scheduler_config=SimpleNamespace(async_scheduling=True))  # no property
     assert vllm_connector._report_lag(older, 2) == 2
+
+
+def fp8_worker(model_dir: Path, store: Path, cache_dtype: str, **model: Any) -> KvstrataConnector:
+    """The connector's worker side for a KV vLLM keeps as ``uint8`` (every fp8 cache dtype), on the
+    file store at ``store``; ``model``: further ``ModelConfig`` fields."""
+    config = vllm_config(model_dir, {"store": "file", "path": str(store)})
+    config.cache_config.cache_dtype = cache_dtype
+    for name, value in model.items():
+        setattr(config.model_config, name, value)
+    spec = FullAttentionSpec(
+        block_size=BLOCK, num_kv_heads=HEADS, head_size=HEAD_DIM, dtype=torch.uint8
+    )
+    kv_config = KVCacheConfig(
+        num_blocks=NUM_BLOCKS,
+        kv_cache_tensors=[],
+        kv_cache_groups=[KVCacheGroupSpec(["layers.0.attn"], spec)],
+    )
+    worker = KvstrataConnector(config, KVConnectorRole.WORKER, kv_config)
+    kv = torch.zeros(NUM_BLOCKS, 2, BLOCK, HEADS, HEAD_DIM, dtype=torch.uint8)
+    worker.register_kv_caches({"layers.0.attn": kv})
+    return worker
+
+
+def test_fp8_formats_vllm_stores_as_bytes_never_read_each_others_pages(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    """vLLM keeps fp8_e4m3 and fp8_e5m2 KV alike as uint8 blocks of one size: the cache dtype, not
+    the tensor's, says what the bytes are, so two deployments of one model that differ in it share
+    no page (issue 20, part 19); ``fp8`` is e4m3 here and shares with ``fp8_e4m3``."""
+    store = tmp_path / "l3"
+    writer = fp8_worker(model_dir, store, "fp8_e4m3")
+    page = engine_page_hash(hashlib.sha256(b"block").digest(), HashScheme.VLLM)
+    ours = writer.worker
+    assert ours is not None and ours.backend is not None
+    written = torch.randint(0, 256, ours.host.read_pages([0]).shape, dtype=torch.uint8)
+    ours.host.write_pages([0], written)
+    assert ours.backend.put(ours.namespace, [page], [0]) == [PutStatus.STORED]
+
+    def found(worker: KvstrataConnector) -> torch.Tensor | None:
+        side = worker.worker
+        assert side is not None and side.backend is not None
+        if side.backend.get(side.namespace, [page], [1]) != [GetStatus.LOADED]:
+            return None
+        return side.host.read_pages([1])
+
+    e5m2 = fp8_worker(model_dir, store, "fp8_e5m2")
+    assert found(e5m2) is None  # same size, other numbers: a miss, never the e4m3 bytes
+    same = found(fp8_worker(model_dir, store, "fp8"))
+    assert same is not None and torch.equal(same, written)
+    assert found(fp8_worker(model_dir, store, "fp8", revision="another")) is None  # other weights
+    with pytest.raises(ConfigError, match="cache dtype is 'auto'"):
+        fp8_worker(model_dir, store, "auto")
