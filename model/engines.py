@@ -96,19 +96,23 @@ _E4M3_NAMES = frozenset({"fp8", "fp8_e4m3"})
 _E5M2_NAMES = frozenset({"fp8_e5m2"})
 
 
-def engine_kv_format(configured: str, fp8_e4m3: str = "float8_e4m3fn") -> str:
-    """The :attr:`EngineShard.kv_format` for an engine's configured KV cache dtype: ``fp8`` and
-    ``fp8_e4m3`` become the platform's e4m3 type, ``fp8_e4m3`` (``float8_e4m3fn``, or
+def engine_kv_format(
+    configured: str, fp8_e4m3: str = "float8_e4m3fn", fp8_e5m2: str = "float8_e5m2"
+) -> str:
+    """The :attr:`EngineShard.kv_format` for an engine's configured KV cache dtype: the type the
+    platform stores for it. ``fp8`` and ``fp8_e4m3`` become ``fp8_e4m3`` (``float8_e4m3fn``, or
     ``float8_e4m3fnuz`` on ROCm's MI300, whose bytes mean other numbers); ``fp8_e5m2`` becomes
-    ``float8_e5m2``; any other name (a torch dtype, a packed format such as vLLM's
-    ``int8_per_token_head``) is kept as it is. Engines that spell one type two ways therefore
-    share keys, and types that differ never do."""
+    ``fp8_e5m2`` (``float8_e5m2``; sglang on ROCm stores its e4m3 type instead); any other name (a
+    torch dtype, a packed format such as vLLM's ``int8_per_token_head``) is kept as it is. Engines
+    that spell one type two ways therefore share keys, and types that differ never do."""
     if not isinstance(configured, str) or not configured.strip():
         raise MisuseError(f"a KV cache dtype must be a non-empty string, got {configured!r}")
     name = configured.strip().removeprefix("torch.").lower()
     if name in _E4M3_NAMES:
         return fp8_e4m3.strip().removeprefix("torch.")
-    return "float8_e5m2" if name in _E5M2_NAMES else name
+    if name in _E5M2_NAMES:
+        return fp8_e5m2.strip().removeprefix("torch.")
+    return name
 
 
 def _dtype_slug(value: str) -> str:

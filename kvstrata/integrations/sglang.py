@@ -20,14 +20,17 @@ wrapped, not copied.
 KV formats (issue 20, part 19): sglang keeps fp8 KV of every variant in ``uint8`` pools, so the
 pool's dtype does not say what the bytes are. For such a pool the key names the KV cache dtype: the
 extra config's ``kv_dtype`` (sglang's ``--kv-cache-dtype`` value or a torch dtype name), else the
-server's ``--kv-cache-dtype`` when sglang published it and it is not ``auto``; neither is a
-:class:`ConfigError` (never a key shared by every fp8 variant). A host pool that keeps per-token
+server's ``--kv-cache-dtype`` when sglang published it and it is not ``auto``; neither, or the two
+disagreeing, is a :class:`ConfigError` (never a key shared by every fp8 variant). A KV scales file
+(``--quantization-param-path``) is part of the format, and the server's ``--revision`` and
+``--quantization`` of the model's weights (``EngineShard.weights``). A host pool that keeps per-token
 bytes outside its KV buffer (sglang's MXFP8 pool keeps its block scales apart) is refused: its pages
 would reach L3 without them.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from typing import Any
 
@@ -105,6 +108,7 @@ class KvstrataHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
             mla=mla,
         )
         shape = geometry.shape()
+        args = _server_args()
         per_token = getattr(pool, "size_per_token", None)
         if isinstance(per_token, int) and per_token != shape.bytes_per_token:
             raise ConfigError(
@@ -127,7 +131,8 @@ class KvstrataHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
             tag=self.options.tag,
             tenant=self.options.tenant,
             key_schema=self.options.key_schema,
-            kv_format=_kv_format(pool.dtype, self.kv_dtype),
+            kv_format=_kv_format(pool.dtype, self.kv_dtype, args),
+            weights=_weights(args),
         )
         if self.pages is not None:
             self.pages.close()
@@ -288,31 +293,69 @@ class KvstrataHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
             self.flat.close()
 
 
-def _kv_format(dtype: torch.dtype, configured: str | None) -> str:
+def _server_args() -> Any | None:
+    """sglang's server arguments as the operator gave them, when this process published them (a
+    server's scheduler processes do; a backend built outside a server sees none)."""
+    try:
+        from sglang.srt.runtime_context import get_server_args  # noqa: PLC0415
+
+        return get_server_args()
+    except (ImportError, ValueError, AttributeError, RuntimeError):
+        return None
+
+
+def _logical(name: str) -> str:
+    """The type sglang stores for a KV cache dtype name on this platform: its ``fp8_dtype`` for
+    e4m3 names (e4m3fnuz on ROCm's MI300), and for ``fp8_e5m2`` too on ROCm (sglang's
+    ``configure_kv_cache_dtype``); :func:`~kvstrata.model.engines.engine_kv_format`."""
+    from sglang.kernels.ops.quantization.fp8_kernel import fp8_dtype  # noqa: PLC0415
+
+    e4m3 = str(fp8_dtype)
+    return engine_kv_format(name, e4m3, e4m3 if torch.version.hip is not None else "float8_e5m2")
+
+
+def _kv_format(dtype: torch.dtype, configured: str | None, args: Any | None) -> str:
     """The logical element type of a KV sglang keeps as bytes (``""`` when ``dtype`` is the
-    element type): ``configured``, else the server's ``--kv-cache-dtype``; e4m3 names become this
-    platform's e4m3 type (sglang's ``fp8_dtype``: e4m3fnuz on ROCm's MI300)."""
+    element type): ``configured`` (the extra config's ``kv_dtype``), else the server's
+    ``--kv-cache-dtype``; they must agree when both are known. A KV scales file
+    (``--quantization-param-path``: the numbers the fp8 bytes are multiplied by) adds the digest
+    of its content."""
     if str(dtype).removeprefix("torch.") not in BYTE_DTYPES:
         return ""
-    name = configured or _server_kv_cache_dtype()
+    published = getattr(args, "kv_cache_dtype", None)
+    published = str(published) if published and published != "auto" else None
+    name = configured or published
     if name is None:
         raise ConfigError(
             f"kvstrata sglang backend: sglang keeps this KV as {dtype}, as it keeps every fp8 "
             "variant, and its KV cache dtype is not known here: set 'kv_dtype' in the extra "
             "config (sglang's --kv-cache-dtype, e.g. fp8_e4m3, or a torch dtype name)"
         )
-    from sglang.kernels.ops.quantization.fp8_kernel import fp8_dtype  # noqa: PLC0415
+    logical = _logical(name)
+    if published is not None and _logical(published) != logical:
+        raise ConfigError(
+            f"kvstrata sglang backend: key 'kv_dtype' {configured!r} is not the server's "
+            f"--kv-cache-dtype {published!r}"
+        )
+    scales = getattr(args, "quantization_param_path", None)
+    if scales:
+        try:
+            with open(scales, "rb") as file:
+                digest = hashlib.sha256(file.read()).hexdigest()[:16]
+        except OSError as error:
+            raise ConfigError(
+                f"kvstrata sglang backend: cannot read the KV scales {scales!r}: {error}"
+            ) from error
+        logical = f"{logical}.scales_{digest}"
+    return logical
 
-    return engine_kv_format(name, str(fp8_dtype))
 
-
-def _server_kv_cache_dtype() -> str | None:
-    """sglang's ``--kv-cache-dtype`` when the server published its arguments and named one
-    (``auto`` names none: sglang may have resolved it to fp8 from the checkpoint)."""
-    try:
-        from sglang.srt.runtime_context import get_server_args  # noqa: PLC0415
-
-        value = getattr(get_server_args(), "kv_cache_dtype", None)
-    except (ImportError, ValueError, AttributeError, RuntimeError):
-        return None
-    return str(value) if value and value != "auto" else None
+def _weights(args: Any | None) -> str:
+    """The revision and online weight quantization the operator gave sglang, each when set (a
+    quantized checkpoint's own method is named by its path and served name)."""
+    parts = [
+        f"{name}={value}"
+        for name in ("revision", "quantization")
+        if (value := getattr(args, name, None))
+    ]
+    return ";".join(parts)

@@ -163,13 +163,23 @@ def _kv_format(dtype: torch.dtype, cache_dtype: Any, where: str) -> str:
 
 
 def _weights(model_config: Any) -> str:
-    """What fixes the weights beyond the model's path: its revision and weight quantization, each
-    when vLLM has one (``""`` when neither, the identity every earlier version gave the model)."""
-    parts = [
-        f"{name}={value}"
-        for name in ("revision", "quantization")
-        if (value := getattr(model_config, name, None))
-    ]
+    """What fixes the weights beyond the model's path, where the operator chose it: the revision
+    asked for (vLLM resolves every Hub model's revision, to ``main`` when none was asked; that
+    default is left out, so nodes that could and could not resolve it agree) and a weight
+    quantization the checkpoint does not carry (online quantization; a quantized checkpoint's own
+    method is named by its path). ``""`` when neither: the identity earlier versions gave."""
+    parts = []
+    revision = getattr(model_config, "revision", None)
+    revision = getattr(revision, "initial", revision)  # huggingface_hub's ResolvedRevision
+    if revision:
+        parts.append(f"revision={revision}")
+    arch = getattr(model_config, "model_arch_config", None)
+    from_checkpoint = getattr(arch, "quantization_config", None) or getattr(
+        getattr(model_config, "hf_config", None), "quantization_config", None
+    )
+    quantization = getattr(model_config, "quantization", None)
+    if quantization and not from_checkpoint:
+        parts.append(f"quantization={quantization}")
     return ";".join(parts)
 
 

@@ -9,6 +9,8 @@ Every backend here is built by ``StorageBackendFactory.create_backend("dynamic",
 from __future__ import annotations
 
 import random
+from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -206,6 +208,62 @@ def test_fp8_variants_sglang_stores_as_bytes_never_read_each_others_pages() -> N
     # a bfloat16 pool's dtype is its element type: kv_dtype is not read, keys stay as they were
     plain = build({"store": "memory", "memory_store": store}, mha_pool("page_first_direct"))
     assert "/bfloat16/" in plain.pages.keyspace.page_keys(plain.pages.namespace, PAGE_HASH)[0].text
+
+
+def test_the_servers_kv_cache_dtype_scales_and_weights_are_in_the_keys(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """In a server, sglang publishes its arguments (``runtime_context.get_server_args``): the KV
+    cache dtype comes from there when the extra config names none (and must agree with it when it
+    does), a KV scales file's content is part of the format (the numbers the fp8 bytes stand
+    for), and a revision or online quantization part of the model's weights."""
+    import sglang.srt.runtime_context as runtime  # noqa: PLC0415
+
+    store = MemoryStore()
+    extra = {"store": "memory", "memory_store": store}
+
+    def server(**args: Any) -> None:
+        fields = {"kv_cache_dtype": "auto", "quantization_param_path": None, "revision": None,
+                  "quantization": None, **args}  # fmt: skip
+        monkeypatch.setattr(runtime, "get_server_args", lambda: SimpleNamespace(**fields))
+
+    def backend(dtype: torch.dtype = torch.uint8, **config: Any) -> tuple[Any, Any]:
+        pool = mha_pool("page_first_direct", dtype=dtype)
+        return pool, build({**extra, **config}, pool)
+
+    keys = page_keys(2, seed=11)
+    scales = tmp_path / "scales.json"
+    scales.write_text('{"kv_cache": {"scaling_factor": {"0": {"0": 0.5}}}}')
+    server(kv_cache_dtype="fp8_e4m3", quantization_param_path=str(scales))
+    pool, writer = backend()
+    pool.kv_buffer.copy_(torch.randint(0, 256, pool.kv_buffer.shape, dtype=torch.uint8))
+    assert writer.batch_set_v1(keys, slots([0, 1])) == [True, True]
+    copy = tmp_path / "elsewhere.json"  # the same scales at another path: the same numbers
+    copy.write_bytes(scales.read_bytes())
+    server(kv_cache_dtype="fp8_e4m3", quantization_param_path=str(copy))
+    assert backend()[1].batch_exists(keys) == 2
+    other = tmp_path / "other.json"
+    other.write_text('{"kv_cache": {"scaling_factor": {"0": {"0": 2.0}}}}')
+    server(kv_cache_dtype="fp8_e4m3", quantization_param_path=str(other))
+    assert backend()[1].batch_exists(keys) == 0
+    server(kv_cache_dtype="fp8_e4m3")  # no scales file: 1.0, other numbers again
+    assert backend()[1].batch_exists(keys) == 0
+    server(kv_cache_dtype="fp8_e5m2", quantization_param_path=str(scales))
+    assert backend()[1].batch_exists(keys) == 0
+    with pytest.raises(ConfigError, match="not the server's"):
+        backend(kv_dtype="fp8_e4m3")
+    with pytest.raises(ConfigError, match="cannot read the KV scales"):
+        server(kv_cache_dtype="fp8_e4m3", quantization_param_path=str(tmp_path / "gone.json"))
+        backend()
+    # weights: a bfloat16 pool's keys change only with the revision or an online quantization
+    server()
+    plain_pool, plain = backend(torch.bfloat16)
+    fill(plain_pool, seed=12)
+    assert plain.batch_set_v1(keys, slots([0, 1])) == [True, True]
+    assert backend(torch.bfloat16)[1].batch_exists(keys) == 2
+    for weights in ({"revision": "r2"}, {"quantization": "fp8"}):
+        server(**weights)
+        assert backend(torch.bfloat16)[1].batch_exists(keys) == 0
 
 
 def test_a_host_pool_with_bytes_outside_its_kv_buffer_is_refused() -> None:

@@ -24,6 +24,7 @@ require(
     "vllm", "run scripts/engines (it builds .venv-vllm) and use .venv-vllm/bin/python -m pytest"
 )
 
+from huggingface_hub import ResolvedRevision  # noqa: E402
 from transformers import LlamaConfig  # noqa: E402
 from vllm.config import (  # noqa: E402
     CacheConfig,
@@ -750,5 +751,10 @@ def test_fp8_formats_vllm_stores_as_bytes_never_read_each_others_pages(
     same = found(fp8_worker(model_dir, store, "fp8"))
     assert same is not None and torch.equal(same, written)
     assert found(fp8_worker(model_dir, store, "fp8", revision="another")) is None  # other weights
+    assert found(fp8_worker(model_dir, store, "fp8", quantization="fp8")) is None  # online
+    # vLLM resolves a Hub model's revision even when none was asked ("main"): that default is
+    # not another model, and nodes that could not resolve it must agree with those that could
+    resolved = ResolvedRevision("0" * 40, initial=None)
+    assert torch.equal(found(fp8_worker(model_dir, store, "fp8", revision=resolved)), written)
     with pytest.raises(ConfigError, match="cache dtype is 'auto'"):
         fp8_worker(model_dir, store, "auto")

@@ -164,6 +164,8 @@ def test_engine_kv_cache_dtypes_become_one_name_per_element_type() -> None:
     assert engine_kv_format("FP8_E4M3", "torch.float8_e4m3fnuz") == "float8_e4m3fnuz"
     assert engine_kv_format("fp8_e5m2", "float8_e4m3fnuz") == "float8_e5m2"
     assert engine_kv_format("torch.float8_e5m2") == "float8_e5m2"
+    # sglang on ROCm keeps fp8_e5m2 KV in its e4m3 type: the bytes, not the name, decide
+    assert engine_kv_format("fp8_e5m2", "float8_e4m3fnuz", "float8_e4m3fnuz") == "float8_e4m3fnuz"
     assert engine_kv_format("int8_per_token_head") == "int8_per_token_head"
     with pytest.raises(MisuseError):
         engine_kv_format(" ")
