@@ -27,19 +27,21 @@ message was sent before it is awaited (no collective: the stages never wait for 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
+import attrs
 import torch
 
 from kvstrata.impl.errors import InvariantViolation, MisuseError
 from kvstrata.impl.pools.host import HostKVPool
-from kvstrata.impl.storage.base import GetStatus, StorageBackend
+from kvstrata.impl.storage.base import GetStatus, PutStatus, StorageBackend
 from kvstrata.integrations.connector import NO_FAILURE, NO_SLOT, PageMove, Plan
 from kvstrata.model.connector import RETRY_PAGES, PageSource
 from kvstrata.model.keys import Namespace, PageHash
 
-__all__ = ["BlockIO", "ConnectorWorker", "StagePipe", "TorchStagePipe"]
+__all__ = ["BlockIO", "ConnectorWorker", "StagePipe", "TorchStagePipe", "WorkerStats"]
 
 log = logging.getLogger("kvstrata.integrations.connector_worker")
 
@@ -113,6 +115,31 @@ class TorchStagePipe:
         return out
 
 
+@attrs.define
+class WorkerStats:
+    """What a worker did since its stats were last taken (:meth:`ConnectorWorker.take_stats`):
+    pages into the engine's blocks by source, pages that failed to load (each failed page and every
+    later page of its request, as the engine is told), pages saved into L2 and backed up to L3
+    (stored, or found there; not another rank's replicated page) or whose put failed (they wait for
+    a later save), and the bytes and seconds of the store's calls (a put of a page the store holds
+    moves no bytes). Plain numbers: an engine ships them between
+    processes and sums them over ranks."""
+
+    loaded_l2_pages: int = 0
+    loaded_l3_pages: int = 0
+    failed_load_pages: int = 0
+    saved_pages: int = 0
+    backed_up_pages: int = 0
+    failed_backup_pages: int = 0
+    l3_read_bytes: int = 0
+    l3_written_bytes: int = 0
+    l3_read_seconds: float = 0.0
+    l3_write_seconds: float = 0.0
+
+    def as_dict(self) -> dict[str, int | float]:
+        return attrs.asdict(self)
+
+
 class ConnectorWorker:
     """The worker side: the host pool (L2 and staging slots), the store (L3), the engine's blocks."""
 
@@ -133,6 +160,12 @@ class ConnectorWorker:
         self.poisoned: list[tuple[int, frozenset[int], dict[str, int]]] = []
         self.unbacked: dict[int, PageHash] = {}  # slot -> its page, whose backup put failed
         self.failed_puts: list[PageHash] = []  # the pages whose put failed in the last save
+        self.stats = WorkerStats()
+
+    def take_stats(self) -> WorkerStats:
+        """The stats since the last call (the worker starts counting again from zero)."""
+        stats, self.stats = self.stats, WorkerStats()
+        return stats
 
     def load(
         self,
@@ -157,10 +190,14 @@ class ConnectorWorker:
         self._forget_reported(plan)
         for (_request_id, moves), cut in zip(plan.loads, cuts, strict=True):
             good = [move for move in moves if move.index < cut]
+            self.stats.failed_load_pages += len(moves) - len(good)
             if good:
                 kv = self.host.read_pages([move.slot for move in good])
                 self.blocks.write([move.block for move in good], kv)
                 self.loaded_pages += len(good)
+                remote = sum(move.source is PageSource.L3 for move in good)
+                self.stats.loaded_l3_pages += remote
+                self.stats.loaded_l2_pages += len(good) - remote
         return self._poison(plan, cuts)
 
     def _poison(self, plan: Plan, cuts: Sequence[int]) -> set[int]:
@@ -188,6 +225,7 @@ class ConnectorWorker:
         ]
         remote = [k for k, move in enumerate(moves) if ok[k] and move.source is PageSource.L3]
         if remote:
+            started = time.perf_counter()
             statuses = (
                 self.backend.get(
                     self.namespace, [moves[k].page for k in remote], [moves[k].slot for k in remote]
@@ -195,8 +233,10 @@ class ConnectorWorker:
                 if self.backend is not None
                 else [GetStatus.FAILED] * len(remote)
             )
+            self.stats.l3_read_seconds += time.perf_counter() - started
             for k, status in zip(remote, statuses, strict=True):
                 ok[k] = status is GetStatus.LOADED
+                self.stats.l3_read_bytes += self.host.shape.bytes_per_page * ok[k]
         cut = ok.index(False) if False in ok else len(ok)
         return [True] * cut + [False] * (len(ok) - cut)
 
@@ -250,6 +290,7 @@ class ConnectorWorker:
                 run.append(move)
             moves = moves[len(run) :]
             self.host.write_pages([m.slot for m in run], self.blocks.read([m.block for m in run]))
+            self.stats.saved_pages += len(run)
             for move in run:
                 self.written[move.slot] = move.page
                 self.unbacked.pop(move.slot, None)  # the slot holds another page now
@@ -258,12 +299,18 @@ class ConnectorWorker:
     def _put(self, pages: Sequence[PageHash], slots: Sequence[int]) -> None:
         if self.backend is None:
             return
-        for page, slot, status in zip(
-            pages, slots, self.backend.put(self.namespace, pages, slots), strict=True
-        ):
+        started = time.perf_counter()
+        statuses = self.backend.put(self.namespace, pages, slots)
+        self.stats.l3_write_seconds += time.perf_counter() - started
+        for page, slot, status in zip(pages, slots, statuses, strict=True):
             if not status.ok:
                 self.unbacked[slot] = page
                 self.failed_puts.append(page)
+                self.stats.failed_backup_pages += 1
+            elif status is not PutStatus.SKIPPED:  # another rank's duty: counted there
+                self.stats.backed_up_pages += 1
+            if status is PutStatus.STORED:
+                self.stats.l3_written_bytes += self.host.shape.bytes_per_page
 
     def close(self) -> None:
         if self.backend is not None:

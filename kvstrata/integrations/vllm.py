@@ -64,13 +64,9 @@ from kvstrata.impl.storage.base import StorageBackend
 from kvstrata.integrations.connector import ConnectorIndex, Plan, Scheduled
 from kvstrata.integrations.connector_worker import ConnectorWorker, TorchStagePipe
 from kvstrata.integrations.store import StoreOptions, open_backend
-from kvstrata.model.engines import (
-    BYTE_DTYPES,
-    EngineShard,
-    HashScheme,
-    engine_kv_format,
-    engine_page_hash,
-)
+from kvstrata.integrations.vllm_config import count_option, kv_format, model_weights, report_lag
+from kvstrata.integrations.vllm_stats import KvstrataConnectorStats, KvstrataPromMetrics
+from kvstrata.model.engines import EngineShard, HashScheme, engine_page_hash
 from kvstrata.model.keys import KVKind, PageHash
 from kvstrata.model.lifecycles import RequestState
 
@@ -84,15 +80,6 @@ class KvstrataConnectorMetadata(KVConnectorMetadata):  # type: ignore[misc]
 
     def __init__(self, plan: Plan) -> None:
         self.plan = plan
-
-
-def _count(extra: dict[str, Any], key: str, default: int) -> int:
-    value = extra.get(key, default)
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigError(
-            f"kvstrata vLLM connector: key {key!r} expects an int >= 1, got {value!r}"
-        )
-    return value
 
 
 class _Blocks:
@@ -146,43 +133,6 @@ class _Blocks:
             view[index.to(view.device)] = data.to(view.device, view.dtype)
 
 
-def _kv_format(dtype: torch.dtype, cache_dtype: Any, where: str) -> str:
-    """The logical element type of a KV vLLM keeps as bytes (``""`` when ``dtype`` is the element
-    type): its ``--kv-cache-dtype`` on this platform (``fp8`` is e4m3fnuz on ROCm's MI300)."""
-    if str(dtype).removeprefix("torch.") not in BYTE_DTYPES:
-        return ""
-    configured = str(cache_dtype or "auto")
-    if configured == "auto":
-        raise ConfigError(
-            f"{where}: vLLM keeps this KV as {dtype} but its cache dtype is 'auto': kvstrata "
-            "cannot tell which format the bytes are in (set --kv-cache-dtype)"
-        )
-    from vllm.platforms import current_platform  # noqa: PLC0415 (vLLM picks it at first use)
-
-    return engine_kv_format(configured, str(current_platform.fp8_dtype()))
-
-
-def _weights(model_config: Any) -> str:
-    """What fixes the weights beyond the model's path, where the operator chose it: the revision
-    asked for (vLLM resolves every Hub model's revision, to ``main`` when none was asked; that
-    default is left out, so nodes that could and could not resolve it agree) and a weight
-    quantization the checkpoint does not carry (online quantization; a quantized checkpoint's own
-    method is named by its path). ``""`` when neither: the identity earlier versions gave."""
-    parts = []
-    revision = getattr(model_config, "revision", None)
-    revision = getattr(revision, "initial", revision)  # huggingface_hub's ResolvedRevision
-    if revision:
-        parts.append(f"revision={revision}")
-    arch = getattr(model_config, "model_arch_config", None)
-    from_checkpoint = getattr(arch, "quantization_config", None) or getattr(
-        getattr(model_config, "hf_config", None), "quantization_config", None
-    )
-    quantization = getattr(model_config, "quantization", None)
-    if quantization and not from_checkpoint:
-        parts.append(f"quantization={quantization}")
-    return ";".join(parts)
-
-
 def _layer_order(name: str) -> tuple[int, ...]:
     return tuple(int(number) for number in re.findall(r"\d+", name)) or (0,)
 
@@ -195,8 +145,8 @@ class KvstrataConnector(KVConnectorBase_V1):  # type: ignore[misc]
         where = "kvstrata vLLM connector"
         extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
         self.options = StoreOptions.parse(extra, where=where, own=_OWN)
-        self.l2_pages = _count(extra, "l2_pages", 1024)
-        self.staging_pages = _count(extra, "staging_pages", 256)
+        self.l2_pages = count_option(extra, "l2_pages", 1024)
+        self.staging_pages = count_option(extra, "staging_pages", 256)
         groups = kv_cache_config.kv_cache_groups
         if len(groups) != 1:
             raise ConfigError(
@@ -217,7 +167,7 @@ class KvstrataConnector(KVConnectorBase_V1):  # type: ignore[misc]
         parallel = vllm_config.parallel_config
         self.tp_size = int(parallel.tensor_parallel_size)
         self.pp_size = int(parallel.pipeline_parallel_size)
-        self.lag = _report_lag(vllm_config, self.pp_size)
+        self.lag = report_lag(vllm_config, self.pp_size)
         self._template = EngineShard(
             HashScheme.VLLM,
             model_name=str(vllm_config.model_config.model),
@@ -229,8 +179,8 @@ class KvstrataConnector(KVConnectorBase_V1):  # type: ignore[misc]
             tag=self.options.tag,
             tenant=self.options.tenant,
             key_schema=self.options.key_schema,
-            kv_format=_kv_format(spec.dtype, vllm_config.cache_config.cache_dtype, where),
-            weights=_weights(vllm_config.model_config),
+            kv_format=kv_format(spec.dtype, vllm_config.cache_config.cache_dtype, where),
+            weights=model_weights(vllm_config.model_config),
         )
         self.index: ConnectorIndex | None = None
         self.worker: ConnectorWorker | None = None
@@ -407,6 +357,25 @@ class KvstrataConnector(KVConnectorBase_V1):  # type: ignore[misc]
         failed, self._failed = self._failed, set()
         return failed
 
+    def get_kv_connector_stats(self) -> KvstrataConnectorStats | None:
+        """The worker's stats since the last call (the scheduler side keeps none)."""
+        if self.worker is None:
+            return None
+        stats = KvstrataConnectorStats(data=self.worker.take_stats().as_dict())
+        return None if stats.is_empty() else stats
+
+    @classmethod
+    def build_kv_connector_stats(
+        cls, data: dict[str, Any] | None = None
+    ) -> KvstrataConnectorStats | None:
+        return KvstrataConnectorStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: Any, *registration: Any) -> KvstrataPromMetrics:
+        """kvstrata's Prometheus counters (``registration``: vLLM's metric types, label names and
+        per-engine label values, as vLLM passes them)."""
+        return KvstrataPromMetrics(vllm_config, *registration)
+
     @property
     def loaded_pages(self) -> int:
         """Pages this worker has loaded into vLLM's blocks (tests and metrics)."""
@@ -418,18 +387,6 @@ class KvstrataConnector(KVConnectorBase_V1):  # type: ignore[misc]
         for _shard, backend in getattr(self, "_probes", []):
             if backend is not None:
                 backend.close()
-
-
-def _report_lag(vllm_config: Any, pp_size: int) -> int:
-    """How many plans vLLM builds after a step's plan before it takes that step's output (its
-    engine core's batch queue holds ``max_concurrent_batches`` steps): at least 1, the one step
-    ahead of async scheduling, so a report is taken back whichever runner vLLM picked."""
-    batches = getattr(vllm_config, "max_concurrent_batches", None)
-    if not isinstance(batches, int):  # an older vLLM: 0.33's rule, which may count one more
-        # plan than its queue held (a larger lag only keeps saves and staging slots longer)
-        asynchronous = bool(getattr(vllm_config.scheduler_config, "async_scheduling", False))
-        batches = pp_size + 1 if asynchronous else pp_size
-    return max(1, batches - 1)
 
 
 def _group(which: str) -> Any:

@@ -8,6 +8,7 @@ with bytes derived from the block's hash, so every loaded block can be checked b
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import time
 from concurrent.futures import Future
@@ -25,6 +26,7 @@ require(
 )
 
 from huggingface_hub import ResolvedRevision  # noqa: E402
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram  # noqa: E402
 from transformers import LlamaConfig  # noqa: E402
 from vllm.config import (  # noqa: E402
     CacheConfig,
@@ -35,6 +37,7 @@ from vllm.config import (  # noqa: E402
     VllmConfig,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorLogging  # noqa: E402
 from vllm.sampling_params import SamplingParams  # noqa: E402
 from vllm.utils.hashing import sha256  # noqa: E402
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash  # noqa: E402
@@ -53,6 +56,8 @@ from kvstrata.impl.errors import ConfigError  # noqa: E402
 from kvstrata.impl.storage.base import GetStatus, PutStatus  # noqa: E402
 from kvstrata.integrations import vllm as vllm_connector  # noqa: E402
 from kvstrata.integrations.vllm import KvstrataConnector  # noqa: E402
+from kvstrata.integrations.vllm_config import report_lag  # noqa: E402
+from kvstrata.integrations.vllm_stats import KvstrataConnectorStats  # noqa: E402
 from kvstrata.model.engines import HashScheme, engine_page_hash  # noqa: E402
 
 BLOCK, HEADS, HEAD_DIM, NUM_BLOCKS = 16, 2, 8, 64
@@ -130,6 +135,7 @@ class Rig:
         self.requests: dict[str, Request] = {}
         self.failed: set[int] = set()
         self.block_table: dict[str, list[int]] = {}
+        self.stats: list[dict[str, Any]] = []  # the scheduler's connector stats, step by step
 
     @property
     def connector(self) -> KvstrataConnector:
@@ -202,17 +208,25 @@ class Rig:
         return chunks
 
     def report(self, out: Any, invalid: set[int], chunks: set[str]) -> None:
-        """vLLM's scheduler takes the step's output (a prefill chunk samples nothing)."""
+        """vLLM's scheduler takes the step's output (a prefill chunk samples nothing), with the
+        worker's connector stats as vLLM's model runner sends them; the scheduler's stats payload
+        of the step is kept (``stats``)."""
         ids = list(out.num_scheduled_tokens)
-        self.scheduler.update_from_output(
+        outputs = self.scheduler.update_from_output(
             out,
             ModelRunnerOutput(
                 req_ids=ids,
                 req_id_to_index={r: i for i, r in enumerate(ids)},
                 sampled_token_ids=[[] if r in chunks else [7] for r in ids],
-                kv_connector_output=KVConnectorOutput(invalid_block_ids=invalid),
+                kv_connector_output=KVConnectorOutput(
+                    invalid_block_ids=invalid,
+                    kv_connector_stats=self.worker.get_kv_connector_stats(),
+                ),
             ),
         )
+        for output in outputs.values():
+            if output.scheduler_stats is not None and output.scheduler_stats.kv_connector_stats:
+                self.stats.append(output.scheduler_stats.kv_connector_stats)
 
 
 def content(block_hash: bytes) -> torch.Tensor:
@@ -321,6 +335,48 @@ def test_a_repeated_prompt_is_loaded_through_the_connector(model_dir: Path, tmp_
     assert (
         rig.scheduler.kv_cache_manager.block_pool.get_num_free_blocks() == NUM_BLOCKS - 1
     )  # no leak
+
+
+def test_the_workers_stats_reach_vllms_stats_logger_and_prometheus(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    """The worker's counts travel as vLLM sends them (model runner output, the scheduler's stats),
+    and vLLM's stats logger and Prometheus metrics read them through the connector's classes."""
+    rig = Rig(model_dir, {"store": "file", "path": str(tmp_path / "l3"), "l2_pages": 16})
+    rig.add("a", prompt(66))
+    run_until_scheduled(rig, "a")
+    rig.step()
+    assert rig.scheduler.reset_prefix_cache()
+    rig.add("b", [*prompt(64), 3, 4])
+    run_until_scheduled(rig, "b")
+    rig.step()
+    logging = KVConnectorLogging(rig.config.kv_transfer_config)
+    for data in rig.stats:
+        logging.observe(data)
+    total = logging.transfer_stats_accumulator
+    assert isinstance(total, KvstrataConnectorStats)
+    summary = total.reduce()
+    assert summary["loaded_l2_pages"] == 4 and summary["loaded_l3_pages"] == 0  # L2 held them
+    assert summary["saved_pages"] == summary["backed_up_pages"] == 4  # a's four full pages
+    assert summary["l3_written_bytes"] == 4 * rig.worker.worker.host.shape.bytes_per_page
+    lines: list[str] = []
+    logging.log(log_fn=lambda fmt, *args: lines.append(fmt % args))
+    assert lines and "loaded_l2_pages=4" in lines[0]
+
+    registry = CollectorRegistry()
+    types = {
+        kind: functools.partial(kind, registry=registry) for kind in (Counter, Gauge, Histogram)
+    }
+    prom = KvstrataConnector.build_prom_metrics(rig.config, types, ["engine"], {0: ["0"]})
+    for data in rig.stats:
+        prom.observe(data, 0)
+
+    def sample(name: str, **labels: str) -> float | None:
+        return registry.get_sample_value(f"vllm:kvstrata_{name}_total", {"engine": "0", **labels})
+
+    assert sample("loaded_pages", source="l2") == 4 and sample("loaded_pages", source="l3") == 0
+    assert sample("backed_up_pages") == 4 and sample("failed_backup_pages") == 0
+    assert sample("l3_bytes", direction="write") == summary["l3_written_bytes"]
 
 
 def test_a_request_waits_while_its_lookup_is_in_flight(model_dir: Path, tmp_path: Path) -> None:
@@ -700,7 +756,7 @@ def test_the_connector_takes_reports_as_late_as_vllms_batch_queue_gives_them(
     assert connector.index is not None and connector.index.lag == connector.lag
     connector.shutdown()
     older = SimpleNamespace(scheduler_config=SimpleNamespace(async_scheduling=True))  # no property
-    assert vllm_connector._report_lag(older, 2) == 2
+    assert report_lag(older, 2) == 2
 
 
 def fp8_worker(model_dir: Path, store: Path, cache_dtype: str, **model: Any) -> KvstrataConnector:

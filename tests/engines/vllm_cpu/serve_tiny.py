@@ -4,8 +4,9 @@
 
 Generates 12 greedy tokens (with their logprobs) for a 150-token prompt; with the connector it
 generates once (the prompt's blocks are saved to L2 and L3), resets vLLM's prefix cache, and
-generates again (the blocks come back through the connector), reporting both runs and the pages
-the worker loaded. Run by tests/engines/vllm_cpu/test_vllm_cpu_engine.py in .venv-vllm-cpu.
+generates again (the blocks come back through the connector), reporting both runs, the pages
+the worker loaded and kvstrata's Prometheus counters as vLLM's ``LLM.get_metrics()`` reads them
+(stats logging on in both runs). Run by tests/engines/vllm_cpu/test_vllm_cpu_engine.py in .venv-vllm-cpu.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ def main() -> None:
         }
     llm = LLM(
         model=model_dir, skip_tokenizer_init=True, dtype="float32", enforce_eager=True,
-        kv_cache_memory_bytes=64 << 20, block_size=32, seed=0, **extra,
+        kv_cache_memory_bytes=64 << 20, block_size=32, seed=0, disable_log_stats=False, **extra,
     )  # fmt: skip
     params = SamplingParams(max_tokens=12, temperature=0.0, logprobs=1, detokenize=False)
     prompt = {"prompt_token_ids": [(i * 37) % 500 + 3 for i in range(150)]}
@@ -52,6 +53,13 @@ def main() -> None:
         from vllm.distributed.kv_transfer import get_kv_transfer_group  # noqa: PLC0415
 
         report["loaded_pages"] = get_kv_transfer_group().loaded_pages
+        counters: dict[str, float] = {}
+        for metric in llm.get_metrics():
+            if metric.name.startswith("vllm:kvstrata_"):
+                kind = metric.labels.get("source") or metric.labels.get("direction")
+                name = f"{metric.name}[{kind}]" if kind else metric.name
+                counters[name] = counters.get(name, 0.0) + float(metric.value)
+        report["metrics"] = counters
     print("REPORT " + json.dumps(report))
 
 

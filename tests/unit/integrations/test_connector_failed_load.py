@@ -525,3 +525,46 @@ def test_the_torch_pipe_warns_once_when_a_later_stage_takes_nothing(
     assert len(pipe._sending) == 2 * TorchStagePipe.PENDING_WARNING - 1
     with pytest.raises(MisuseError):
         TorchStagePipe(None, [0, 1], 2)
+
+
+def test_the_worker_counts_what_it_moved_and_starts_again_when_taken() -> None:
+    """``WorkerStats``: pages loaded by source, failed loads (each failed page and every later page
+    of its request), pages saved into L2, backed up or whose put failed, and the store's bytes."""
+    page_bytes = SHAPE.bytes_per_page
+    worker = _stage([0, 1, 2])  # the store holds pages 0-2
+    plan = _plan(MemoryStore())  # pages 0-2 from L3, pages 3-4 computed and saved
+    assert worker.load(plan) == set()
+    worker.save(plan)
+    stats = worker.take_stats()
+    assert (stats.loaded_l3_pages, stats.loaded_l2_pages, stats.failed_load_pages) == (3, 0, 0)
+    assert (stats.saved_pages, stats.backed_up_pages, stats.failed_backup_pages) == (2, 2, 0)
+    assert (stats.l3_read_bytes, stats.l3_written_bytes) == (3 * page_bytes, 2 * page_bytes)
+    assert stats.l3_read_seconds > 0 and stats.l3_write_seconds > 0
+    assert worker.take_stats().as_dict() == dict.fromkeys(stats.as_dict(), 0)  # counted again
+
+    lost = _worker_page_lost(1)  # page 1 is gone: pages 1 and 2 fail, page 0 loads
+    assert lost.load(plan) == {1, 2}
+    stats = lost.take_stats()
+    assert (stats.loaded_l3_pages, stats.failed_load_pages) == (1, 2)
+    assert stats.l3_read_bytes == 2 * page_bytes  # pages 0 and 2 came; 2 is behind the hole
+
+    # a page L2 holds is loaded from there; a put the store refuses is counted as failed
+    index = _index()
+    backend = MemoryBackend(KeySpace(ModelIdentity("t", "float32", KVKind.MHA, PAGE)))
+    backend.fail_next(1, op="put", after=1)  # the store takes the first page of the next put
+    full = ConnectorWorker(
+        HostKVPool(SHAPE, 8, "page_first_direct"), backend, NAMESPACE, Blocks(3.0)
+    )
+    index.new_request("a", PAGES[3:])
+    assert index.match("a", 0, 2) is not None
+    index.alloc("a", 0, [], 2)  # computed, not loaded
+    full.save(index.plan([Scheduled("a", 2, (5, 6))]))
+    stats = full.take_stats()
+    assert (stats.saved_pages, stats.backed_up_pages, stats.failed_backup_pages) == (2, 1, 1)
+    index.finish("a")
+    index.new_request("b", PAGES[3:])
+    assert index.match("b", 0, 2) == 2
+    index.alloc("b", 0, [7, 8], 2)
+    assert full.load(index.plan([Scheduled("b", 2, (7, 8))])) == set()
+    stats = full.take_stats()
+    assert (stats.loaded_l2_pages, stats.loaded_l3_pages, stats.l3_read_bytes) == (2, 0, 0)

@@ -1,0 +1,75 @@
+"""What the vLLM connector reads from vLLM's config, beyond what the store options say: its own
+counts (``l2_pages``, ``staging_pages``), the engine identity of its pages (the KV format of a KV
+vLLM keeps as bytes, what fixes the model's weights: :class:`~kvstrata.model.engines.EngineShard`)
+and how far vLLM plans ahead of its reports. Pure functions of the config; no vLLM import but the
+platform's fp8 type, looked up when a byte-typed KV needs it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from kvstrata.impl.errors import ConfigError
+from kvstrata.model.engines import BYTE_DTYPES, engine_kv_format
+
+__all__ = ["count_option", "kv_format", "model_weights", "report_lag"]
+
+
+def count_option(extra: dict[str, Any], key: str, default: int) -> int:
+    """The extra config's ``key``, an int >= 1 (``default`` when absent); :class:`ConfigError`."""
+    value = extra.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(
+            f"kvstrata vLLM connector: key {key!r} expects an int >= 1, got {value!r}"
+        )
+    return value
+
+
+def kv_format(dtype: torch.dtype, cache_dtype: Any, where: str) -> str:
+    """The logical element type of a KV vLLM keeps as bytes (``""`` when ``dtype`` is the element
+    type): its ``--kv-cache-dtype`` on this platform (``fp8`` is e4m3fnuz on ROCm's MI300)."""
+    if str(dtype).removeprefix("torch.") not in BYTE_DTYPES:
+        return ""
+    configured = str(cache_dtype or "auto")
+    if configured == "auto":
+        raise ConfigError(
+            f"{where}: vLLM keeps this KV as {dtype} but its cache dtype is 'auto': kvstrata "
+            "cannot tell which format the bytes are in (set --kv-cache-dtype)"
+        )
+    from vllm.platforms import current_platform  # noqa: PLC0415 (vLLM picks it at first use)
+
+    return engine_kv_format(configured, str(current_platform.fp8_dtype()))
+
+
+def model_weights(model_config: Any) -> str:
+    """What fixes the weights beyond the model's path, where the operator chose it: the revision
+    asked for (vLLM resolves every Hub model's revision, to ``main`` when none was asked; that
+    default is left out, so nodes that could and could not resolve it agree) and a weight
+    quantization the checkpoint does not carry (online quantization; a quantized checkpoint's own
+    method is named by its path). ``""`` when neither: the identity earlier versions gave."""
+    parts = []
+    revision = getattr(model_config, "revision", None)
+    revision = getattr(revision, "initial", revision)  # huggingface_hub's ResolvedRevision
+    if revision:
+        parts.append(f"revision={revision}")
+    arch = getattr(model_config, "model_arch_config", None)
+    from_checkpoint = getattr(arch, "quantization_config", None) or getattr(
+        getattr(model_config, "hf_config", None), "quantization_config", None
+    )
+    quantization = getattr(model_config, "quantization", None)
+    if quantization and not from_checkpoint:
+        parts.append(f"quantization={quantization}")
+    return ";".join(parts)
+
+
+def report_lag(vllm_config: Any, pp_size: int) -> int:
+    """How many plans vLLM builds after a step's plan before it takes that step's output (its
+    engine core's batch queue holds ``max_concurrent_batches`` steps): at least 1, the one step
+    ahead of async scheduling, so a report is taken back whichever runner vLLM picked."""
+    batches = getattr(vllm_config, "max_concurrent_batches", None)
+    if not isinstance(batches, int):  # an older vLLM: 0.33's rule, which may count one more
+        # plan than its queue held (a larger lag only keeps saves and staging slots longer)
+        asynchronous = bool(getattr(vllm_config.scheduler_config, "async_scheduling", False))
+        batches = pp_size + 1 if asynchronous else pp_size
+    return max(1, batches - 1)
