@@ -119,11 +119,12 @@ class TorchStagePipe:
 class WorkerStats:
     """What a worker did since its stats were last taken (:meth:`ConnectorWorker.take_stats`):
     pages into the engine's blocks by source, pages that failed to load (each failed page and every
-    later page of its request, as the engine is told), pages saved into L2 and backed up to L3
-    (stored, or found there; not another rank's replicated page) or whose put failed (they wait for
-    a later save), and the bytes and seconds of the store's calls (a put of a page the store holds
-    moves no bytes). Plain numbers: an engine ships them between
-    processes and sums them over ranks."""
+    later page of its request, as the engine is told), pages saved into L2, backed up to L3 (stored,
+    found there, or a replicated page another rank writes) and backup puts that failed (the page
+    waits for a later save; a page that fails again counts again), and the bytes and seconds of the
+    store's calls (a put of a page the store holds moves no bytes). Counts are this worker's own:
+    every tensor-parallel rank and pipeline stage moves its own copy of a page, and an engine that
+    sums its workers counts each copy. Plain numbers, to ship between processes."""
 
     loaded_l2_pages: int = 0
     loaded_l3_pages: int = 0
@@ -307,7 +308,7 @@ class ConnectorWorker:
                 self.unbacked[slot] = page
                 self.failed_puts.append(page)
                 self.stats.failed_backup_pages += 1
-            elif status is not PutStatus.SKIPPED:  # another rank's duty: counted there
+            else:  # stored, found there, or (replicated KV) another rank's duty: no bytes moved
                 self.stats.backed_up_pages += 1
             if status is PutStatus.STORED:
                 self.stats.l3_written_bytes += self.host.shape.bytes_per_page

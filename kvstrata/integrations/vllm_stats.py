@@ -8,16 +8,21 @@ there logs :meth:`KvstrataConnectorStats.reduce` and feeds the counters
 (:meth:`KvstrataPromMetrics.observe`). Every value is a count or a total, so any order of sums
 gives the same result; rates are derived only when printed.
 
-Prometheus (vLLM's ``/metrics``, or ``LLM.get_metrics()``), each with vLLM's engine labels:
+Every count is of page copies: each tensor-parallel rank and pipeline stage loads, saves and
+backs up its own copy of a page (its heads, its layers), and vLLM sums the workers; with ``TP=4`` a
+page loaded once counts 4. Prometheus (vLLM's ``/metrics``), each with vLLM's engine labels
+(``LLM.get_metrics()`` offline gives the same counters by family name, without ``_total``, and as
+whole numbers):
 
 ``vllm:kvstrata_loaded_pages_total{source="l2"|"l3"}``
-    pages loaded into vLLM's blocks, from kvstrata's host pool or from the store;
+    page copies loaded into vLLM's blocks, from kvstrata's host pool or from the store;
 ``vllm:kvstrata_failed_load_pages_total``
-    pages reported to vLLM as failed loads (recomputed under ``kv_load_failure_policy: recompute``);
+    page copies reported to vLLM as failed loads (recomputed under
+    ``kv_load_failure_policy: recompute``);
 ``vllm:kvstrata_saved_pages_total``, ``vllm:kvstrata_backed_up_pages_total``,
 ``vllm:kvstrata_failed_backup_pages_total``
-    pages copied into the host pool, pages the store holds after a backup, puts that failed (the
-    page is put again by a later step);
+    page copies copied into the host pool, page copies the store holds after a backup, backup
+    puts that failed (the page is put again by a later step, and counts again if that fails);
 ``vllm:kvstrata_l3_bytes_total{direction="read"|"write"}``,
 ``vllm:kvstrata_l3_seconds_total{direction="read"|"write"}``
     bytes moved by the store's calls and the seconds the workers spent in them.
@@ -88,27 +93,32 @@ class KvstrataPromMetrics(KVConnectorPromMetrics):  # type: ignore[misc]
                 labelnames=[*labelnames, *extra],
             )
 
-        self._loaded = counter(
-            "loaded_pages", "Pages kvstrata loaded into vLLM's blocks.", "source"
-        )
-        self._failed_loads = counter("failed_load_pages", "Pages reported as failed loads.")
-        self._saved = counter("saved_pages", "Pages copied into kvstrata's host pool.")
-        self._backed_up = counter("backed_up_pages", "Pages the store holds after a backup.")
-        self._failed_backups = counter("failed_backup_pages", "Backup puts that failed.")
-        self._bytes = counter("l3_bytes", "Bytes moved by the store's calls.", "direction")
-        self._seconds = counter("l3_seconds", "Seconds in the store's calls.", "direction")
+        copies = " (page copies: one per TP rank and PP stage)."
+        loaded = counter("loaded_pages", "Pages loaded into vLLM's blocks" + copies, "source")
+        l3_bytes = counter("l3_bytes", "Bytes moved by the store's calls.", "direction")
+        seconds = counter("l3_seconds", "Seconds in the store's calls.", "direction")
+        #: (counter, its labels beyond vLLM's, the payload field it adds up)
+        self._series: list[tuple[Any, tuple[str, ...], str]] = [
+            (loaded, ("l2",), "loaded_l2_pages"),
+            (loaded, ("l3",), "loaded_l3_pages"),
+            (counter("failed_load_pages", "Pages failed to load" + copies), (), "failed_load_pages"),
+            (counter("saved_pages", "Pages copied into the host pool" + copies), (), "saved_pages"),
+            (counter("backed_up_pages", "Pages in the store after a backup" + copies), (),
+             "backed_up_pages"),
+            (counter("failed_backup_pages", "Backup puts that failed" + copies), (),
+             "failed_backup_pages"),
+            (l3_bytes, ("read",), "l3_read_bytes"),
+            (l3_bytes, ("write",), "l3_written_bytes"),
+            (seconds, ("read",), "l3_read_seconds"),
+            (seconds, ("write",), "l3_write_seconds"),
+        ]  # fmt: skip
+        for labels in per_engine_labelvalues.values():  # every series exists from the start, at 0
+            for metric, extra, _field in self._series:
+                metric.labels(*labels, *extra)
 
     def observe(self, transfer_stats_data: dict[str, Any] | None, engine_idx: int = 0) -> None:
         if not transfer_stats_data:
             return
-        data, labels = transfer_stats_data, self.per_engine_labelvalues[engine_idx]
-        self._loaded.labels(*labels, "l2").inc(data.get("loaded_l2_pages", 0))
-        self._loaded.labels(*labels, "l3").inc(data.get("loaded_l3_pages", 0))
-        self._failed_loads.labels(*labels).inc(data.get("failed_load_pages", 0))
-        self._saved.labels(*labels).inc(data.get("saved_pages", 0))
-        self._backed_up.labels(*labels).inc(data.get("backed_up_pages", 0))
-        self._failed_backups.labels(*labels).inc(data.get("failed_backup_pages", 0))
-        self._bytes.labels(*labels, "read").inc(data.get("l3_read_bytes", 0))
-        self._bytes.labels(*labels, "write").inc(data.get("l3_written_bytes", 0))
-        self._seconds.labels(*labels, "read").inc(data.get("l3_read_seconds", 0.0))
-        self._seconds.labels(*labels, "write").inc(data.get("l3_write_seconds", 0.0))
+        labels = self.per_engine_labelvalues[engine_idx]
+        for metric, extra, field in self._series:
+            metric.labels(*labels, *extra).inc(transfer_stats_data.get(field, 0))

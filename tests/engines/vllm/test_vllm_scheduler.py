@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import pickle
 import time
 from concurrent.futures import Future
 from pathlib import Path
@@ -36,6 +37,7 @@ from vllm.config import (  # noqa: E402
     SchedulerConfig,
     VllmConfig,
 )
+from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorLogging  # noqa: E402
 from vllm.sampling_params import SamplingParams  # noqa: E402
@@ -55,6 +57,7 @@ from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 from kvstrata.impl.errors import ConfigError  # noqa: E402
 from kvstrata.impl.storage.base import GetStatus, PutStatus  # noqa: E402
 from kvstrata.integrations import vllm as vllm_connector  # noqa: E402
+from kvstrata.integrations.connector_worker import WorkerStats  # noqa: E402
 from kvstrata.integrations.vllm import KvstrataConnector  # noqa: E402
 from kvstrata.integrations.vllm_config import report_lag  # noqa: E402
 from kvstrata.integrations.vllm_stats import KvstrataConnectorStats  # noqa: E402
@@ -368,15 +371,52 @@ def test_the_workers_stats_reach_vllms_stats_logger_and_prometheus(
         kind: functools.partial(kind, registry=registry) for kind in (Counter, Gauge, Histogram)
     }
     prom = KvstrataConnector.build_prom_metrics(rig.config, types, ["engine"], {0: ["0"]})
-    for data in rig.stats:
-        prom.observe(data, 0)
 
     def sample(name: str, **labels: str) -> float | None:
         return registry.get_sample_value(f"vllm:kvstrata_{name}_total", {"engine": "0", **labels})
 
+    assert sample("loaded_pages", source="l3") == 0  # every series is there from the start
+    for data in rig.stats:
+        prom.observe(data, 0)
+
     assert sample("loaded_pages", source="l2") == 4 and sample("loaded_pages", source="l3") == 0
     assert sample("backed_up_pages") == 4 and sample("failed_backup_pages") == 0
     assert sample("l3_bytes", direction="write") == summary["l3_written_bytes"]
+
+
+def test_two_workers_stats_are_summed_by_vllms_output_aggregator() -> None:
+    """Across processes (a pickle round trip each) and tensor-parallel workers, as vLLM's
+    executor merges them; a worker with nothing to say sends no stats at all."""
+    rank_stats = [
+        WorkerStats(loaded_l3_pages=2, l3_read_bytes=64, l3_read_seconds=0.5),
+        WorkerStats(loaded_l3_pages=2, l3_read_bytes=64, l3_read_seconds=1.5, saved_pages=1),
+    ]
+    outputs = [
+        pickle.loads(
+            pickle.dumps(
+                ModelRunnerOutput(
+                    req_ids=[],
+                    req_id_to_index={},
+                    kv_connector_output=KVConnectorOutput(
+                        kv_connector_stats=KvstrataConnectorStats(data=stats.as_dict())
+                    ),
+                )
+            )
+        )
+        for stats in rank_stats
+    ]
+    merged = KVOutputAggregator(2).aggregate(outputs)
+    assert merged is not None and merged.kv_connector_output is not None
+    total = merged.kv_connector_output.kv_connector_stats
+    assert isinstance(total, KvstrataConnectorStats)
+    summary = total.reduce()
+    assert (summary["loaded_l3_pages"], summary["saved_pages"], summary["l3_read_bytes"]) == (
+        4,
+        1,
+        128,
+    )
+    assert summary["l3_read_gbps"] == round(128 / 2.0 / 1e9, 3)
+    assert KvstrataConnector.build_kv_connector_stats(None).is_empty()
 
 
 def test_a_request_waits_while_its_lookup_is_in_flight(model_dir: Path, tmp_path: Path) -> None:

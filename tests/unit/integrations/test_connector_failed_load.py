@@ -568,3 +568,14 @@ def test_the_worker_counts_what_it_moved_and_starts_again_when_taken() -> None:
     assert full.load(index.plan([Scheduled("b", 2, (7, 8))])) == set()
     stats = full.take_stats()
     assert (stats.loaded_l2_pages, stats.loaded_l3_pages, stats.l3_read_bytes) == (2, 0, 0)
+
+    # replicated (MLA) KV: a rank that does not write still counts its copy, moving no bytes
+    follower = ConnectorWorker(
+        HostKVPool(SHAPE, 8, "page_first_direct"),
+        MemoryBackend(KeySpace(ModelIdentity("t", "float32", KVKind.MHA, PAGE)), writer=False),
+        NAMESPACE,
+        Blocks(4.0),
+    )
+    follower.save(plan)
+    stats = follower.take_stats()
+    assert (stats.saved_pages, stats.backed_up_pages, stats.l3_written_bytes) == (2, 2, 0)
