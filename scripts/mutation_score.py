@@ -1,6 +1,8 @@
-"""Mutation score of the store key schema and the store-object code (issue 19, item 7).
+"""Mutation score of the store key schema, the store-object code and the engines' key rule (issue 19,
+item 7; issue 20, part 19).
 
-Runs mutmut 3 over ``model/keys.py``, ``model/l3/objects.py`` and ``impl/storage/objects.py`` against a
+Runs mutmut 3 over ``model/keys.py``, ``model/l3/objects.py``, ``impl/storage/objects.py`` and
+``model/engines.py`` against a
 fast selection of unit tests and prints, per file, how many mutants were killed, survived or timed out,
 then every mutant that was not killed (``file:line``, the mutation, and its triage).
 
@@ -39,13 +41,16 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 #: the mutated files, as the repository names them
-TARGETS = ("model/keys.py", "model/l3/objects.py", "impl/storage/objects.py")
+TARGETS = ("model/keys.py", "model/l3/objects.py", "impl/storage/objects.py", "model/engines.py")
 
 #: the fast test selection: the unit tests that exercise the three files, less the Mooncake ones
 #: (about 20 s in all)
 TESTS = (
     "tests/unit/model/test_keys.py",
     "tests/unit/model/test_keys_mutants.py",
+    "tests/unit/model/test_engines.py",
+    "tests/unit/model/test_engines_mutants.py",
+    "tests/stateful/test_engine_sharing.py",
     "tests/unit/model/test_cache.py",
     "tests/unit/model/test_hybrid.py",
     "tests/unit/impl/storage/test_memory_backend.py",
@@ -159,6 +164,18 @@ EQUIVALENT: tuple[tuple[str, str, str, str], ...] = (
         "out += tuple(zip(components, side_page_keys(keys, namespace, pool, page), strict=True))",
         _ZIP_LAX.replace("$", r"\)$"),
         "side_page_keys renders one key per object of side_components: the lengths always match",
+    ),
+    (
+        "model_slug",
+        'slug = _SLUG_CHARS.sub("_", name.strip().lower()).strip("_")[:_SLUG_LENGTH].rstrip("_")',
+        r'\.(strip|rstrip)\("XX_XX"\)',
+        "after lower() and the substitution the text holds only [a-z0-9_]: no 'X' to strip",
+    ),
+    (
+        "_dtype_slug",
+        'return _SLUG_CHARS.sub("_", value.strip().removeprefix("torch.").lower()).strip("_")',
+        r'\.strip\("XX_XX"\)$',
+        "after lower() and the substitution the text holds only [a-z0-9_]: no 'X' to strip",
     ),
 )
 
