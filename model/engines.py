@@ -52,6 +52,8 @@ __all__ = [
     "HashScheme",
     "engine_kv_format",
     "engine_page_hash",
+    "engine_weights",
+    "holds_bytes",
     "model_slug",
 ]
 
@@ -115,8 +117,21 @@ def engine_kv_format(
     return name
 
 
+def engine_weights(revision: object = None, quantization: object = None) -> str:
+    """The :attr:`EngineShard.weights` for what an engine says fixes a model's weights beyond its
+    name: ``revision=...;quantization=...``, each part only when given (``""`` when neither)."""
+    parts = {"revision": revision, "quantization": quantization}
+    return ";".join(f"{name}={value}" for name, value in parts.items() if value)
+
+
 def _dtype_slug(value: str) -> str:
     return _SLUG_CHARS.sub("_", value.strip().removeprefix("torch.").lower()).strip("_")
+
+
+def holds_bytes(dtype: object) -> bool:
+    """Whether an engine tensor of ``dtype`` (a torch dtype or its name) holds some other format's
+    bytes (:data:`BYTE_DTYPES`): its shard must then name a ``kv_format``."""
+    return _dtype_slug(str(dtype)) in BYTE_DTYPES
 
 
 def engine_page_hash(key: object, scheme: HashScheme) -> PageHash:
@@ -211,7 +226,7 @@ class EngineShard:
             value = getattr(self, name)
             if not isinstance(value, str):
                 raise MisuseError(f"EngineShard.{name}: expected a string, got {value!r}")
-        if _dtype_slug(self.dtype) in BYTE_DTYPES and not _dtype_slug(self.kv_format):
+        if holds_bytes(self.dtype) and not _dtype_slug(self.kv_format):
             raise MisuseError(
                 f"EngineShard: a {self.dtype} KV pool holds some other format's bytes; name it "
                 "(kv_format, e.g. 'float8_e4m3fn'), or pages of every such format share keys"

@@ -50,7 +50,13 @@ from kvstrata.impl.pools.shape import HostLayout
 from kvstrata.integrations.hicache import HiCachePages, HostGeometry, PoolAsk, side_detail
 from kvstrata.integrations.legacy import FlatPages
 from kvstrata.integrations.store import StoreOptions
-from kvstrata.model.engines import BYTE_DTYPES, EngineShard, HashScheme, engine_kv_format
+from kvstrata.model.engines import (
+    EngineShard,
+    HashScheme,
+    engine_kv_format,
+    engine_weights,
+    holds_bytes,
+)
 from kvstrata.model.hybrid import HitPolicy
 
 __all__ = ["KvstrataHiCacheStorage"]
@@ -320,7 +326,7 @@ def _kv_format(dtype: torch.dtype, configured: str | None, args: Any | None) -> 
     ``--kv-cache-dtype``; they must agree when both are known. A KV scales file
     (``--quantization-param-path``: the numbers the fp8 bytes are multiplied by) adds the digest
     of its content."""
-    if str(dtype).removeprefix("torch.") not in BYTE_DTYPES:
+    if not holds_bytes(dtype):
         return ""
     published = getattr(args, "kv_cache_dtype", None)
     published = str(published) if published and published != "auto" else None
@@ -353,9 +359,4 @@ def _kv_format(dtype: torch.dtype, configured: str | None, args: Any | None) -> 
 def _weights(args: Any | None) -> str:
     """The revision and online weight quantization the operator gave sglang, each when set (a
     quantized checkpoint's own method is named by its path and served name)."""
-    parts = [
-        f"{name}={value}"
-        for name in ("revision", "quantization")
-        if (value := getattr(args, name, None))
-    ]
-    return ";".join(parts)
+    return engine_weights(getattr(args, "revision", None), getattr(args, "quantization", None))

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from kvstrata.impl.errors import ConfigError
-from kvstrata.model.engines import BYTE_DTYPES, engine_kv_format
+from kvstrata.model.engines import engine_kv_format, engine_weights, holds_bytes
 
 __all__ = ["count_option", "kv_format", "model_weights", "report_lag"]
 
@@ -29,7 +29,7 @@ def count_option(extra: dict[str, Any], key: str, default: int) -> int:
 def kv_format(dtype: torch.dtype, cache_dtype: Any, where: str) -> str:
     """The logical element type of a KV vLLM keeps as bytes (``""`` when ``dtype`` is the element
     type): its ``--kv-cache-dtype`` on this platform (``fp8`` is e4m3fnuz on ROCm's MI300)."""
-    if str(dtype).removeprefix("torch.") not in BYTE_DTYPES:
+    if not holds_bytes(dtype):
         return ""
     configured = str(cache_dtype or "auto")
     if configured == "auto":
@@ -48,19 +48,14 @@ def model_weights(model_config: Any) -> str:
     default is left out, so nodes that could and could not resolve it agree) and a weight
     quantization the checkpoint does not carry (online quantization; a quantized checkpoint's own
     method is named by its path). ``""`` when neither: the identity earlier versions gave."""
-    parts = []
     revision = getattr(model_config, "revision", None)
     revision = getattr(revision, "initial", revision)  # huggingface_hub's ResolvedRevision
-    if revision:
-        parts.append(f"revision={revision}")
     arch = getattr(model_config, "model_arch_config", None)
     from_checkpoint = getattr(arch, "quantization_config", None) or getattr(
         getattr(model_config, "hf_config", None), "quantization_config", None
     )
-    quantization = getattr(model_config, "quantization", None)
-    if quantization and not from_checkpoint:
-        parts.append(f"quantization={quantization}")
-    return ";".join(parts)
+    quantization = None if from_checkpoint else getattr(model_config, "quantization", None)
+    return engine_weights(revision, quantization)
 
 
 def report_lag(vllm_config: Any, pp_size: int) -> int:
