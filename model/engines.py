@@ -9,7 +9,8 @@ sharing is stated (and property-tested) here.
 Sharing rule (the invariant :class:`EngineShard` keeps): two plug-in instances read each other's
 pages **exactly when** they agree on the hash scheme, the model (its name as the engine reports it,
 verbatim, and what else fixes its weights where the engine says: ``weights``), the KV dtype and the
-KV format (the logical element type of a byte-typed pool), the KV kind, the page size, the pipeline
+KV format (the logical element type of a byte-typed pool), the page layout (the order of a page's
+bytes, where the engine names one), the KV kind, the page size, the pipeline
 stage (rank and size), the tag, the key schema and the tenant namespace, and, for sharded (MHA) KV,
 on the tensor-parallel rank **and** size. MLA KV is replicated across TP ranks: every rank of every
 TP size reads it, and only the writer rank (rank 0, or the rank an engine names) writes it.
@@ -32,6 +33,12 @@ share keys and read each other's pages as their own (same sizes: no size check c
 whose dtype is one of :data:`BYTE_DTYPES` must therefore name its ``kv_format``, and the format is
 part of the key's dtype segment (``uint8.float8_e4m3fn``); a shard of any other dtype keeps the
 key it always had unless it names a format too.
+
+Page layouts: a plug-in that cuts its pages out of the engine's blocks in a stated order names that
+order (``kv_layout``; vLLM's connector: ``"hnd"``, K and V each heads x tokens x head dim). A page
+written in one order must never be read in another (same sizes, other bytes), so the layout is part
+of the key's dtype segment after a ``~`` (``bfloat16~hnd``); an empty layout renders the key the
+plug-in always had.
 """
 
 from __future__ import annotations
@@ -212,6 +219,10 @@ class EngineShard:
     weights: str = ""
     """What fixes the model's weights beyond its name where the engine reports it (vLLM: the
     revision and the weight quantization), folded into the model name's digest."""
+    kv_layout: str = ""
+    """The order of a page's bytes where the plug-in states one (vLLM: ``"hnd"``); part of the
+    key's dtype segment after a ``~``, compared as the dtype is. Empty: the key the plug-in always
+    had."""
 
     def __attrs_post_init__(self) -> None:
         if self.tp_rank >= self.tp_size:
@@ -222,7 +233,7 @@ class EngineShard:
             raise MisuseError(
                 f"EngineShard: writer_rank {self.writer_rank} >= tp_size {self.tp_size}"
             )
-        for name in ("tenant", "kv_format", "weights"):
+        for name in ("tenant", "kv_format", "weights", "kv_layout"):
             value = getattr(self, name)
             if not isinstance(value, str):
                 raise MisuseError(f"EngineShard.{name}: expected a string, got {value!r}")
@@ -240,9 +251,11 @@ class EngineShard:
     def model(self) -> ModelIdentity:
         dtype = _dtype_slug(self.dtype) or "unknown"
         kv_format = _dtype_slug(self.kv_format)
+        kv_layout = _dtype_slug(self.kv_layout)
+        dtype = f"{dtype}.{kv_format}" if kv_format else dtype
         return ModelIdentity(
             name=model_slug(self.model_name, self.weights),
-            dtype=f"{dtype}.{kv_format}" if kv_format else dtype,
+            dtype=f"{dtype}~{kv_layout}" if kv_layout else dtype,
             kind=KVKind.MLA if self.mla else KVKind.MHA,
             page_size=self.page_size,
         )

@@ -32,11 +32,13 @@ holds the behaviour (scheduler side: :class:`ConnectorIndex`; worker side: :clas
   pipeline parallelism each stage sends its loads' first failed pages to every later stage over
   vLLM's PP group's CPU group (a tag of its own), and a stage drops the saves over an earlier
   stage's failure too (``TorchStagePipe``).
+- Pages: vLLM's per-layer ``[B, H, N, C]`` views, read in logical order whatever the attention
+  backend's physical layout or kernel block size (:mod:`kvstrata.integrations.vllm_blocks`).
 - Keys: each worker writes under its tensor-parallel rank and its pipeline stage (a stage holds its
   own layers); the scheduler side's lookup asks for every rank's keys of every stage. The model's
   revision and weight quantization, when set, are part of its identity, and so is the cache dtype
   of a KV that vLLM keeps as bytes (every fp8 variant is ``uint8`` to vLLM:
-  :data:`~kvstrata.model.engines.BYTE_DTYPES`).
+  :data:`~kvstrata.model.engines.BYTE_DTYPES`), and the page order (MHA).
 
 Extra config: the store options of :mod:`kvstrata.integrations.store`, plus ``l2_pages`` (host pool
 pages for L2, default 1024) and ``staging_pages`` (L3 read slots, default 256).
@@ -44,7 +46,6 @@ pages for L2, default 1024) and ``staging_pages`` (L3 read slots, default 256).
 
 from __future__ import annotations
 
-import re
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -59,15 +60,15 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from kvstrata.impl.errors import ConfigError
 from kvstrata.impl.pools.host import HostKVPool
-from kvstrata.impl.pools.shape import KVShape
 from kvstrata.impl.storage.base import StorageBackend
 from kvstrata.integrations.connector import ConnectorIndex, Plan, Scheduled
 from kvstrata.integrations.connector_worker import ConnectorWorker, TorchStagePipe
 from kvstrata.integrations.store import StoreOptions, open_backend
+from kvstrata.integrations.vllm_blocks import PAGE_LAYOUT, BlockViews, page_shape
 from kvstrata.integrations.vllm_config import count_option, kv_format, model_weights, report_lag
 from kvstrata.integrations.vllm_stats import KvstrataConnectorStats, KvstrataPromMetrics
 from kvstrata.model.engines import EngineShard, HashScheme, engine_page_hash
-from kvstrata.model.keys import KVKind, PageHash
+from kvstrata.model.keys import PageHash
 from kvstrata.model.lifecycles import RequestState
 
 __all__ = ["KvstrataConnector", "KvstrataConnectorMetadata"]
@@ -80,61 +81,6 @@ class KvstrataConnectorMetadata(KVConnectorMetadata):  # type: ignore[misc]
 
     def __init__(self, plan: Plan) -> None:
         self.plan = plan
-
-
-class _Blocks:
-    """vLLM's per-layer KV tensors seen as canonical pages ``[planes, L, n, page, 1, X]``: in each
-    layer tensor the dimension of size ``num_blocks`` is the block, the first other dimension of size
-    2 the K/V plane (MHA); the rest of a block is its bytes, reinterpreted the same way both ways."""
-
-    def __init__(self, caches: dict[str, torch.Tensor], num_blocks: int, shape: KVShape) -> None:
-        self.shape = shape
-        self.views = []
-        for name in sorted(caches, key=_layer_order):
-            tensor = caches[name]
-            dims = list(tensor.shape)
-            if num_blocks not in dims:
-                raise ConfigError(
-                    f"kvstrata: layer {name} {dims} has no dimension of {num_blocks} blocks"
-                )
-            block_dim = dims.index(num_blocks)
-            view = tensor.movedim(block_dim, 0)
-            if shape.planes == 2:
-                plane_dim = next((d for d in range(1, view.dim()) if view.shape[d] == 2), None)
-                if plane_dim is None:
-                    raise ConfigError(f"kvstrata: layer {name} {dims} has no K/V dimension")
-                view = view.movedim(plane_dim, 1)
-            else:
-                view = view.unsqueeze(1)
-            if view[0, 0].numel() != shape.page_size * shape.head_dim:
-                raise ConfigError(
-                    f"kvstrata: layer {name} holds {view[0, 0].numel()} values per block and plane, "
-                    f"expected {shape.page_size} x {shape.head_dim}"
-                )
-            self.views.append(view)
-        if len(self.views) != shape.layers:
-            raise ConfigError(f"kvstrata: {len(self.views)} KV layers, expected {shape.layers}")
-
-    def read(self, blocks: Sequence[int]) -> torch.Tensor:
-        index = torch.tensor(list(blocks), dtype=torch.int64)
-        s = self.shape
-        layers = [
-            view.index_select(0, index.to(view.device)).reshape(
-                len(index), s.planes, s.page_size, 1, s.head_dim
-            )
-            for view in self.views
-        ]
-        return torch.stack(layers).permute(2, 0, 1, 3, 4, 5).cpu().contiguous()
-
-    def write(self, blocks: Sequence[int], kv: torch.Tensor) -> None:
-        index = torch.tensor(list(blocks), dtype=torch.int64)
-        for layer, view in enumerate(self.views):
-            data = kv[:, layer].permute(1, 0, 2, 3, 4).reshape(len(index), *view.shape[1:])
-            view[index.to(view.device)] = data.to(view.device, view.dtype)
-
-
-def _layer_order(name: str) -> tuple[int, ...]:
-    return tuple(int(number) for number in re.findall(r"\d+", name)) or (0,)
 
 
 class KvstrataConnector(KVConnectorBase_V1):  # type: ignore[misc]
@@ -156,13 +102,8 @@ class KvstrataConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self.block_size = int(spec.block_size)
         self.num_blocks = int(kv_cache_config.num_blocks)
         mla = bool(vllm_config.model_config.use_mla)
-        self.shape = KVShape(
-            KVKind.MLA if mla else KVKind.MHA,
-            layers=len(groups[0].layer_names),
-            heads=1,
-            head_dim=int(spec.head_size) * (1 if mla else int(spec.num_kv_heads)),
-            dtype=spec.dtype,
-            page_size=self.block_size,
+        self.shape, self.heads, self.head_size = page_shape(
+            spec, len(groups[0].layer_names), mla, where
         )
         parallel = vllm_config.parallel_config
         self.tp_size = int(parallel.tensor_parallel_size)
@@ -181,6 +122,7 @@ class KvstrataConnector(KVConnectorBase_V1):  # type: ignore[misc]
             key_schema=self.options.key_schema,
             kv_format=kv_format(spec.dtype, vllm_config.cache_config.cache_dtype, where),
             weights=model_weights(vllm_config.model_config),
+            kv_layout="" if mla else PAGE_LAYOUT,
         )
         self.index: ConnectorIndex | None = None
         self.worker: ConnectorWorker | None = None
@@ -328,7 +270,7 @@ class KvstrataConnector(KVConnectorBase_V1):  # type: ignore[misc]
         shard = self._shard(tp_rank, pp_rank)
         host = HostKVPool(self.shape, self.l2_pages + self.staging_pages, "page_first_direct")
         backend = open_backend(self.options, shard.keyspace(), writer=shard.writer)
-        blocks = _Blocks(kv_caches, self.num_blocks, self.shape)
+        blocks = BlockViews(kv_caches, self.num_blocks, self.shape, self.heads, self.head_size)
         self.worker = ConnectorWorker(host, backend, shard.namespace(), blocks)
         if self.pp_size > 1:
             group = _group("pp")

@@ -5,11 +5,12 @@ Deployments of an engine plug-in (:class:`~kvstrata.integrations.hicache.HiCache
 engine-free half of the sglang backend, on its own host pool) share one in-memory store. Each is an
 :class:`~kvstrata.model.engines.EngineShard`: a model name, what fixes its weights (``weights``), a KV
 dtype and, for a byte-typed pool, its KV format (sglang and vLLM keep every fp8 variant as
-``uint8``), a tensor-parallel rank and size, a tag, a tenant and a key schema. Every pool holds the
-same bytes per page, so no size check can tell two deployments apart: only the keys can.
+``uint8``), a page layout (vLLM's ``hnd``), a tensor-parallel rank and size, a tag, a tenant and a
+key schema. Every pool holds the same bytes per page, so no size check can tell two deployments
+apart: only the keys can.
 
 Rules: a first deployment; a *neighbour* of a deployment that differs from it in one field (or in
-none: a twin; or only in how a dtype is spelled), so deployments that nearly agree are the common
+none: a twin; or only in how a dtype or layout is spelled), so deployments that nearly agree are the common
 case, not a lucky draw; a deployment writes a page whose bytes are derived from its sharing class
 (the test's own spelling of the rule, :func:`sharing_class`) and the page; a deployment asks
 ``exists`` for a page and gets it. The model: the set of (sharing class, page) written. After every
@@ -54,6 +55,7 @@ FIELDS: dict[str, list[object]] = {
         ("uint8", "float8_e4m3fnuz"),
         ("float16", "float8_e4m3fn"),
     ],
+    "kv_layout": ["", "hnd", "nhd"],
     "tp": [(0, 1), (0, 2), (1, 2)],
     "tag": [None, "blue"],
     "tenant": ["", "t1"],
@@ -74,6 +76,7 @@ class Config:
     model_name: str = "org/a"
     weights: str = ""
     kv: tuple[str, str] = ("float16", "")
+    kv_layout: str = ""
     tp: tuple[int, int] = (0, 1)
     tag: str | None = None
     tenant: str = ""
@@ -97,14 +100,15 @@ class Config:
             key_schema=self.key_schema,
             kv_format=kv_format,
             weights=self.weights,
+            kv_layout=self.kv_layout.upper() if self.spelled else self.kv_layout,
         )
 
 
 def sharing_class(config: Config) -> tuple[object, ...]:
     """The rule of model/engines.py, spelled independently: sharded (MHA) deployments share pages
     exactly when every field but the spelling agrees."""
-    return (config.model_name, config.weights, config.kv, config.tp, config.tag, config.tenant,
-            config.key_schema)  # fmt: skip
+    return (config.model_name, config.weights, config.kv, config.kv_layout, config.tp, config.tag,
+            config.tenant, config.key_schema)  # fmt: skip
 
 
 @attrs.define

@@ -1,7 +1,7 @@
 """kvstrata's connector inside vLLM 0.33's real ``Scheduler`` (CPU; no model runs).
 
 vLLM's scheduler loads the connector by module path and drives its scheduler side; the test plays
-the worker: it builds the connector's worker side on a paged KV tensor in vLLM's CPU layout, binds
+the worker: it builds the connector's worker side on KV views vLLM's own ``allocate_kv_cache`` makes, binds
 each step's metadata, runs ``start_load_kv`` / ``wait_for_save``, and "computes" every other block
 with bytes derived from the block's hash, so every loaded block can be checked byte for byte.
 """
@@ -49,10 +49,16 @@ from vllm.v1.kv_cache_interface import (  # noqa: E402
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
+    KVCacheSpec,
+    KVCacheTensor,
+    MLAAttentionSpec,
+    compute_layout_strides,
 )
+from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput  # noqa: E402
 from vllm.v1.request import Request  # noqa: E402
 from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
+from vllm.v1.worker.utils import allocate_kv_cache  # noqa: E402
 
 from kvstrata.impl.errors import ConfigError  # noqa: E402
 from kvstrata.impl.storage.base import GetStatus, PutStatus  # noqa: E402
@@ -63,7 +69,7 @@ from kvstrata.integrations.vllm_config import report_lag  # noqa: E402
 from kvstrata.integrations.vllm_stats import KvstrataConnectorStats  # noqa: E402
 from kvstrata.model.engines import HashScheme, engine_page_hash  # noqa: E402
 
-BLOCK, HEADS, HEAD_DIM, NUM_BLOCKS = 16, 2, 8, 64
+BLOCK, HEADS, HEAD_DIM, NUM_BLOCKS = 16, 4, 8, 64  # no dimension of 2: K/V is in C
 
 
 @pytest.fixture(scope="module")
@@ -85,6 +91,39 @@ def kv_cache_config() -> KVCacheConfig:
         kv_cache_tensors=[],
         kv_cache_groups=[KVCacheGroupSpec(["layers.0.attn"], spec)],
     )
+
+
+def vllm_caches(
+    spec: KVCacheSpec,
+    layers: list[str],
+    layout: KVCacheLayout = KVCacheLayout.LBNHC,
+    kernel_block: int | None = None,
+    num_blocks: int = NUM_BLOCKS,
+) -> dict[str, torch.Tensor]:
+    """The per-layer KV views vLLM's model runner hands a connector: ``[B, H, N, C]`` over one
+    allocation in ``layout``'s physical order (``kernel_block``: the backend's kernel block)."""
+    layer_stride, block_stride, *_ = compute_layout_strides(spec, num_blocks, len(layers), layout)
+    tensor = KVCacheTensor(
+        size=spec.page_size_bytes * num_blocks * len(layers),
+        layers=layers,
+        layer_stride=layer_stride,
+        block_stride=block_stride,
+    )
+    config = KVCacheConfig(
+        num_blocks=num_blocks,
+        kv_cache_tensors=[tensor],
+        kv_cache_groups=[KVCacheGroupSpec(layers, spec)],
+    )
+    kernels = None if kernel_block is None else [kernel_block]
+    return allocate_kv_cache(config, torch.device("cpu"), layout, kernels)
+
+
+def manager_block(view: torch.Tensor, block: int, num_blocks: int = NUM_BLOCKS) -> torch.Tensor:
+    """vLLM's block ``block`` of a ``[B, H, N, C]`` view as ``[H, tokens, C]`` (its kernel blocks
+    in token order)."""
+    ratio = view.shape[0] // num_blocks
+    kernels = view[block * ratio : (block + 1) * ratio]
+    return kernels.permute(1, 0, 2, 3).reshape(view.shape[1], -1, view.shape[3])
 
 
 def vllm_config(model_dir: Path, extra: dict[str, Any], budget: int = 1024) -> VllmConfig:
@@ -131,7 +170,9 @@ class Rig:
             block_size=BLOCK,
             log_stats=True,
         )
-        self.kv = torch.zeros(NUM_BLOCKS, 2, BLOCK, HEADS, HEAD_DIM)  # vLLM's CPU layout
+        self.kv = vllm_caches(
+            kv_cache_config().kv_cache_groups[0].kv_cache_spec, ["layers.0.attn"]
+        )["layers.0.attn"]
         self.worker = KvstrataConnector(self.config, KVConnectorRole.WORKER, kv_cache_config())
         self.worker.register_kv_caches({"layers.0.attn": self.kv})
         self.hasher = get_request_block_hasher(BLOCK, sha256)
@@ -235,7 +276,8 @@ class Rig:
 def content(block_hash: bytes) -> torch.Tensor:
     """The KV a block holds, derived from its hash (what the model would have computed)."""
     seed = int.from_bytes(hashlib.sha256(bytes(block_hash)).digest()[:8], "little")
-    return torch.randn(2, BLOCK, HEADS, HEAD_DIM, generator=torch.Generator().manual_seed(seed))
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(HEADS, BLOCK, 2 * HEAD_DIM, generator=generator)  # one block of [B, H, N, C]
 
 
 def prompt(n: int, salt: int = 0) -> list[int]:
@@ -548,41 +590,93 @@ def test_a_request_sharing_blocks_with_a_failed_load_saves_nothing_over_them(
     assert not wrong, f"blocks {wrong} were served with bytes computed over a failed load"
 
 
+LAYOUTS = [  # (physical layout, kernel block): every layout vLLM 0.33 names; kernel blocks where
+    # vLLM allows them (layer-compact layouts)
+    *[(layout, None) for layout in KVCacheLayout],
+    (KVCacheLayout.LBNHC, BLOCK // 2),
+    (KVCacheLayout.LBHNC, BLOCK // 4),
+]
+
+
+def _filled(spec: KVCacheSpec, layout: KVCacheLayout, kernel: int | None) -> dict[str, Any]:
+    caches = vllm_caches(spec, ["layers.1.attn", "layers.0.attn"], layout, kernel)  # not in order
+    for number, view in enumerate(caches.values()):
+        view.copy_(torch.randn(view.shape, generator=torch.Generator().manual_seed(number)))
+    return caches
+
+
+@pytest.mark.parametrize("mla", [False, True], ids=["mha", "mla"])
 @pytest.mark.parametrize(
-    "layout",
-    [(NUM_BLOCKS, 2, BLOCK, HEADS, HEAD_DIM), (2, NUM_BLOCKS, BLOCK, HEADS, HEAD_DIM)],
-    ids=["cpu-blocks-first", "flash-kv-first"],
+    ("layout", "kernel"), LAYOUTS, ids=[f"{lay.name}-{k or BLOCK}" for lay, k in LAYOUTS]
 )
-def test_block_views_keep_k_and_v_apart_in_either_layout(layout: tuple[int, ...]) -> None:
+def test_a_page_holds_the_same_bytes_in_every_vllm_layout_and_kernel_block(
+    layout: KVCacheLayout, kernel: int | None, mla: bool
+) -> None:
+    """vLLM lays a block out in the order its attention backend wants (``KVCacheLayout``; kernel
+    blocks smaller than vLLM's block), all behind one logical ``[B, H, N, C]`` view. A page read
+    from one layout and written into another holds the same tokens: the page's bytes are the
+    logical block, K and V apart (the K plane is the first half of every cell: schema 1's K
+    object holds K), so deployments on other backends share pages bit for bit."""
     from kvstrata.impl.pools.shape import KVShape  # noqa: PLC0415
-    from kvstrata.integrations.vllm import _Blocks  # noqa: PLC0415
+    from kvstrata.integrations.vllm_blocks import BlockViews, page_geometry  # noqa: PLC0415
     from kvstrata.model.keys import KVKind  # noqa: PLC0415
 
+    kind = MLAAttentionSpec if mla else FullAttentionSpec
+    spec: Any = kind(
+        block_size=BLOCK,
+        num_kv_heads=1 if mla else HEADS,
+        head_size=24 if mla else HEAD_DIM,
+        dtype=torch.float32,
+    )
+    heads, size = page_geometry(spec, mla, "test")
     shape = KVShape(
-        KVKind.MHA,
+        KVKind.MLA if mla else KVKind.MHA,
         layers=2,
         heads=1,
-        head_dim=HEADS * HEAD_DIM,
+        head_dim=heads * size,
         dtype=torch.float32,
         page_size=BLOCK,
     )
-    source = {
-        f"layers.{n}.attn": torch.randn(layout) for n in (1, 0)
-    }  # vLLM's dict order is not layer order
-    kv = _Blocks(source, NUM_BLOCKS, shape).read([3, 5])
-    assert kv.shape == (2, 2, 2, BLOCK, 1, HEADS * HEAD_DIM)
-    kv_first = layout[0] == 2
+    source = _filled(spec, KVCacheLayout.LBNHC, None)  # FlashAttention's, one kernel block
+    pages = BlockViews(source, NUM_BLOCKS, shape, heads, size).read([3, 5])
+    assert pages.shape == (shape.planes, 2, 2, BLOCK, 1, heads * size)
+    target = vllm_caches(spec, list(source), layout, kernel)
+    BlockViews(target, NUM_BLOCKS, shape, heads, size).write([3, 5], pages)
     for layer in (0, 1):
-        tensor = source[f"layers.{layer}.attn"]
-        for plane in (0, 1):
-            block = tensor[plane, 5] if kv_first else tensor[5, plane]
-            assert torch.equal(kv[plane, layer, 1].flatten(), block.flatten())
-    target = {name: torch.zeros(layout) for name in source}
-    _Blocks(target, NUM_BLOCKS, shape).write([3, 5], kv)
-    for name in source:
-        for block in (3, 5):
-            picked = (slice(None), block) if kv_first else (block,)
-            assert torch.equal(target[name][picked], source[name][picked])
+        name = f"layers.{layer}.attn"
+        for page, block in enumerate((3, 5)):
+            written = manager_block(target[name], block)
+            assert torch.equal(written, manager_block(source[name], block))
+            k_plane = pages[0, layer, page].reshape(heads, BLOCK, size)
+            assert torch.equal(k_plane, written[..., :size])
+        untouched = manager_block(target[name], 4)
+        assert not untouched.any()  # only the blocks asked for
+
+
+def test_kv_cells_a_page_cannot_hold_are_refused(model_dir: Path) -> None:
+    """A connector refuses, at start, KV cells it cannot cut into K and V pages (packed or unequal
+    K/V), and views that are not vLLM's ``[B, H, N, C]``."""
+    from kvstrata.integrations.vllm_blocks import page_geometry  # noqa: PLC0415
+
+    def spec(**fields: Any) -> FullAttentionSpec:
+        return FullAttentionSpec(
+            block_size=BLOCK, num_kv_heads=HEADS, dtype=torch.float32, **fields
+        )
+
+    assert page_geometry(spec(head_size=HEAD_DIM), False, "x") == (HEADS, HEAD_DIM)
+    with pytest.raises(ConfigError, match="unequal K/V"):
+        page_geometry(spec(head_size=HEAD_DIM, head_size_v=2 * HEAD_DIM), False, "x")
+    with pytest.raises(ConfigError, match="packed"):
+        page_geometry(spec(head_size=HEAD_DIM, state_content_bytes=72), False, "x")
+    with pytest.raises(ConfigError, match=r"vLLM >= 0\.32"):
+        page_geometry(SimpleNamespace(head_size=HEAD_DIM, dtype=torch.float32), False, "x")
+    config = vllm_config(model_dir, {"store": "file", "path": "/nonexistent"})
+    worker = KvstrataConnector(config, KVConnectorRole.WORKER, kv_cache_config())
+    # the page order is in the keys: pages an earlier version cut otherwise are never read
+    assert worker._template.keyspace().model.dtype == "float32~hnd"
+    old_style = {"layers.0.attn": torch.zeros(NUM_BLOCKS, 2, BLOCK, HEADS, HEAD_DIM)}
+    with pytest.raises(ConfigError, match=r"not vLLM's \[B, H, N, C\] view"):
+        worker.register_kv_caches(old_style)
 
 
 def test_async_scheduling_saves_nothing_over_a_failed_load_before_it_is_reported(
@@ -669,7 +763,8 @@ class PipelineRig(Rig):
         )
         super().__init__(model_dir, extra, scheduler, budget, stages=2)  # stage 0's worker side
         building[0] = 1
-        self.kvs = [self.kv, torch.zeros_like(self.kv)]
+        spec = kv_cache_config().kv_cache_groups[0].kv_cache_spec
+        self.kvs = [self.kv, vllm_caches(spec, ["layers.0.attn"])["layers.0.attn"]]
         self.stages = [
             self.worker,
             KvstrataConnector(self.config, KVConnectorRole.WORKER, kv_cache_config()),
@@ -815,8 +910,7 @@ def fp8_worker(model_dir: Path, store: Path, cache_dtype: str, **model: Any) -> 
         kv_cache_groups=[KVCacheGroupSpec(["layers.0.attn"], spec)],
     )
     worker = KvstrataConnector(config, KVConnectorRole.WORKER, kv_config)
-    kv = torch.zeros(NUM_BLOCKS, 2, BLOCK, HEADS, HEAD_DIM, dtype=torch.uint8)
-    worker.register_kv_caches({"layers.0.attn": kv})
+    worker.register_kv_caches(vllm_caches(spec, ["layers.0.attn"]))
     return worker
 
 

