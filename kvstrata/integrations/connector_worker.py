@@ -47,12 +47,13 @@ log = logging.getLogger("kvstrata.integrations.connector_worker")
 
 
 class BlockIO(Protocol):
-    """An engine's KV blocks as kvstrata pages: ``read(blocks)`` gives canonical KV of those blocks,
-    ``write(blocks, kv)`` puts canonical KV into them."""
+    """An engine's KV blocks as kvstrata pages: ``save(blocks, host, slots)`` copies the blocks
+    into the host pool's pages ``slots``, ``load(host, slots, blocks)`` the pages into the blocks
+    (pairs in order, each side distinct)."""
 
-    def read(self, blocks: Sequence[int]) -> torch.Tensor: ...
+    def save(self, blocks: Sequence[int], host: HostKVPool, slots: Sequence[int]) -> None: ...
 
-    def write(self, blocks: Sequence[int], kv: torch.Tensor) -> None: ...
+    def load(self, host: HostKVPool, slots: Sequence[int], blocks: Sequence[int]) -> None: ...
 
 
 class StagePipe(Protocol):
@@ -193,8 +194,7 @@ class ConnectorWorker:
             good = [move for move in moves if move.index < cut]
             self.stats.failed_load_pages += len(moves) - len(good)
             if good:
-                kv = self.host.read_pages([move.slot for move in good])
-                self.blocks.write([move.block for move in good], kv)
+                self.blocks.load(self.host, [m.slot for m in good], [m.block for m in good])
                 self.loaded_pages += len(good)
                 remote = sum(move.source is PageSource.L3 for move in good)
                 self.stats.loaded_l3_pages += remote
@@ -290,7 +290,7 @@ class ConnectorWorker:
                 seen.add(move.slot)
                 run.append(move)
             moves = moves[len(run) :]
-            self.host.write_pages([m.slot for m in run], self.blocks.read([m.block for m in run]))
+            self.blocks.save([m.block for m in run], self.host, [m.slot for m in run])
             self.stats.saved_pages += len(run)
             for move in run:
                 self.written[move.slot] = move.page

@@ -8,7 +8,9 @@ with kernel blocks smaller than vLLM's block, ``B`` counts kernel blocks and ``N
 
 A page is read in **logical** order, so the bytes a page holds do not depend on the backend, its
 physical layout or its kernel block size: MHA pages are two planes (K, V), each ``[H, N, D]`` of
-the block (:data:`PAGE_LAYOUT`, part of the keys), and MLA pages the block's ``[1, N, C]``.
+the block (:data:`PAGE_LAYOUT`, part of the keys), and MLA pages the block's ``[1, N, C]``. Pages
+go between vLLM's views and the host pool's pages without a staging tensor (:meth:`BlockViews.save`,
+:meth:`BlockViews.load`).
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ from collections.abc import Sequence
 
 import torch
 
-from kvstrata.impl.errors import ConfigError
+from kvstrata.impl.errors import ConfigError, MisuseError
+from kvstrata.impl.pools.host import HostKVPool
 from kvstrata.impl.pools.shape import KVShape
 from kvstrata.model.keys import KVKind
 
@@ -73,13 +76,16 @@ def page_shape(spec: object, layers: int, mla: bool, where: str) -> tuple[KVShap
 
 
 class BlockViews:
-    """vLLM's per-layer KV views seen as pages ``[planes, layers, pages, page_size, 1, X]``.
+    """vLLM's per-layer KV views, copied straight to and from a host pool's pages.
 
-    Invariants: every view is vLLM's logical ``[B, H, N, C]`` of ``heads`` heads, a block of
-    ``shape.page_size`` tokens (``ratio`` kernel blocks of ``N`` tokens each), ``C`` of
-    ``planes x head_size`` values; :meth:`read` then :meth:`write` of the same blocks is the identity on
-    every layer's logical view, whatever the strides; layers are in model order (by the numbers
-    in their names)."""
+    Invariants: every view is vLLM's logical ``[B, H, N, C]`` of ``heads`` heads and
+    ``shape.dtype``, a block of ``shape.page_size`` tokens (``ratio`` kernel blocks of ``N``
+    tokens each), ``C`` of ``planes x head_size`` values; plane ``p`` of layer ``l`` of a page
+    holds ``[H, N, D]`` of the block's ``p``-th ``D`` values per cell (K, then V), whatever the
+    strides; :meth:`save` then :meth:`load` of the same pairs is the identity on the blocks; layers
+    are in model order (by the numbers in their names). Copies go view to view: one strided copy
+    per run of consecutive blocks and slots, a gather and a scatter per layer when runs are
+    shorter than :attr:`gather_below`."""
 
     def __init__(
         self,
@@ -88,51 +94,111 @@ class BlockViews:
         shape: KVShape,
         heads: int,
         head_size: int,
+        *,
+        gather_below: int | None = None,
     ) -> None:
         self.shape = shape
+        self.num_blocks = num_blocks
+        devices = {tensor.device.type for tensor in caches.values()}
+        self.gather_below = (
+            (0 if devices <= {"cpu"} else 4) if gather_below is None else gather_below
+        )
+        """Pairs per run (on average) under which a copy gathers all pairs in one indexed copy per
+        layer instead of one strided copy per run. Default: never on the CPU, where a strided copy
+        per run measured faster even for single pages (docs/benchmarks.md, "vLLM connector
+        copies"); 4 on a device, for one transfer per layer (not measured: no GPU)."""
         self.views: list[torch.Tensor] = []
         content = head_size * shape.planes
         for name in sorted(caches, key=_layer_order):
             tensor = caches[name]
             dims = list(tensor.shape)
             if (
-                len(dims) != 4
+                tensor.dtype != shape.dtype
+                or len(dims) != 4
                 or dims[0] % num_blocks
                 or dims[1] != heads
                 or dims[3] != content
                 or dims[2] * (dims[0] // num_blocks) != shape.page_size
             ):
                 raise ConfigError(
-                    f"kvstrata: layer {name} {dims} is not vLLM's [B, H, N, C] view of {num_blocks} "
-                    f"blocks of {shape.page_size} tokens, {heads} heads and {content} values per "
-                    "token and head (vLLM >= 0.32)"
+                    f"kvstrata: layer {name} {dims} {tensor.dtype} is not vLLM's [B, H, N, C] "
+                    f"view of {num_blocks} blocks of {shape.page_size} tokens, {heads} heads "
+                    f"and {content} values per token and head (vLLM >= 0.32)"
                 )
             ratio = dims[0] // num_blocks  # kernel blocks per block, in token order
             blocks = tensor.view(num_blocks, ratio, *dims[1:]).movedim(1, 2)  # [B, H, r, Nk, C]
             # views, never copies: a page written must land in vLLM's own tensor
-            view = blocks.view(*blocks.shape[:-1], shape.planes, head_size).movedim(-2, 1)
-            self.views.append(view)  # [B, planes, H, r, Nk, D]
+            view = blocks.view(*blocks.shape[:-1], shape.planes, head_size).movedim(-2, 0)
+            self.views.append(view)  # [planes, B, H, r, Nk, D]
         if len(self.views) != shape.layers:
             raise ConfigError(f"kvstrata: {len(self.views)} KV layers, expected {shape.layers}")
 
-    def read(self, blocks: Sequence[int]) -> torch.Tensor:
-        """The pages of ``blocks``, contiguous on the CPU."""
-        index = torch.tensor(list(blocks), dtype=torch.int64)
-        s = self.shape
-        layers = [
-            view.index_select(0, index.to(view.device)).reshape(
-                len(index), s.planes, s.page_size, 1, s.head_dim
-            )
-            for view in self.views
-        ]
-        return torch.stack(layers).permute(2, 0, 1, 3, 4, 5).cpu().contiguous()
+    def save(self, blocks: Sequence[int], host: HostKVPool, slots: Sequence[int]) -> None:
+        """Copy ``blocks`` into the host pool's pages ``slots`` (each distinct and in range,
+        paired in order; :class:`MisuseError` and no copy otherwise)."""
+        windows = _windows(blocks, slots, self.num_blocks, host.num_pages, self.gather_below)
+        for rows, view in zip(self._rows(host), self.views, strict=True):
+            for block, slot in windows:
+                rows[:, slot] = view[:, _on(block, view)].to(rows.device)
 
-    def write(self, blocks: Sequence[int], kv: torch.Tensor) -> None:
-        """Write pages (as :meth:`read` returns them) into ``blocks``."""
-        index = torch.tensor(list(blocks), dtype=torch.int64)
-        for layer, view in enumerate(self.views):
-            data = kv[:, layer].permute(1, 0, 2, 3, 4).reshape(len(index), *view.shape[1:])
-            view[index.to(view.device)] = data.to(view.device, view.dtype)
+    def load(self, host: HostKVPool, slots: Sequence[int], blocks: Sequence[int]) -> None:
+        """Copy the host pool's pages ``slots`` into ``blocks`` (as :meth:`save`, the other way)."""
+        windows = _windows(blocks, slots, self.num_blocks, host.num_pages, self.gather_below)
+        for rows, view in zip(self._rows(host), self.views, strict=True):
+            for block, slot in windows:
+                view[:, _on(block, view)] = rows[:, slot].to(view.device)
+
+    def _rows(self, host: HostKVPool) -> list[torch.Tensor]:
+        """Each layer's pages of ``host`` as ``[planes, P, H, r, Nk, D]``: views of the pool (a
+        write lands in it); :class:`MisuseError` unless the pool holds this shape with a page's
+        rows contiguous (``page_first_direct``, ``layer_first``, ``page_major``)."""
+        if host.shape != self.shape:
+            raise MisuseError(f"kvstrata: a host pool of {host.shape}, expected {self.shape}")
+        pages = host.canonical()  # [planes, L, P, page, 1, X]
+        planes, rows = pages.shape[0], self.views[0].shape[2:]
+        try:  # view, never flatten or reshape: those copy where no view exists, and a copy
+            # written into leaves the pool as it was
+            return [pages[:, layer].view(planes, -1, *rows) for layer in range(len(self.views))]
+        except RuntimeError as error:  # a layout whose page rows are not contiguous
+            raise MisuseError(
+                f"kvstrata: a {host.layout.value} host pool does not keep a layer's page rows "
+                "contiguous (use page_first_direct)"
+            ) from error
+
+
+Window = slice | torch.Tensor
+
+
+def _on(index: Window, tensor: torch.Tensor) -> Window:
+    return index if isinstance(index, slice) else index.to(tensor.device)
+
+
+def _windows(
+    blocks: Sequence[int],
+    slots: Sequence[int],
+    num_blocks: int,
+    num_pages: int,
+    gather_below: int,
+) -> list[tuple[Window, Window]]:
+    """``(blocks, slots)`` index pairs covering the pairs in order: a slice pair per run where both
+    ascend by one (one strided copy each, no gather), or, when runs are shorter than
+    ``gather_below`` pairs on average, one pair of index tensors for all."""
+    blocks, slots = [int(b) for b in blocks], [int(s) for s in slots]
+    for name, values, bound in (("blocks", blocks, num_blocks), ("slots", slots, num_pages)):
+        if len(set(values)) != len(values) or any(not 0 <= v < bound for v in values):
+            raise MisuseError(f"kvstrata: {name} must be distinct and in [0, {bound}): {values}")
+    if len(blocks) != len(slots):
+        raise MisuseError(f"kvstrata: {len(blocks)} blocks for {len(slots)} slots")
+    runs: list[list[int]] = []  # [first block, first slot, count]
+    for block, slot in zip(blocks, slots, strict=True):
+        if runs and block == runs[-1][0] + runs[-1][2] and slot == runs[-1][1] + runs[-1][2]:
+            runs[-1][2] += 1
+        else:
+            runs.append([block, slot, 1])
+    if len(runs) * gather_below > len(blocks):
+        as_index = [torch.tensor(values, dtype=torch.int64) for values in (blocks, slots)]
+        return [(as_index[0], as_index[1])]
+    return [(slice(b, b + n), slice(s, s + n)) for b, s, n in runs]
 
 
 def _layer_order(name: str) -> tuple[int, ...]:

@@ -79,6 +79,12 @@ class EngineBlocks:
     def write(self, blocks: Sequence[int], kv: torch.Tensor) -> None:
         self.kv[:, :, list(blocks)] = kv
 
+    def save(self, blocks: Sequence[int], host: HostKVPool, slots: Sequence[int]) -> None:
+        host.write_pages(slots, self.read(blocks))
+
+    def load(self, host: HostKVPool, slots: Sequence[int], blocks: Sequence[int]) -> None:
+        self.write(blocks, host.read_pages(slots))
+
     def compute(
         self,
         pages: Sequence[PageHash],

@@ -17,6 +17,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import attrs
 import pytest
 import torch
 from support.engines import require
@@ -346,7 +347,7 @@ def stored_wrong(rig: Rig, request_id: str, stage: int = 0) -> list[int]:
     for index, block_hash in enumerate(rig.requests[request_id].block_hashes):
         page = engine_page_hash(bytes(block_hash), HashScheme.VLLM)
         if worker.backend.get(worker.namespace, [page], [slot]) == [GetStatus.LOADED]:
-            worker.blocks.write([block], worker.host.read_pages([slot]))
+            worker.blocks.load(worker.host, [slot], [block])
             if not torch.equal(kv[block], content(block_hash)):
                 wrong.append(index)
     return wrong
@@ -605,21 +606,38 @@ def _filled(spec: KVCacheSpec, layout: KVCacheLayout, kernel: int | None) -> dic
     return caches
 
 
+#: (blocks, slots, gather_below): one ascending run (a strided copy), scattered pairs (a strided
+#: copy each, or one gather and one scatter per layer)
+PAIRS = {
+    "run": (list(range(3, 11)), list(range(2, 10)), 4),
+    "scattered": ([5, 3, 12], [9, 0, 4], 0),
+    "scattered-gathered": ([5, 3, 12], [9, 0, 4], 4),
+}
+
+
+def _block_views(
+    spec: Any, caches: dict[str, torch.Tensor], mla: bool, gather_below: int | None = None
+) -> Any:
+    from kvstrata.integrations.vllm_blocks import BlockViews, page_shape  # noqa: PLC0415
+
+    shape, heads, size = page_shape(spec, len(caches), mla, "test")
+    return BlockViews(caches, NUM_BLOCKS, shape, heads, size, gather_below=gather_below)
+
+
+@pytest.mark.parametrize("pairs", list(PAIRS))
 @pytest.mark.parametrize("mla", [False, True], ids=["mha", "mla"])
 @pytest.mark.parametrize(
     ("layout", "kernel"), LAYOUTS, ids=[f"{lay.name}-{k or BLOCK}" for lay, k in LAYOUTS]
 )
 def test_a_page_holds_the_same_bytes_in_every_vllm_layout_and_kernel_block(
-    layout: KVCacheLayout, kernel: int | None, mla: bool
+    layout: KVCacheLayout, kernel: int | None, mla: bool, pairs: str
 ) -> None:
     """vLLM lays a block out in the order its attention backend wants (``KVCacheLayout``; kernel
-    blocks smaller than vLLM's block), all behind one logical ``[B, H, N, C]`` view. A page read
-    from one layout and written into another holds the same tokens: the page's bytes are the
+    blocks smaller than vLLM's block), all behind one logical ``[B, H, N, C]`` view. A page saved
+    from one layout and loaded into another holds the same tokens: the page's bytes are the
     logical block, K and V apart (the K plane is the first half of every cell: schema 1's K
     object holds K), so deployments on other backends share pages bit for bit."""
-    from kvstrata.impl.pools.shape import KVShape  # noqa: PLC0415
-    from kvstrata.integrations.vllm_blocks import BlockViews, page_geometry  # noqa: PLC0415
-    from kvstrata.model.keys import KVKind  # noqa: PLC0415
+    from kvstrata.impl.pools import HostKVPool  # noqa: PLC0415
 
     kind = MLAAttentionSpec if mla else FullAttentionSpec
     spec: Any = kind(
@@ -628,29 +646,24 @@ def test_a_page_holds_the_same_bytes_in_every_vllm_layout_and_kernel_block(
         head_size=24 if mla else HEAD_DIM,
         dtype=torch.float32,
     )
-    heads, size = page_geometry(spec, mla, "test")
-    shape = KVShape(
-        KVKind.MLA if mla else KVKind.MHA,
-        layers=2,
-        heads=1,
-        head_dim=heads * size,
-        dtype=torch.float32,
-        page_size=BLOCK,
-    )
+    blocks, slots, gather_below = PAIRS[pairs]
     source = _filled(spec, KVCacheLayout.LBNHC, None)  # FlashAttention's, one kernel block
-    pages = BlockViews(source, NUM_BLOCKS, shape, heads, size).read([3, 5])
-    assert pages.shape == (shape.planes, 2, 2, BLOCK, 1, heads * size)
+    saver = _block_views(spec, source, mla, gather_below)
+    host = HostKVPool(saver.shape, 16, "page_first_direct")
+    saver.save(blocks, host, slots)
+    pages = host.read_pages(slots)
     target = vllm_caches(spec, list(source), layout, kernel)
-    BlockViews(target, NUM_BLOCKS, shape, heads, size).write([3, 5], pages)
+    _block_views(spec, target, mla, gather_below).load(host, slots, blocks)
+    heads, size = (1, 24) if mla else (HEADS, HEAD_DIM)
     for layer in (0, 1):
         name = f"layers.{layer}.attn"
-        for page, block in enumerate((3, 5)):
+        for page, block in enumerate(blocks):
             written = manager_block(target[name], block)
             assert torch.equal(written, manager_block(source[name], block))
             k_plane = pages[0, layer, page].reshape(heads, BLOCK, size)
             assert torch.equal(k_plane, written[..., :size])
-        untouched = manager_block(target[name], 4)
-        assert not untouched.any()  # only the blocks asked for
+        others = [b for b in range(NUM_BLOCKS) if b not in blocks]
+        assert not any(manager_block(target[name], b).any() for b in others)  # only those asked
 
 
 def test_kv_cells_a_page_cannot_hold_are_refused(model_dir: Path) -> None:
@@ -677,6 +690,31 @@ def test_kv_cells_a_page_cannot_hold_are_refused(model_dir: Path) -> None:
     old_style = {"layers.0.attn": torch.zeros(NUM_BLOCKS, 2, BLOCK, HEADS, HEAD_DIM)}
     with pytest.raises(ConfigError, match=r"not vLLM's \[B, H, N, C\] view"):
         worker.register_kv_caches(old_style)
+    from kvstrata.impl.errors import MisuseError  # noqa: PLC0415
+    from kvstrata.impl.pools import HostKVPool  # noqa: PLC0415
+
+    real = kv_cache_config().kv_cache_groups[0].kv_cache_spec
+    views = _block_views(real, vllm_caches(real, ["layers.0.attn"]), False)
+    host = HostKVPool(views.shape, 4, "page_first_direct")
+    host.canonical().fill_(7.0)
+    for blocks, slots in (
+        ([1, 1], [0, 1]),
+        ([1, 2], [0, 0]),
+        ([NUM_BLOCKS], [0]),
+        ([1], [4]),
+        ([1, 2], [0]),
+    ):
+        with pytest.raises(MisuseError):
+            views.save(blocks, host, slots)
+        with pytest.raises(MisuseError):
+            views.load(host, slots, blocks)
+    assert bool((host.canonical() == 7.0).all())  # nothing copied
+    other = HostKVPool(attrs.evolve(views.shape, page_size=2 * BLOCK), 4, "page_first_direct")
+    with pytest.raises(MisuseError, match="host pool"):
+        views.save([1], other, [0])
+    two_layers = _block_views(real, vllm_caches(real, ["layers.0.attn", "layers.1.attn"]), False)
+    with pytest.raises(MisuseError, match="page_first"):  # a layer's page rows not contiguous
+        two_layers.save([1], HostKVPool(two_layers.shape, 4, "page_first"), [0])
 
 
 def test_async_scheduling_saves_nothing_over_a_failed_load_before_it_is_reported(

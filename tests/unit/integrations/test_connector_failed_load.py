@@ -45,6 +45,12 @@ class Blocks:
     def write(self, blocks: Sequence[int], kv: torch.Tensor) -> None:
         self.kv[:, :, list(blocks)] = kv
 
+    def save(self, blocks: Sequence[int], host: HostKVPool, slots: Sequence[int]) -> None:
+        host.write_pages(slots, self.read(blocks))
+
+    def load(self, host: HostKVPool, slots: Sequence[int], blocks: Sequence[int]) -> None:
+        self.write(blocks, host.read_pages(slots))
+
 
 def _worker(rank: int, store: MemoryStore) -> ConnectorWorker:
     keys = KeySpace(ModelIdentity("t", "float32", KVKind.MHA, PAGE), shard=Shard(rank, 2))
