@@ -119,6 +119,7 @@ def main() -> None:
             shape,
             heads,
             head_size,
+            **({"split": "cell"} if hasattr(BlockViews, "save") else {}),  # the GPU backends'
         )
         host = HostKVPool(shape, 2 * args.pages, "page_first_direct")
         runs: dict[str, list[float]] = {"memcpy": [], "save": [], "load": []}

@@ -237,6 +237,10 @@ class EngineShard:
             value = getattr(self, name)
             if not isinstance(value, str):
                 raise MisuseError(f"EngineShard.{name}: expected a string, got {value!r}")
+        for name in ("kv_format", "kv_layout"):  # named, it must say something
+            value = getattr(self, name)
+            if value.strip() and not _dtype_slug(value):
+                raise MisuseError(f"EngineShard.{name}: {value!r} has no letter or digit")
         if holds_bytes(self.dtype) and not _dtype_slug(self.kv_format):
             raise MisuseError(
                 f"EngineShard: a {self.dtype} KV pool holds some other format's bytes; name it "

@@ -64,8 +64,14 @@ from kvstrata.impl.storage.base import StorageBackend
 from kvstrata.integrations.connector import ConnectorIndex, Plan, Scheduled
 from kvstrata.integrations.connector_worker import ConnectorWorker, TorchStagePipe
 from kvstrata.integrations.store import StoreOptions, open_backend
-from kvstrata.integrations.vllm_blocks import PAGE_LAYOUT, BlockViews, page_shape
-from kvstrata.integrations.vllm_config import count_option, kv_format, model_weights, report_lag
+from kvstrata.integrations.vllm_blocks import PAGE_LAYOUT, BlockViews, kv_split, page_shape
+from kvstrata.integrations.vllm_config import (
+    attention_backends,
+    count_option,
+    kv_format,
+    model_weights,
+    report_lag,
+)
 from kvstrata.integrations.vllm_stats import KvstrataConnectorStats, KvstrataPromMetrics
 from kvstrata.model.engines import EngineShard, HashScheme, engine_page_hash
 from kvstrata.model.keys import PageHash
@@ -102,6 +108,7 @@ class KvstrataConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self.block_size = int(spec.block_size)
         self.num_blocks = int(kv_cache_config.num_blocks)
         mla = bool(vllm_config.model_config.use_mla)
+        self.layer_names = list(groups[0].layer_names)
         self.shape, self.heads, self.head_size = page_shape(
             spec, len(groups[0].layer_names), mla, where
         )
@@ -270,7 +277,12 @@ class KvstrataConnector(KVConnectorBase_V1):  # type: ignore[misc]
         shard = self._shard(tp_rank, pp_rank)
         host = HostKVPool(self.shape, self.l2_pages + self.staging_pages, "page_first_direct")
         backend = open_backend(self.options, shard.keyspace(), writer=shard.writer)
-        blocks = BlockViews(kv_caches, self.num_blocks, self.shape, self.heads, self.head_size)
+        backends = attention_backends(self._vllm_config, self.layer_names)
+        split = kv_split(backends, shard.mla, "kvstrata vLLM connector")
+        caches = {name: kv_caches[name] for name in self.layer_names if name in kv_caches}
+        blocks = BlockViews(  # a layer that reuses another's KV (an alias) is not a layer here
+            caches, self.num_blocks, self.shape, self.heads, self.head_size, split=split
+        )
         self.worker = ConnectorWorker(host, backend, shard.namespace(), blocks)
         if self.pp_size > 1:
             group = _group("pp")

@@ -6,11 +6,14 @@ the latent). Every attention backend gets the same logical view; the backend's p
 (``KVCacheLayout``: which of L, B, H, N is outermost in memory) is in the view's strides only, and
 with kernel blocks smaller than vLLM's block, ``B`` counts kernel blocks and ``N`` their tokens.
 
-A page is read in **logical** order, so the bytes a page holds do not depend on the backend, its
-physical layout or its kernel block size: MHA pages are two planes (K, V), each ``[H, N, D]`` of
-the block (:data:`PAGE_LAYOUT`, part of the keys), and MLA pages the block's ``[1, N, C]``. Pages
-go between vLLM's views and the host pool's pages without a staging tensor (:meth:`BlockViews.save`,
-:meth:`BlockViews.load`).
+Where K and V lie inside a block is the backend's own convention (:data:`KV_SPLITS`): most
+split each cell ``C`` into K then V; vLLM's CPU backend splits each head's ``[N, C]`` into N rows of
+K then N rows of V. A page is cut in **logical** order by its backend's split, so the bytes a page
+holds do not depend on the backend, its physical layout or its kernel block size: MHA pages are
+two planes (K, V), each ``[H, N, D]`` of the block (:data:`PAGE_LAYOUT`, part of the keys), and
+MLA pages the block's ``[1, N, C]``. Pages go between vLLM's views and the host pool's pages
+directly (:meth:`BlockViews.save`, :meth:`BlockViews.load`): on the CPU view to view; from a
+device through the transfer torch makes.
 """
 
 from __future__ import annotations
@@ -25,12 +28,40 @@ from kvstrata.impl.pools.host import HostKVPool
 from kvstrata.impl.pools.shape import KVShape
 from kvstrata.model.keys import KVKind
 
-__all__ = ["PAGE_LAYOUT", "BlockViews", "page_geometry", "page_shape"]
+__all__ = ["KV_SPLITS", "PAGE_LAYOUT", "BlockViews", "kv_split", "page_geometry", "page_shape"]
 
 PAGE_LAYOUT = "hnd"
 """The order of an MHA page's bytes (``EngineShard.kv_layout``): K, then V, each heads x tokens x
 head dim of vLLM's logical block. MLA pages (the block's bytes as they are) name none, so their
 keys are those they always had."""
+
+
+KV_SPLITS = {
+    "FLASH_ATTN": "cell",
+    "FLASHINFER": "cell",
+    "FLEX_ATTENTION": "cell",
+    "TRITON_ATTN": "cell",
+    "CPU_ATTN": "head",
+}
+"""Where vLLM's attention backends (by ``get_name()``) keep K and V in a ``[B, H, N, C]`` block:
+``cell``, each token's ``C`` is its K then its V (``split(head_size, dim=-1)``); ``head``, each
+head's ``[N, C]`` is N rows of K then N rows of V (the CPU backend's ``view(B, H, 2N, D)``).
+A backend not listed is refused for MHA: its split is not known here."""
+
+
+def kv_split(backends: set[str], mla: bool, where: str) -> str:
+    """The split (:data:`KV_SPLITS`) of the attention backends that run a model's layers, by
+    name; ``""`` for MLA (one latent, nothing to split). :class:`ConfigError` for a backend whose
+    split is not known, none at all, or backends that split differently."""
+    if mla:
+        return ""
+    splits = {KV_SPLITS.get(name) for name in backends}
+    if not backends or None in splits or len(splits) != 1:
+        raise ConfigError(
+            f"{where}: attention backends {sorted(backends) or 'unknown'}: kvstrata knows where K "
+            f"and V lie in a block for {sorted(KV_SPLITS)} (one split for every layer)"
+        )
+    return str(splits.pop())
 
 
 def page_geometry(spec: object, mla: bool, where: str) -> tuple[int, int]:
@@ -39,10 +70,20 @@ def page_geometry(spec: object, mla: bool, where: str) -> tuple[int, int]:
     MHA content is a K and a V of one size, MLA content one latent, one state per token.
     :class:`ConfigError` for anything else (packed or compressed states, K and V of other sizes,
     a vLLM without these views)."""
-    content = getattr(spec, "state_content_size_bytes", None)
-    heads = getattr(spec, "num_heads", None)
+    try:
+        content = getattr(spec, "state_content_size_bytes", None)
+        heads = getattr(spec, "num_heads", None)
+    except NotImplementedError:  # a KVCacheSpec that is no attention spec (a group of specs)
+        content = heads = None
     if not isinstance(content, int) or not isinstance(heads, int):
         raise ConfigError(f"{where}: needs vLLM's [B, H, N, C] KV cache views (vLLM >= 0.32)")
+    if getattr(spec, "num_head_slots", None) is not None or getattr(
+        spec, "state_content_bytes", None
+    ) not in (None, content if mla else None):
+        raise ConfigError(  # H is not the KV heads (K/V head slots), or C is packed
+            f"{where}: a backend that repacks the KV block (head slots, packed states) is not "
+            "supported"
+        )
     head_size = int(spec.head_size)  # type: ignore[attr-defined]
     item = torch.empty((), dtype=spec.dtype).element_size()  # type: ignore[attr-defined]
     planes = 1 if mla else 2
@@ -81,11 +122,11 @@ class BlockViews:
     Invariants: every view is vLLM's logical ``[B, H, N, C]`` of ``heads`` heads and
     ``shape.dtype``, a block of ``shape.page_size`` tokens (``ratio`` kernel blocks of ``N``
     tokens each), ``C`` of ``planes x head_size`` values; plane ``p`` of layer ``l`` of a page
-    holds ``[H, N, D]`` of the block's ``p``-th ``D`` values per cell (K, then V), whatever the
-    strides; :meth:`save` then :meth:`load` of the same pairs is the identity on the blocks; layers
-    are in model order (by the numbers in their names). Copies go view to view: one strided copy
-    per run of consecutive blocks and slots, a gather and a scatter per layer when runs are
-    shorter than :attr:`gather_below`."""
+    holds the block's K (``p = 0``) or V as ``[H, N, D]``, cut by the backend's ``split``
+    (:data:`KV_SPLITS`), whatever the strides; :meth:`save` then :meth:`load` of the same pairs
+    is the identity on the blocks; layers are in model order (by the numbers in their names).
+    Copies go view to view: one strided copy per run of consecutive blocks and slots, a gather
+    and a scatter per layer when runs are shorter than :attr:`gather_below`."""
 
     def __init__(
         self,
@@ -95,10 +136,12 @@ class BlockViews:
         heads: int,
         head_size: int,
         *,
+        split: str,
         gather_below: int | None = None,
     ) -> None:
         self.shape = shape
         self.num_blocks = num_blocks
+        self.split = split
         devices = {tensor.device.type for tensor in caches.values()}
         self.gather_below = (
             (0 if devices <= {"cpu"} else 4) if gather_below is None else gather_below
@@ -125,11 +168,16 @@ class BlockViews:
                     f"view of {num_blocks} blocks of {shape.page_size} tokens, {heads} heads "
                     f"and {content} values per token and head (vLLM >= 0.32)"
                 )
-            ratio = dims[0] // num_blocks  # kernel blocks per block, in token order
-            blocks = tensor.view(num_blocks, ratio, *dims[1:]).movedim(1, 2)  # [B, H, r, Nk, C]
-            # views, never copies: a page written must land in vLLM's own tensor
-            view = blocks.view(*blocks.shape[:-1], shape.planes, head_size).movedim(-2, 0)
-            self.views.append(view)  # [planes, B, H, r, Nk, D]
+            self.views.append(
+                _planes(
+                    name,
+                    tensor,
+                    num_blocks=num_blocks,
+                    planes=shape.planes,
+                    head_size=head_size,
+                    split=split,
+                )
+            )
         if len(self.views) != shape.layers:
             raise ConfigError(f"kvstrata: {len(self.views)} KV layers, expected {shape.layers}")
 
@@ -199,6 +247,29 @@ def _windows(
         as_index = [torch.tensor(values, dtype=torch.int64) for values in (blocks, slots)]
         return [(as_index[0], as_index[1])]
     return [(slice(b, b + n), slice(s, s + n)) for b, s, n in runs]
+
+
+def _planes(
+    name: str, tensor: torch.Tensor, *, num_blocks: int, planes: int, head_size: int, split: str
+) -> torch.Tensor:
+    """A layer's ``[B * r, H, Nk, C]`` view as ``[planes, B, H, r, Nk, D]``, K and V cut by the
+    backend's ``split`` (:data:`KV_SPLITS`): views only (``view``, ``permute``), never a copy, so a
+    page written lands in vLLM's own tensor; :class:`ConfigError` where the strides allow no
+    such view."""
+    kernel_blocks, heads, tokens, _ = tensor.shape
+    ratio = kernel_blocks // num_blocks  # kernel blocks per block, in token order
+    try:
+        if planes == 1 or split == "cell":  # [B, r, H, Nk, p, D]
+            cells = tensor.view(num_blocks, ratio, heads, tokens, planes, head_size)
+            return cells.permute(4, 0, 2, 1, 3, 5)
+        if split == "head":  # each kernel block's head: [Nk, 2D] as [2, Nk, D]
+            rows = tensor.view(num_blocks, ratio, heads, planes, tokens, head_size)
+            return rows.permute(3, 0, 2, 1, 4, 5)
+    except RuntimeError as error:
+        raise ConfigError(
+            f"kvstrata: layer {name}'s strides do not allow a {split} split"
+        ) from error
+    raise ConfigError(f"kvstrata: unknown K/V split {split!r}")
 
 
 def _layer_order(name: str) -> tuple[int, ...]:

@@ -13,7 +13,7 @@ import torch
 from kvstrata.impl.errors import ConfigError
 from kvstrata.model.engines import engine_kv_format, engine_weights, holds_bytes
 
-__all__ = ["count_option", "kv_format", "model_weights", "report_lag"]
+__all__ = ["attention_backends", "count_option", "kv_format", "model_weights", "report_lag"]
 
 
 def count_option(extra: dict[str, Any], key: str, default: int) -> int:
@@ -68,3 +68,13 @@ def report_lag(vllm_config: Any, pp_size: int) -> int:
         asynchronous = bool(getattr(vllm_config.scheduler_config, "async_scheduling", False))
         batches = pp_size + 1 if asynchronous else pp_size
     return max(1, batches - 1)
+
+
+def attention_backends(vllm_config: Any, layer_names: list[str]) -> set[str]:
+    """The names (``get_name()``) of the attention backends that run ``layer_names`` in this
+    process: vLLM's layers in its forward context, there once the model is loaded (in a worker by
+    the time it registers its KV caches); empty where none of them is."""
+    layers = getattr(vllm_config.compilation_config, "static_forward_context", None) or {}
+    return {
+        str(layers[name].get_attn_backend().get_name()) for name in layer_names if name in layers
+    }

@@ -1,18 +1,20 @@
 """vLLM's KV blocks and the connector's host pages, copied both ways (issue 20, part 20).
 
-:class:`~kvstrata.integrations.vllm_blocks.BlockViews` copies blocks of vLLM's per-layer
-``[B, H, N, C]`` views into host pool pages (``save``) and back (``load``), view to view: one
-strided copy per run of consecutive blocks and slots, or (``gather_below``, drawn) a gather and a
-scatter per layer when runs are short. The
-views are built here as vLLM builds them (one allocation in a physical order, a logical view per
-layer; kernel blocks of half a block where the order allows them), without vLLM; the engine tests
-check the same class on vLLM's own ``allocate_kv_cache``.
+:class:`~kvstrata.integrations.vllm_blocks.BlockViews` copies blocks of vLLM's per-layer ``[B, H,
+N, C]`` views into host pool pages (``save``) and back (``load``), view to view: one strided copy
+per run of consecutive blocks and slots, or (``gather_below``, drawn) a gather and a scatter per
+layer when runs are short. The views are built here as vLLM builds them (one allocation in a
+physical order, a logical view per layer; kernel blocks of half a block where the order allows
+them), without vLLM; the engine tests check the same class on vLLM's own ``allocate_kv_cache``.
 
-Model: which token content each block and each host page holds (an id). Rules: the engine
-computes a block (fills it with the content of a fresh id); ``save`` of distinct blocks into
-distinct pages, paired in order (runs, runs with a slot out of place, scattered pairs); ``load``
-the same way back. After every step every block and page holds exactly its id's content, in
-logical order, K and V apart: a copy to the wrong slot, of the wrong block, or of half a run, fails.
+Each example draws the backend's K/V split too: a cell's halves (FlashAttention, FlashInfer,
+Triton) or a head's halves (vLLM's CPU backend, in the orders that keep a head's ``[N, C]``
+contiguous). Model: which token content each block and each host page holds (an id). Rules: the
+engine computes a block (writes the K and V of a fresh id where its backend keeps them); ``save``
+of distinct blocks into distinct pages, paired in order (runs, runs with a slot out of place,
+scattered pairs); ``load`` the same way back. After every step every block holds its id's K and V
+where its backend finds them, and every page its id's K then V, each heads x tokens x head dim: a
+copy to the wrong slot, of the wrong block, or of half a run, fails.
 """
 
 from __future__ import annotations
@@ -26,8 +28,10 @@ from kvstrata.impl.pools import HostKVPool
 from kvstrata.integrations.vllm_blocks import BlockViews, page_shape
 
 LAYERS, BLOCKS, SLOTS, HEADS, TOKENS, HEAD = 2, 12, 10, 2, 4, 3
-#: physical orders of [L, B, H, N, C] (vLLM's KVCacheLayout LBNHC, LBHNC, BLNHC)
-ORDERS = [(0, 1, 3, 2, 4), (0, 1, 2, 3, 4), (1, 0, 3, 2, 4)]
+#: physical orders of [L, B, H, N, C] (vLLM's KVCacheLayout LBNHC, BLNHC, LBHNC, BLHNC); the CPU
+#: backend's split (``head``) needs each head's [N, C] contiguous: the last two
+ORDERS = [(0, 1, 3, 2, 4), (1, 0, 3, 2, 4), (0, 1, 2, 3, 4), (1, 0, 2, 3, 4)]
+HEAD_ORDERS = ORDERS[2:]
 
 
 class _Spec:
@@ -37,11 +41,23 @@ class _Spec:
 
 
 def content(ident: int) -> torch.Tensor:
-    """A block's logical ``[L, H, N, C]`` for content ``ident`` (0: empty)."""
+    """A block's K and V, ``[L, 2, H, N, D]``, for content ``ident`` (0: empty)."""
     if ident == 0:
-        return torch.zeros(LAYERS, HEADS, TOKENS, 2 * HEAD)
+        return torch.zeros(LAYERS, 2, HEADS, TOKENS, HEAD)
     generator = torch.Generator().manual_seed(ident)
-    return torch.randn(LAYERS, HEADS, TOKENS, 2 * HEAD, generator=generator)
+    return torch.randn(LAYERS, 2, HEADS, TOKENS, HEAD, generator=generator)
+
+
+def kv_of(kernels: torch.Tensor, split: str) -> torch.Tensor:
+    """K and V (``[2, H, N, D]``) of one block's kernel blocks ``[k, H, N/k, C]``, found as the
+    backend finds them: a cell's halves (``cell``), or a head's halves (``head``, vLLM's CPU
+    backend). A view: writing it writes the block."""
+    k, heads, tokens, _ = kernels.shape
+    if split == "cell":
+        kv = kernels.view(k, heads, tokens, 2, HEAD).permute(3, 1, 0, 2, 4)  # [2, H, k, N/k, D]
+    else:
+        kv = kernels.view(k, heads, 2, tokens, HEAD).permute(2, 1, 0, 3, 4)
+    return kv
 
 
 def vllm_views(order: tuple[int, ...], kernel_split: int) -> dict[str, torch.Tensor]:
@@ -75,15 +91,27 @@ def pairs(draw: st.DrawFn, count: int) -> tuple[list[int], list[int]]:
 class VllmBlockCopies(RuleBasedStateMachine):
     @initialize(
         order=st.sampled_from(ORDERS),
-        split=st.sampled_from([1, 2]),
+        kernel_split=st.sampled_from([1, 2]),
+        kv_split=st.sampled_from(["cell", "head"]),
         gather_below=st.sampled_from([0, 4]),  # strided copies per run only, or gathers too
     )
-    def start(self, order: tuple[int, ...], split: int, gather_below: int) -> None:
-        split = split if order[0] == 0 else 1  # vLLM splits blocks only in layer-compact orders
-        self.caches = vllm_views(order, split)
+    def start(
+        self, order: tuple[int, ...], kernel_split: int, kv_split: str, gather_below: int
+    ) -> None:
+        if kv_split == "head" and order not in HEAD_ORDERS:
+            order = HEAD_ORDERS[0]
+        kernel_split = kernel_split if order[0] == 0 else 1  # vLLM splits layer-compact orders
+        self.caches = vllm_views(order, kernel_split)
+        self.kv_split = kv_split
         shape, heads, head_size = page_shape(_Spec(), LAYERS, False, "test")
         self.views = BlockViews(
-            self.caches, BLOCKS, shape, heads, head_size, gather_below=gather_below
+            self.caches,
+            BLOCKS,
+            shape,
+            heads,
+            head_size,
+            split=kv_split,
+            gather_below=gather_below,
         )
         self.host = HostKVPool(shape, SLOTS, "page_first_direct")
         self.host.canonical().zero_()
@@ -91,24 +119,20 @@ class VllmBlockCopies(RuleBasedStateMachine):
         self.slot_ids = [0] * SLOTS
         self.next_id = 1
 
-    def block(self, block: int) -> torch.Tensor:
-        """Block ``block`` of every layer as logical ``[L, H, N, C]`` (kernel blocks joined)."""
-        layers = []
-        for n in range(LAYERS):
-            view = self.caches[f"model.layers.{n}.attn"]
-            split = view.shape[0] // BLOCKS
-            kernels = view[block * split : (block + 1) * split]  # [k, H, N/k, C]
-            layers.append(kernels.permute(1, 0, 2, 3).reshape(HEADS, TOKENS, 2 * HEAD))
-        return torch.stack(layers)
+    def kv(self, layer: int, block: int) -> torch.Tensor:
+        """K and V of block ``block`` of ``layer`` as the backend finds them, ``[2, H, k, N/k,
+        D]`` (a view of the engine's tensor)."""
+        view = self.caches[f"model.layers.{layer}.attn"]
+        k = view.shape[0] // BLOCKS
+        return kv_of(view[block * k : (block + 1) * k], self.kv_split)
 
     @rule(block=st.integers(0, BLOCKS - 1))
     def compute(self, block: int) -> None:
+        """The engine writes a block's K and V where its backend keeps them."""
         data = content(self.next_id)
         for n in range(LAYERS):
-            view = self.caches[f"model.layers.{n}.attn"]
-            split = view.shape[0] // BLOCKS
-            shaped = data[n].view(HEADS, split, TOKENS // split, 2 * HEAD).permute(1, 0, 2, 3)
-            view[block * split : (block + 1) * split] = shaped
+            target = self.kv(n, block)
+            target.copy_(data[n].view(target.shape))
         self.block_ids[block] = self.next_id
         self.next_id += 1
 
@@ -131,10 +155,12 @@ class VllmBlockCopies(RuleBasedStateMachine):
         if not hasattr(self, "views"):
             return
         for block, ident in enumerate(self.block_ids):
-            assert torch.equal(self.block(block), content(ident)), f"block {block}"
+            for n in range(LAYERS):
+                found = self.kv(n, block)
+                assert torch.equal(found, content(ident)[n].view(found.shape)), f"block {block}"
         pages = self.host.canonical()  # [planes, L, P, page, 1, X]
         for slot, ident in enumerate(self.slot_ids):
-            expected = content(ident).view(LAYERS, HEADS, TOKENS, 2, HEAD).permute(3, 0, 1, 2, 4)
+            expected = content(ident).transpose(0, 1)  # [2, L, H, N, D]
             got = pages[:, :, slot].reshape(2, LAYERS, HEADS, TOKENS, HEAD)
             assert torch.equal(got, expected), f"page {slot}: K then V, each [H, N, D]"
 

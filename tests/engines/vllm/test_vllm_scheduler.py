@@ -127,7 +127,29 @@ def manager_block(view: torch.Tensor, block: int, num_blocks: int = NUM_BLOCKS) 
     return kernels.permute(1, 0, 2, 3).reshape(view.shape[1], -1, view.shape[3])
 
 
+class _Layer:
+    """A stand-in for one of vLLM's attention layers in its forward context (no model is loaded
+    here): what the connector asks of it."""
+
+    def __init__(self, backend: str) -> None:
+        self.backend = SimpleNamespace(get_name=lambda: backend)
+
+    def get_attn_backend(self) -> Any:
+        return self.backend
+
+
+def with_backend(config: VllmConfig, backend: str) -> VllmConfig:
+    """``config`` with its model's layer run by ``backend`` (what vLLM's forward context holds in a
+    worker whose model is loaded)."""
+    config.compilation_config.static_forward_context["layers.0.attn"] = _Layer(backend)
+    return config
+
+
 def vllm_config(model_dir: Path, extra: dict[str, Any], budget: int = 1024) -> VllmConfig:
+    return with_backend(_vllm_config(model_dir, extra, budget), "FLASH_ATTN")
+
+
+def _vllm_config(model_dir: Path, extra: dict[str, Any], budget: int) -> VllmConfig:
     return VllmConfig(
         model_config=ModelConfig(model=str(model_dir), skip_tokenizer_init=True, dtype="float32"),
         scheduler_config=SchedulerConfig(
@@ -597,6 +619,12 @@ LAYOUTS = [  # (physical layout, kernel block): every layout vLLM 0.33 names; ke
     (KVCacheLayout.LBNHC, BLOCK // 2),
     (KVCacheLayout.LBHNC, BLOCK // 4),
 ]
+#: layouts whose blocks keep each head's [N, C] contiguous: what the CPU backend's split needs
+HEAD_SPLIT_LAYOUTS = [
+    (KVCacheLayout.LBHNC, None),
+    (KVCacheLayout.BLHNC, None),
+    (KVCacheLayout.LBHNC, BLOCK // 2),
+]
 
 
 def _filled(spec: KVCacheSpec, layout: KVCacheLayout, kernel: int | None) -> dict[str, Any]:
@@ -604,6 +632,22 @@ def _filled(spec: KVCacheSpec, layout: KVCacheLayout, kernel: int | None) -> dic
     for number, view in enumerate(caches.values()):
         view.copy_(torch.randn(view.shape, generator=torch.Generator().manual_seed(number)))
     return caches
+
+
+def backend_kv(view: torch.Tensor, block: int, split: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of vLLM's block ``block`` as ``[H, tokens, D]``, found the way the backend finds
+    them: FlashAttention, FlashInfer, Triton (``cell``) split each token's cell at the head size;
+    the CPU backend (``head``) views each kernel block's head as ``[2N, D]`` and takes halves."""
+    ratio = view.shape[0] // NUM_BLOCKS
+    kernels = view[block * ratio : (block + 1) * ratio]  # [r, H, Nk, C]
+    r, heads, tokens, _ = kernels.shape
+    if split == "cell":
+        k, v = kernels.split(HEAD_DIM, dim=-1)
+    else:
+        k, v = kernels.reshape(r, heads, 2 * tokens, HEAD_DIM).chunk(2, dim=2)
+    return k.permute(1, 0, 2, 3).reshape(heads, -1, HEAD_DIM), v.permute(1, 0, 2, 3).reshape(
+        heads, -1, HEAD_DIM
+    )
 
 
 #: (blocks, slots, gather_below): one ascending run (a strided copy), scattered pairs (a strided
@@ -616,54 +660,128 @@ PAIRS = {
 
 
 def _block_views(
-    spec: Any, caches: dict[str, torch.Tensor], mla: bool, gather_below: int | None = None
+    spec: Any,
+    caches: dict[str, torch.Tensor],
+    mla: bool,
+    gather_below: int | None = None,
+    split: str = "cell",
 ) -> Any:
     from kvstrata.integrations.vllm_blocks import BlockViews, page_shape  # noqa: PLC0415
 
     shape, heads, size = page_shape(spec, len(caches), mla, "test")
-    return BlockViews(caches, NUM_BLOCKS, shape, heads, size, gather_below=gather_below)
+    return BlockViews(
+        caches, NUM_BLOCKS, shape, heads, size, split=split, gather_below=gather_below
+    )
+
+
+def _mha() -> FullAttentionSpec:
+    return FullAttentionSpec(
+        block_size=BLOCK, num_kv_heads=HEADS, head_size=HEAD_DIM, dtype=torch.float32
+    )
 
 
 @pytest.mark.parametrize("pairs", list(PAIRS))
-@pytest.mark.parametrize("mla", [False, True], ids=["mha", "mla"])
 @pytest.mark.parametrize(
     ("layout", "kernel"), LAYOUTS, ids=[f"{lay.name}-{k or BLOCK}" for lay, k in LAYOUTS]
 )
-def test_a_page_holds_the_same_bytes_in_every_vllm_layout_and_kernel_block(
-    layout: KVCacheLayout, kernel: int | None, mla: bool, pairs: str
+def test_an_mla_page_is_its_block_in_every_vllm_layout_and_kernel_block(
+    layout: KVCacheLayout, kernel: int | None, pairs: str
 ) -> None:
-    """vLLM lays a block out in the order its attention backend wants (``KVCacheLayout``; kernel
-    blocks smaller than vLLM's block), all behind one logical ``[B, H, N, C]`` view. A page saved
-    from one layout and loaded into another holds the same tokens: the page's bytes are the
-    logical block, K and V apart (the K plane is the first half of every cell: schema 1's K
-    object holds K), so deployments on other backends share pages bit for bit."""
+    """MLA: a page is the block's latents in logical order; saved from one layout and loaded into
+    another, every block holds what it held."""
     from kvstrata.impl.pools import HostKVPool  # noqa: PLC0415
 
-    kind = MLAAttentionSpec if mla else FullAttentionSpec
-    spec: Any = kind(
-        block_size=BLOCK,
-        num_kv_heads=1 if mla else HEADS,
-        head_size=24 if mla else HEAD_DIM,
-        dtype=torch.float32,
-    )
+    spec = MLAAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=24, dtype=torch.float32)
     blocks, slots, gather_below = PAIRS[pairs]
-    source = _filled(spec, KVCacheLayout.LBNHC, None)  # FlashAttention's, one kernel block
-    saver = _block_views(spec, source, mla, gather_below)
+    source = _filled(spec, KVCacheLayout.LBNHC, None)
+    saver = _block_views(spec, source, True, gather_below)
     host = HostKVPool(saver.shape, 16, "page_first_direct")
     saver.save(blocks, host, slots)
-    pages = host.read_pages(slots)
     target = vllm_caches(spec, list(source), layout, kernel)
-    _block_views(spec, target, mla, gather_below).load(host, slots, blocks)
-    heads, size = (1, 24) if mla else (HEADS, HEAD_DIM)
-    for layer in (0, 1):
-        name = f"layers.{layer}.attn"
-        for page, block in enumerate(blocks):
+    _block_views(spec, target, True, gather_below).load(host, slots, blocks)
+    for name in source:
+        for block in range(NUM_BLOCKS):
             written = manager_block(target[name], block)
-            assert torch.equal(written, manager_block(source[name], block))
-            k_plane = pages[0, layer, page].reshape(heads, BLOCK, size)
-            assert torch.equal(k_plane, written[..., :size])
+            if block in blocks:
+                assert torch.equal(written, manager_block(source[name], block))
+            else:
+                assert not written.any()  # only the blocks asked for
+
+
+SPLITS = [  # (source split, layout, kernel; target split, layout, kernel)
+    *[("cell", KVCacheLayout.LBNHC, None, "cell", lay, k) for lay, k in LAYOUTS],
+    *[("head", lay, k, "cell", KVCacheLayout.LBNHC, None) for lay, k in HEAD_SPLIT_LAYOUTS],
+    *[("cell", KVCacheLayout.LBNHC, None, "head", lay, k) for lay, k in HEAD_SPLIT_LAYOUTS],
+]
+
+
+@pytest.mark.parametrize("pairs", list(PAIRS))
+@pytest.mark.parametrize(
+    "case",
+    SPLITS,
+    ids=[
+        f"{a}-{la.name}-{ka or BLOCK}-to-{b}-{lb.name}-{kb or BLOCK}"
+        for a, la, ka, b, lb, kb in SPLITS
+    ],
+)
+def test_a_page_holds_k_then_v_whatever_the_backend_layout_or_kernel_block(
+    case: tuple[Any, ...], pairs: str
+) -> None:
+    """vLLM lays a block out in the order its attention backend wants (``KVCacheLayout``, kernel
+    blocks smaller than vLLM's block), behind one logical ``[B, H, N, C]`` view, and each backend
+    finds K and V in it its own way (a cell's halves, or a CPU head's halves). A page saved from
+    one backend holds the block's K then V, each ``[H, N, D]``, and loaded into another backend
+    every block's K and V, as that backend finds them, are the ones saved: deployments on other
+    backends share pages bit for bit."""
+    from kvstrata.impl.pools import HostKVPool  # noqa: PLC0415
+
+    from_split, from_layout, from_kernel, to_split, to_layout, to_kernel = case
+    spec = _mha()
+    blocks, slots, gather_below = PAIRS[pairs]
+    source = _filled(spec, from_layout, from_kernel)
+    saver = _block_views(spec, source, False, gather_below, from_split)
+    host = HostKVPool(saver.shape, 16, "page_first_direct")
+    saver.save(blocks, host, slots)
+    pages = host.read_pages(slots)  # [planes, L, n, page, 1, X]
+    target = vllm_caches(spec, list(source), to_layout, to_kernel)
+    _block_views(spec, target, False, gather_below, to_split).load(host, slots, blocks)
+    for layer, name in enumerate(("layers.0.attn", "layers.1.attn")):
+        for page, block in enumerate(blocks):
+            k, v = backend_kv(source[name], block, from_split)
+            assert torch.equal(pages[0, layer, page].reshape(HEADS, BLOCK, HEAD_DIM), k)
+            assert torch.equal(pages[1, layer, page].reshape(HEADS, BLOCK, HEAD_DIM), v)
+            loaded = backend_kv(target[name], block, to_split)
+            assert torch.equal(loaded[0], k) and torch.equal(loaded[1], v)
         others = [b for b in range(NUM_BLOCKS) if b not in blocks]
         assert not any(manager_block(target[name], b).any() for b in others)  # only those asked
+
+
+def test_the_split_comes_from_the_backends_that_run_the_layers(model_dir: Path) -> None:
+    """The worker finds each layer's backend in vLLM's forward context; a backend whose K/V split
+    kvstrata does not know, none, or two that split differently, refuse to start."""
+    from kvstrata.integrations.vllm_blocks import kv_split  # noqa: PLC0415
+    from kvstrata.integrations.vllm_config import attention_backends  # noqa: PLC0415
+
+    assert kv_split({"FLASH_ATTN", "TRITON_ATTN"}, False, "x") == "cell"
+    assert kv_split({"CPU_ATTN"}, False, "x") == "head"
+    assert kv_split({"ANY_MLA_BACKEND"}, True, "x") == ""  # a latent has no K/V to split
+    for backends in ({"ROCM_ATTN"}, set(), {"CPU_ATTN", "FLASH_ATTN"}):
+        with pytest.raises(ConfigError, match="knows where K and V lie"):
+            kv_split(backends, False, "x")
+    config = vllm_config(model_dir, {"store": "file", "path": "/nonexistent"})
+    assert attention_backends(config, ["layers.0.attn", "layers.9.attn"]) == {"FLASH_ATTN"}
+    with_backend(config, "ROCM_ATTN")
+    worker = KvstrataConnector(config, KVConnectorRole.WORKER, kv_cache_config())
+    spec = kv_cache_config().kv_cache_groups[0].kv_cache_spec
+    with pytest.raises(ConfigError, match="ROCM_ATTN"):
+        worker.register_kv_caches(vllm_caches(spec, ["layers.0.attn"]))
+    with_backend(config, "CPU_ATTN")  # needs each head's [N, C] contiguous: LBNHC has not
+    with pytest.raises(ConfigError, match="head split"):
+        worker.register_kv_caches(vllm_caches(spec, ["layers.0.attn"]))
+    with_backend(config, "FLASH_ATTN")  # a layer that reuses another's KV is no layer of its own
+    caches = vllm_caches(spec, ["layers.0.attn"])
+    worker.register_kv_caches({**caches, "layers.1.attn": caches["layers.0.attn"]})
+    assert worker.worker is not None
 
 
 def test_kv_cells_a_page_cannot_hold_are_refused(model_dir: Path) -> None:

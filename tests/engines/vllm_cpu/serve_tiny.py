@@ -5,8 +5,9 @@
 Generates 12 greedy tokens (with their logprobs) for a 150-token prompt; with the connector it
 generates once (the prompt's blocks are saved to L2 and L3), resets vLLM's prefix cache, and
 generates again (the blocks come back through the connector), reporting both runs, the pages
-the worker loaded and kvstrata's Prometheus counters as vLLM's ``LLM.get_metrics()`` reads them
-(stats logging on in both runs). Run by tests/engines/vllm_cpu/test_vllm_cpu_engine.py in .venv-vllm-cpu.
+the worker loaded, the K/V split it found for vLLM's attention backend and kvstrata's Prometheus
+counters as vLLM's ``LLM.get_metrics()`` reads them (stats logging on in both runs). Run by
+tests/engines/vllm_cpu/test_vllm_cpu_engine.py in .venv-vllm-cpu.
 """
 
 from __future__ import annotations
@@ -52,7 +53,9 @@ def main() -> None:
         report["second"] = run()
         from vllm.distributed.kv_transfer import get_kv_transfer_group  # noqa: PLC0415
 
-        report["loaded_pages"] = get_kv_transfer_group().loaded_pages
+        connector = get_kv_transfer_group()
+        report["loaded_pages"] = connector.loaded_pages
+        report["kv_split"] = connector.worker.blocks.split  # found from vLLM's own layers
         counters: dict[str, float] = {}
         for metric in llm.get_metrics():
             if metric.name.startswith("vllm:kvstrata_"):

@@ -32,7 +32,7 @@ def shards(draw: st.DrawFn) -> EngineShard:
         dtype=dtype,
         kv_format=draw(st.sampled_from(formats if byte else ["", *formats])),
         weights=draw(st.sampled_from(["", "revision=r1", "revision=r2;quantization=fp8"])),
-        kv_layout=draw(st.sampled_from(["", "hnd", "nhd"])),
+        kv_layout=draw(st.sampled_from(["", "hnd", "HND", "nhd"])),
         mla=draw(st.booleans()),
         page_size=draw(st.sampled_from([16, 64])),
         tp_rank=draw(st.integers(0, tp_size - 1)),
@@ -53,7 +53,7 @@ def should_share(a: EngineShard, b: EngineShard) -> bool:
         and a.weights == b.weights
         and a.dtype.removeprefix("torch.") == b.dtype.removeprefix("torch.")
         and a.kv_format.removeprefix("torch.") == b.kv_format.removeprefix("torch.")
-        and a.kv_layout == b.kv_layout
+        and a.kv_layout.lower() == b.kv_layout.lower()
         and a.mla == b.mla
         and a.page_size == b.page_size
         and (a.pp_rank, a.pp_size) == (b.pp_rank, b.pp_size)
@@ -121,6 +121,8 @@ def test_engine_page_hashes_are_taken_verbatim_and_checked() -> None:
         {"kv_format": None},
         {"weights": 3},
         {"kv_layout": None},
+        {"kv_layout": "~"},  # named, but says nothing: it would render the old key
+        {"kv_format": "--"},
     ],
 )
 def test_bad_shards_are_refused(fields: dict[str, object]) -> None:
