@@ -1,18 +1,19 @@
 """vLLM's KV blocks as kvstrata pages: :class:`BlockViews` (no vLLM import; torch only).
 
-vLLM (0.32 on, its RFC #42082) hands a connector one view per layer, ``[B, H, N, C]``: blocks,
-KV heads, tokens of a block, and one token's content for one head (MHA: its K then its V; MLA:
-the latent). Every attention backend gets the same logical view; the backend's physical order
-(``KVCacheLayout``: which of L, B, H, N is outermost in memory) is in the view's strides only, and
-with kernel blocks smaller than vLLM's block, ``B`` counts kernel blocks and ``N`` their tokens.
+vLLM (0.32 on, its RFC #42082) hands a connector one view per layer, ``[B, H, N, C]``: blocks, KV
+heads, tokens of a block, and one token's content for one head (MHA: its K and its V, where its
+backend puts them; MLA: the latent). Every attention backend gets the same logical view; the
+backend's physical order (``KVCacheLayout``: which of L, B, H, N is outermost in memory) is in the
+view's strides only, and with kernel blocks smaller than vLLM's block, ``B`` counts kernel blocks
+and ``N`` their tokens.
 
-Where K and V lie inside a block is the backend's own convention (:data:`KV_SPLITS`): most
-split each cell ``C`` into K then V; vLLM's CPU backend splits each head's ``[N, C]`` into N rows of
-K then N rows of V. A page is cut in **logical** order by its backend's split, so the bytes a page
-holds do not depend on the backend, its physical layout or its kernel block size: MHA pages are
-two planes (K, V), each ``[H, N, D]`` of the block (:data:`PAGE_LAYOUT`, part of the keys), and
-MLA pages the block's ``[1, N, C]``. Pages go between vLLM's views and the host pool's pages
-directly (:meth:`BlockViews.save`, :meth:`BlockViews.load`): on the CPU view to view; from a
+Where K and V lie inside a block is the backend's own convention (:data:`KV_SPLITS`): most split
+each cell ``C`` into K then V; vLLM's CPU backend splits each head's ``[N, C]`` into K then V, K
+column-major in its vec kernels. A page is cut in **logical** order by its backend's split, so the
+bytes a page holds do not depend on the backend, its physical layout or its kernel block size: MHA
+pages are two planes (K, V), each ``[H, N, D]`` of the block (:data:`PAGE_LAYOUT`, part of the
+keys), and MLA pages the block's ``[1, N, C]``. Pages go between vLLM's views and the host pool's
+pages directly (:meth:`BlockViews.save`, :meth:`BlockViews.load`): on the CPU view to view; from a
 device through the transfer torch makes.
 """
 
@@ -41,12 +42,17 @@ KV_SPLITS = {
     "FLASHINFER": "cell",
     "FLEX_ATTENTION": "cell",
     "TRITON_ATTN": "cell",
-    "CPU_ATTN": "head",
+    "TRITON_FLASH_ATTN": "cell",  # composites of two cell-split backends over one cache
+    "TRITON_FLASHINFER": "cell",
+    "CPU_ATTN:vec": "cpu_vec",
+    "CPU_ATTN:vec16": "cpu_vec",
 }
-"""Where vLLM's attention backends (by ``get_name()``) keep K and V in a ``[B, H, N, C]`` block:
-``cell``, each token's ``C`` is its K then its V (``split(head_size, dim=-1)``); ``head``, each
-head's ``[N, C]`` is N rows of K then N rows of V (the CPU backend's ``view(B, H, 2N, D)``).
-A backend not listed is refused for MHA: its split is not known here."""
+"""Where vLLM's attention backends (``get_name()``, with the CPU kernel's ``isa`` after a ``:``)
+keep K and V in a ``[B, H, N, C]`` block. ``cell``: each token's ``C`` is its K then its V
+(``split(head_size, dim=-1)``). ``cpu_vec``: each head's ``[N, C]`` is K then V (the CPU backend's
+``view(B, H, 2N, D).chunk(2, dim=2)``), and its vec kernels store K column-major (``[D, N]``)
+and V row-major (``[N, D]``). A backend not listed (the CPU backend's AMX, NEON and other kernels,
+which pack K and V their own way; ROCm; b12x) is refused for MHA: its split is not known here."""
 
 
 def kv_split(backends: set[str], mla: bool, where: str) -> str:
@@ -150,7 +156,7 @@ class BlockViews:
         layer instead of one strided copy per run. Default: never on the CPU, where a strided copy
         per run measured faster even for single pages (docs/benchmarks.md, "vLLM connector
         copies"); 4 on a device, for one transfer per layer (not measured: no GPU)."""
-        self.views: list[torch.Tensor] = []
+        self.views: list[list[tuple[slice, torch.Tensor]]] = []  # per layer: (planes, view)
         content = head_size * shape.planes
         for name in sorted(caches, key=_layer_order):
             tensor = caches[name]
@@ -185,28 +191,32 @@ class BlockViews:
         """Copy ``blocks`` into the host pool's pages ``slots`` (each distinct and in range,
         paired in order; :class:`MisuseError` and no copy otherwise)."""
         windows = _windows(blocks, slots, self.num_blocks, host.num_pages, self.gather_below)
-        for rows, view in zip(self._rows(host), self.views, strict=True):
+        for rows, view in self._pairs(host):
             for block, slot in windows:
                 rows[:, slot] = view[:, _on(block, view)].to(rows.device)
 
     def load(self, host: HostKVPool, slots: Sequence[int], blocks: Sequence[int]) -> None:
         """Copy the host pool's pages ``slots`` into ``blocks`` (as :meth:`save`, the other way)."""
         windows = _windows(blocks, slots, self.num_blocks, host.num_pages, self.gather_below)
-        for rows, view in zip(self._rows(host), self.views, strict=True):
+        for rows, view in self._pairs(host):
             for block, slot in windows:
                 view[:, _on(block, view)] = rows[:, slot].to(view.device)
 
-    def _rows(self, host: HostKVPool) -> list[torch.Tensor]:
-        """Each layer's pages of ``host`` as ``[planes, P, H, r, Nk, D]``: views of the pool (a
-        write lands in it); :class:`MisuseError` unless the pool holds this shape with a page's
-        rows contiguous (``page_first_direct``, ``layer_first``, ``page_major``)."""
+    def _pairs(self, host: HostKVPool) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per layer and view of its blocks: the host pool's pages of the same planes,
+        ``[p, P, H, r, Nk, D]`` (a view of the pool: a write lands in it), and the view.
+        :class:`MisuseError` unless the pool holds this shape with a page's rows contiguous
+        (``page_first_direct``, ``layer_first``, ``page_major``)."""
         if host.shape != self.shape:
             raise MisuseError(f"kvstrata: a host pool of {host.shape}, expected {self.shape}")
         pages = host.canonical()  # [planes, L, P, page, 1, X]
-        planes, rows = pages.shape[0], self.views[0].shape[2:]
         try:  # view, never flatten or reshape: those copy where no view exists, and a copy
             # written into leaves the pool as it was
-            return [pages[:, layer].view(planes, -1, *rows) for layer in range(len(self.views))]
+            return [
+                (pages[planes, layer].view(view.shape[0], -1, *view.shape[2:]), view)
+                for layer, views in enumerate(self.views)
+                for planes, view in views
+            ]
         except RuntimeError as error:  # a layout whose page rows are not contiguous
             raise MisuseError(
                 f"kvstrata: a {host.layout.value} host pool does not keep a layer's page rows "
@@ -251,20 +261,26 @@ def _windows(
 
 def _planes(
     name: str, tensor: torch.Tensor, *, num_blocks: int, planes: int, head_size: int, split: str
-) -> torch.Tensor:
-    """A layer's ``[B * r, H, Nk, C]`` view as ``[planes, B, H, r, Nk, D]``, K and V cut by the
-    backend's ``split`` (:data:`KV_SPLITS`): views only (``view``, ``permute``), never a copy, so a
-    page written lands in vLLM's own tensor; :class:`ConfigError` where the strides allow no
-    such view."""
+) -> list[tuple[slice, torch.Tensor]]:
+    """A layer's ``[B * r, H, Nk, C]`` view as ``(planes, [p, B, H, r, Nk, D])`` pairs: which
+    planes of a page (K, V) each view holds, found where the backend's ``split``
+    (:data:`KV_SPLITS`) keeps them; both planes in one view where their strides allow (one copy
+    for both). Views only (``view``, ``permute``, ``transpose``), never a copy, so a page written
+    lands in vLLM's own tensor; :class:`ConfigError` where the strides allow no such view."""
     kernel_blocks, heads, tokens, _ = tensor.shape
     ratio = kernel_blocks // num_blocks  # kernel blocks per block, in token order
     try:
         if planes == 1 or split == "cell":  # [B, r, H, Nk, p, D]
             cells = tensor.view(num_blocks, ratio, heads, tokens, planes, head_size)
-            return cells.permute(4, 0, 2, 1, 3, 5)
-        if split == "head":  # each kernel block's head: [Nk, 2D] as [2, Nk, D]
-            rows = tensor.view(num_blocks, ratio, heads, planes, tokens, head_size)
-            return rows.permute(3, 0, 2, 1, 4, 5)
+            return [(slice(0, planes), cells.permute(4, 0, 2, 1, 3, 5))]
+        if split == "cpu_vec":  # a kernel block's head: K as [D, Nk], then V as [Nk, D]
+            halves = tensor.view(num_blocks, ratio, heads, planes, tokens * head_size)
+            k = halves[:, :, :, 0].view(num_blocks, ratio, heads, head_size, tokens)
+            v = halves[:, :, :, 1].view(num_blocks, ratio, heads, tokens, head_size)
+            return [
+                (slice(0, 1), k.permute(0, 2, 1, 4, 3).unsqueeze(0)),
+                (slice(1, 2), v.permute(0, 2, 1, 3, 4).unsqueeze(0)),
+            ]
     except RuntimeError as error:
         raise ConfigError(
             f"kvstrata: layer {name}'s strides do not allow a {split} split"

@@ -71,10 +71,16 @@ def report_lag(vllm_config: Any, pp_size: int) -> int:
 
 
 def attention_backends(vllm_config: Any, layer_names: list[str]) -> set[str]:
-    """The names (``get_name()``) of the attention backends that run ``layer_names`` in this
-    process: vLLM's layers in its forward context, there once the model is loaded (in a worker by
-    the time it registers its KV caches); empty where none of them is."""
+    """The attention backends that run ``layer_names`` in this process, by name (``get_name()``,
+    then ``:`` and the kernel's ``isa`` where a layer has one: vLLM's CPU backend): vLLM's layers
+    in its forward context, there once the model is loaded (in a worker by the time it registers
+    its KV caches; the CPU backend's metadata builder has set each layer's ``isa`` by then);
+    empty where none of them is."""
     layers = getattr(vllm_config.compilation_config, "static_forward_context", None) or {}
-    return {
-        str(layers[name].get_attn_backend().get_name()) for name in layer_names if name in layers
-    }
+    names = set()
+    for name in layer_names:
+        if name in layers:
+            backend = str(layers[name].get_attn_backend().get_name())
+            isa = getattr(layers[name], "isa", None)
+            names.add(f"{backend}:{isa}" if isa else backend)
+    return names

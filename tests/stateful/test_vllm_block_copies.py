@@ -8,13 +8,13 @@ physical order, a logical view per layer; kernel blocks of half a block where th
 them), without vLLM; the engine tests check the same class on vLLM's own ``allocate_kv_cache``.
 
 Each example draws the backend's K/V split too: a cell's halves (FlashAttention, FlashInfer,
-Triton) or a head's halves (vLLM's CPU backend, in the orders that keep a head's ``[N, C]``
-contiguous). Model: which token content each block and each host page holds (an id). Rules: the
-engine computes a block (writes the K and V of a fresh id where its backend keeps them); ``save``
-of distinct blocks into distinct pages, paired in order (runs, runs with a slot out of place,
-scattered pairs); ``load`` the same way back. After every step every block holds its id's K and V
-where its backend finds them, and every page its id's K then V, each heads x tokens x head dim: a
-copy to the wrong slot, of the wrong block, or of half a run, fails.
+Triton) or a head's halves with K column-major (vLLM's CPU vec kernels, in the orders that keep a
+head's ``[N, C]`` contiguous). Model: which token content each block and each host page holds (an
+id). Rules: the engine computes a block (writes the K and V of a fresh id where its backend keeps
+them); ``save`` of distinct blocks into distinct pages, paired in order (runs, runs with a slot out
+of place, scattered pairs); ``load`` the same way back. After every step every block holds its id's
+K and V where its backend finds them, and every page its id's K then V, each heads x tokens x head
+dim: a copy to the wrong slot, of the wrong block, or of half a run, fails.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from kvstrata.integrations.vllm_blocks import BlockViews, page_shape
 
 LAYERS, BLOCKS, SLOTS, HEADS, TOKENS, HEAD = 2, 12, 10, 2, 4, 3
 #: physical orders of [L, B, H, N, C] (vLLM's KVCacheLayout LBNHC, BLNHC, LBHNC, BLHNC); the CPU
-#: backend's split (``head``) needs each head's [N, C] contiguous: the last two
+#: backend's split (``cpu_vec``) needs each head's [N, C] contiguous: the last two
 ORDERS = [(0, 1, 3, 2, 4), (1, 0, 3, 2, 4), (0, 1, 2, 3, 4), (1, 0, 2, 3, 4)]
 HEAD_ORDERS = ORDERS[2:]
 
@@ -48,16 +48,18 @@ def content(ident: int) -> torch.Tensor:
     return torch.randn(LAYERS, 2, HEADS, TOKENS, HEAD, generator=generator)
 
 
-def kv_of(kernels: torch.Tensor, split: str) -> torch.Tensor:
-    """K and V (``[2, H, N, D]``) of one block's kernel blocks ``[k, H, N/k, C]``, found as the
-    backend finds them: a cell's halves (``cell``), or a head's halves (``head``, vLLM's CPU
-    backend). A view: writing it writes the block."""
+def kv_of(kernels: torch.Tensor, split: str) -> list[torch.Tensor]:
+    """K and V (each ``[H, k, N/k, D]``) of one block's kernel blocks ``[k, H, N/k, C]``, found
+    as the backend finds them: a cell's halves (``cell``), or a head's halves with K column-major
+    (``cpu_vec``, vLLM's CPU vec kernels). Views: writing them writes the block."""
     k, heads, tokens, _ = kernels.shape
     if split == "cell":
-        kv = kernels.view(k, heads, tokens, 2, HEAD).permute(3, 1, 0, 2, 4)  # [2, H, k, N/k, D]
-    else:
-        kv = kernels.view(k, heads, 2, tokens, HEAD).permute(2, 1, 0, 3, 4)
-    return kv
+        cells = kernels.view(k, heads, tokens, 2, HEAD)
+        return [cells[..., p, :].permute(1, 0, 2, 3) for p in range(2)]
+    halves = kernels.view(k, heads, 2, tokens * HEAD)
+    key = halves[:, :, 0].view(k, heads, HEAD, tokens).transpose(-1, -2)
+    value = halves[:, :, 1].view(k, heads, tokens, HEAD)
+    return [key.permute(1, 0, 2, 3), value.permute(1, 0, 2, 3)]
 
 
 def vllm_views(order: tuple[int, ...], kernel_split: int) -> dict[str, torch.Tensor]:
@@ -92,13 +94,13 @@ class VllmBlockCopies(RuleBasedStateMachine):
     @initialize(
         order=st.sampled_from(ORDERS),
         kernel_split=st.sampled_from([1, 2]),
-        kv_split=st.sampled_from(["cell", "head"]),
+        kv_split=st.sampled_from(["cell", "cpu_vec"]),
         gather_below=st.sampled_from([0, 4]),  # strided copies per run only, or gathers too
     )
     def start(
         self, order: tuple[int, ...], kernel_split: int, kv_split: str, gather_below: int
     ) -> None:
-        if kv_split == "head" and order not in HEAD_ORDERS:
+        if kv_split == "cpu_vec" and order not in HEAD_ORDERS:
             order = HEAD_ORDERS[0]
         kernel_split = kernel_split if order[0] == 0 else 1  # vLLM splits layer-compact orders
         self.caches = vllm_views(order, kernel_split)
@@ -119,9 +121,9 @@ class VllmBlockCopies(RuleBasedStateMachine):
         self.slot_ids = [0] * SLOTS
         self.next_id = 1
 
-    def kv(self, layer: int, block: int) -> torch.Tensor:
-        """K and V of block ``block`` of ``layer`` as the backend finds them, ``[2, H, k, N/k,
-        D]`` (a view of the engine's tensor)."""
+    def kv(self, layer: int, block: int) -> list[torch.Tensor]:
+        """K and V of block ``block`` of ``layer`` as the backend finds them, each ``[H, k, N/k,
+        D]`` (views of the engine's tensor)."""
         view = self.caches[f"model.layers.{layer}.attn"]
         k = view.shape[0] // BLOCKS
         return kv_of(view[block * k : (block + 1) * k], self.kv_split)
@@ -131,8 +133,8 @@ class VllmBlockCopies(RuleBasedStateMachine):
         """The engine writes a block's K and V where its backend keeps them."""
         data = content(self.next_id)
         for n in range(LAYERS):
-            target = self.kv(n, block)
-            target.copy_(data[n].view(target.shape))
+            for plane, target in enumerate(self.kv(n, block)):
+                target.copy_(data[n, plane].view(target.shape))
         self.block_ids[block] = self.next_id
         self.next_id += 1
 
@@ -156,8 +158,9 @@ class VllmBlockCopies(RuleBasedStateMachine):
             return
         for block, ident in enumerate(self.block_ids):
             for n in range(LAYERS):
-                found = self.kv(n, block)
-                assert torch.equal(found, content(ident)[n].view(found.shape)), f"block {block}"
+                for plane, found in enumerate(self.kv(n, block)):
+                    want = content(ident)[n, plane].view(found.shape)
+                    assert torch.equal(found, want), f"block {block}"
         pages = self.host.canonical()  # [planes, L, P, page, 1, X]
         for slot, ident in enumerate(self.slot_ids):
             expected = content(ident).transpose(0, 1)  # [2, L, H, N, D]

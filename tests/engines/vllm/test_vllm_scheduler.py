@@ -132,7 +132,10 @@ class _Layer:
     here): what the connector asks of it."""
 
     def __init__(self, backend: str) -> None:
-        self.backend = SimpleNamespace(get_name=lambda: backend)
+        name, _, isa = backend.partition(":")  # "CPU_ATTN:vec": the CPU kernel's isa too
+        self.backend = SimpleNamespace(get_name=lambda: name)
+        if isa:
+            self.isa = isa
 
     def get_attn_backend(self) -> Any:
         return self.backend
@@ -637,14 +640,18 @@ def _filled(spec: KVCacheSpec, layout: KVCacheLayout, kernel: int | None) -> dic
 def backend_kv(view: torch.Tensor, block: int, split: str) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V of vLLM's block ``block`` as ``[H, tokens, D]``, found the way the backend finds
     them: FlashAttention, FlashInfer, Triton (``cell``) split each token's cell at the head size;
-    the CPU backend (``head``) views each kernel block's head as ``[2N, D]`` and takes halves."""
+    the CPU backend's vec kernels (``cpu_vec``) view each kernel block's head as ``[2N, D]``, take
+    halves, and keep K column-major (``[D, N]``; tests/engines/vllm_cpu checks this against the
+    real kernel)."""
     ratio = view.shape[0] // NUM_BLOCKS
     kernels = view[block * ratio : (block + 1) * ratio]  # [r, H, Nk, C]
     r, heads, tokens, _ = kernels.shape
     if split == "cell":
         k, v = kernels.split(HEAD_DIM, dim=-1)
     else:
-        k, v = kernels.reshape(r, heads, 2 * tokens, HEAD_DIM).chunk(2, dim=2)
+        halves = kernels.reshape(r, heads, 2, tokens * HEAD_DIM)
+        k = halves[:, :, 0].reshape(r, heads, HEAD_DIM, tokens).transpose(-1, -2)
+        v = halves[:, :, 1].reshape(r, heads, tokens, HEAD_DIM)
     return k.permute(1, 0, 2, 3).reshape(heads, -1, HEAD_DIM), v.permute(1, 0, 2, 3).reshape(
         heads, -1, HEAD_DIM
     )
@@ -710,8 +717,8 @@ def test_an_mla_page_is_its_block_in_every_vllm_layout_and_kernel_block(
 
 SPLITS = [  # (source split, layout, kernel; target split, layout, kernel)
     *[("cell", KVCacheLayout.LBNHC, None, "cell", lay, k) for lay, k in LAYOUTS],
-    *[("head", lay, k, "cell", KVCacheLayout.LBNHC, None) for lay, k in HEAD_SPLIT_LAYOUTS],
-    *[("cell", KVCacheLayout.LBNHC, None, "head", lay, k) for lay, k in HEAD_SPLIT_LAYOUTS],
+    *[("cpu_vec", lay, k, "cell", KVCacheLayout.LBNHC, None) for lay, k in HEAD_SPLIT_LAYOUTS],
+    *[("cell", KVCacheLayout.LBNHC, None, "cpu_vec", lay, k) for lay, k in HEAD_SPLIT_LAYOUTS],
 ]
 
 
@@ -763,20 +770,23 @@ def test_the_split_comes_from_the_backends_that_run_the_layers(model_dir: Path) 
     from kvstrata.integrations.vllm_config import attention_backends  # noqa: PLC0415
 
     assert kv_split({"FLASH_ATTN", "TRITON_ATTN"}, False, "x") == "cell"
-    assert kv_split({"CPU_ATTN"}, False, "x") == "head"
+    assert kv_split({"CPU_ATTN:vec", "CPU_ATTN:vec16"}, False, "x") == "cpu_vec"
     assert kv_split({"ANY_MLA_BACKEND"}, True, "x") == ""  # a latent has no K/V to split
-    for backends in ({"ROCM_ATTN"}, set(), {"CPU_ATTN", "FLASH_ATTN"}):
+    refused = ({"ROCM_ATTN"}, set(), {"CPU_ATTN:vec", "FLASH_ATTN"}, {"CPU_ATTN:amx"}, {"CPU_ATTN"})
+    for backends in refused:  # AMX packs K and V in tiles: not known here
         with pytest.raises(ConfigError, match="knows where K and V lie"):
             kv_split(backends, False, "x")
     config = vllm_config(model_dir, {"store": "file", "path": "/nonexistent"})
     assert attention_backends(config, ["layers.0.attn", "layers.9.attn"]) == {"FLASH_ATTN"}
+    with_backend(config, "CPU_ATTN:vec16")  # the CPU kernel's isa, as vLLM sets it on the layer
+    assert attention_backends(config, ["layers.0.attn"]) == {"CPU_ATTN:vec16"}
     with_backend(config, "ROCM_ATTN")
     worker = KvstrataConnector(config, KVConnectorRole.WORKER, kv_cache_config())
     spec = kv_cache_config().kv_cache_groups[0].kv_cache_spec
     with pytest.raises(ConfigError, match="ROCM_ATTN"):
         worker.register_kv_caches(vllm_caches(spec, ["layers.0.attn"]))
-    with_backend(config, "CPU_ATTN")  # needs each head's [N, C] contiguous: LBNHC has not
-    with pytest.raises(ConfigError, match="head split"):
+    with_backend(config, "CPU_ATTN:vec")  # needs each head's [N, C] contiguous: LBNHC has not
+    with pytest.raises(ConfigError, match="cpu_vec split"):
         worker.register_kv_caches(vllm_caches(spec, ["layers.0.attn"]))
     with_backend(config, "FLASH_ATTN")  # a layer that reuses another's KV is no layer of its own
     caches = vllm_caches(spec, ["layers.0.attn"])
