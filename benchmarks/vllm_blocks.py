@@ -10,7 +10,7 @@ memcpy, what any copy of these bytes is bounded by. The views are built here the
 the script needs no vLLM; the tests check the connector on vLLM's own views.
 
 Usage: python benchmarks/vllm_blocks.py [--layers 32 --heads 8 --head-dim 128 --block 16
-       --pages 32 --repeats 7 --scattered]
+       --pages 32 --repeats 7 --scattered --split cell|cpu_vec]
 """
 
 from __future__ import annotations
@@ -29,9 +29,12 @@ from kvstrata.integrations.vllm_blocks import BlockViews, page_shape
 #: physical orders of [L, B, H, N, C] (vLLM's KVCacheLayout members this script builds)
 LAYOUTS = {
     "LBNHC": (0, 1, 3, 2, 4),  # FlashAttention's NHD
-    "LBHNC": (0, 1, 2, 3, 4),  # FlashInfer's HND
+    "LBHNC": (0, 1, 2, 3, 4),  # FlashInfer's HND, the CPU backend's
     "BLNHC": (1, 0, 3, 2, 4),  # block-outer: a block's layers side by side
+    "BLHNC": (1, 0, 2, 3, 4),
 }
+#: the layouts each K/V split is measured in (the CPU split needs a head's [N, C] contiguous)
+SPLIT_LAYOUTS = {"cell": ["LBNHC", "LBHNC", "BLNHC"], "cpu_vec": ["LBHNC", "BLHNC"]}
 
 
 class _Spec:
@@ -91,6 +94,12 @@ def main() -> None:
     parser.add_argument("--pages", type=int, default=32, help="pages per call")
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--scattered", action="store_true", help="random blocks and slots")
+    parser.add_argument(
+        "--split",
+        choices=sorted(SPLIT_LAYOUTS),
+        default="cell",
+        help="where K and V lie in a block: the GPU backends' (cell) or the CPU vec kernels'",
+    )
     args = parser.parse_args()
     torch.manual_seed(0)
     spec = _Spec(args.block, args.heads, args.head_dim, torch.bfloat16)
@@ -107,19 +116,21 @@ def main() -> None:
     print(
         f"{args.pages} pages of {shape.bytes_per_page / 2**20:.2f} MiB per call "
         f"({args.layers} layers, {args.heads} KV heads x {args.head_dim}, block {args.block}, "
-        f"bfloat16, {'scattered' if args.scattered else 'ascending'} blocks and slots); "
+        f"bfloat16, {'scattered' if args.scattered else 'ascending'} blocks and slots, "
+        f"{args.split} split); "
         f"medians of {args.repeats}, ratio = memcpy seconds / connector seconds"
     )
     print("| layout | memcpy GB/s | save GB/s | save ÷ memcpy | load GB/s | load ÷ memcpy |")
     print("|---|---:|---:|---:|---:|---:|")
-    for name, order in LAYOUTS.items():
+    for name in SPLIT_LAYOUTS[args.split]:
+        order = LAYOUTS[name]
         views = BlockViews(
             vllm_views(order, args.layers, blocks_total, spec),
             blocks_total,
             shape,
             heads,
             head_size,
-            **({"split": "cell"} if hasattr(BlockViews, "save") else {}),  # the GPU backends'
+            **({"split": args.split} if hasattr(BlockViews, "save") else {}),
         )
         host = HostKVPool(shape, 2 * args.pages, "page_first_direct")
         runs: dict[str, list[float]] = {"memcpy": [], "save": [], "load": []}

@@ -20,6 +20,7 @@ from kvstrata.model.engines import (
     HashScheme,
     engine_kv_format,
     engine_page_hash,
+    engine_weights,
     model_slug,
 )
 from kvstrata.model.errors import MisuseError
@@ -78,6 +79,28 @@ def test_an_mla_shard_is_an_mla_identity_with_one_latent_object() -> None:
     assert EngineShard(**BASE).model().kind is KVKind.MHA
 
 
+def test_an_mla_shard_is_replicated_across_tp_but_keeps_its_pipeline_stage() -> None:
+    """MLA KV is the same on every TP rank but not on every pipeline stage (a stage holds its
+    own layers): stage 1 of 2 is its own shard."""
+    shard = EngineShard(**{**BASE, "mla": True, "pp_rank": 1, "pp_size": 2, "tp_size": 2}).shard()
+    assert (shard.tp_rank, shard.pp_rank, shard.pp_size) == (None, 1, 2)
+
+
+@pytest.mark.parametrize(
+    ("revision", "quantization", "weights"),
+    [
+        (None, None, ""),
+        ("r1", None, "revision=r1"),
+        (None, "fp8", "quantization=fp8"),
+        ("r1", "fp8", "revision=r1;quantization=fp8"),
+        ("", "", ""),
+    ],
+)
+def test_the_weights_string_is_pinned(revision: object, quantization: object, weights: str) -> None:
+    """``engine_weights`` goes into every key's model digest: its text is a format, pinned."""
+    assert engine_weights(revision, quantization) == weights
+
+
 # ------------------------------------------------------------------------------------- misuse
 def test_a_vllm_block_hash_must_be_32_bytes_not_32_characters() -> None:
     with pytest.raises(
@@ -117,6 +140,7 @@ def test_misused_helpers_say_what_is_wrong(call: Any, message: str) -> None:
         ({"pp_rank": 1}, "EngineShard: pp_rank 1 >= pp_size 1"),
         ({"writer_rank": 1}, "EngineShard: writer_rank 1 >= tp_size 1"),
         ({"weights": None}, "EngineShard.weights: expected a string, got None"),
+        ({"kv_layout": "~"}, "EngineShard.kv_layout: '~' has no letter or digit"),
         ({"dtype": "torch.uint8"},
          "EngineShard: a torch.uint8 KV pool holds some other format's bytes; name it "
          "(kv_format, e.g. 'float8_e4m3fn'), or pages of every such format share keys"),
