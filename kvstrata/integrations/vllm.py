@@ -70,9 +70,11 @@ from kvstrata.integrations.vllm_blocks import PAGE_LAYOUT, BlockViews, kv_split,
 from kvstrata.integrations.vllm_config import (
     agreed_backend,
     attention_backends,
+    backend_option,
     count_option,
     kv_format,
     model_weights,
+    platform_writer,
     report_lag,
     writing_backend,
 )
@@ -85,7 +87,7 @@ __all__ = ["KvstrataConnector", "KvstrataConnectorMetadata", "KvstrataHandshake"
 
 _log = logging.getLogger(__name__)
 
-_OWN = frozenset({"l2_pages", "staging_pages"})
+_OWN = frozenset({"l2_pages", "staging_pages", "kv_backend"})
 
 
 class KvstrataConnectorMetadata(KVConnectorMetadata):  # type: ignore[misc]
@@ -131,6 +133,7 @@ class KvstrataConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self.tp_size = int(parallel.tensor_parallel_size)
         self.pp_size = int(parallel.pipeline_parallel_size)
         self.lag = report_lag(vllm_config, self.pp_size)
+        self._configured = backend_option(extra, where)
         self._template = EngineShard(
             HashScheme.VLLM,
             model_name=str(vllm_config.model_config.model),
@@ -145,6 +148,8 @@ class KvstrataConnector(KVConnectorBase_V1):  # type: ignore[misc]
             kv_format=kv_format(spec.dtype, vllm_config.cache_config.cache_dtype, where),
             weights=model_weights(vllm_config.model_config),
             kv_layout="" if mla else PAGE_LAYOUT,
+            # a KV kept as bytes is keyed by its writing backend: configured, or workers report it
+            kv_backend=platform_writer(self._configured) if holds_bytes(spec.dtype) else "",
         )
         self.index: ConnectorIndex | None = None
         self.worker: ConnectorWorker | None = None
@@ -155,8 +160,7 @@ class KvstrataConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._requests: dict[str, Any] = {}  # vLLM's own request objects, by id
         self._prefix: dict[str, int] = {}  # pages a request had when admitted (cached or loaded)
         self._handshake: KvstrataHandshake | None = None  # the worker's, once it registered
-        # a KV kept as bytes is keyed by its writing backend, which the workers report
-        self._backend_unknown = holds_bytes(spec.dtype)
+        self._backend_unknown = holds_bytes(spec.dtype) and self._configured is None
         self._unknown_told = False
         self._probes: list[tuple[EngineShard, StorageBackend | None]] = []
         if role == KVConnectorRole.SCHEDULER:
@@ -319,11 +323,16 @@ class KvstrataConnector(KVConnectorBase_V1):  # type: ignore[misc]
         if backend is None or (not self._backend_unknown and backend == self._template.kv_backend):
             return
         self._template = attrs.evolve(self._template, kv_backend=backend)
-        stale, self._probes = self._probes, self._open_probes()
-        self._backend_unknown = False
-        for _shard, probe in stale:
-            if probe is not None:
-                probe.close()
+        fresh = self._open_probes()
+
+        def swap() -> None:  # on the lookup thread: never under a lookup in flight
+            stale, self._probes = self._probes, fresh
+            self._backend_unknown = False
+            for _shard, probe in stale:
+                if probe is not None:
+                    probe.close()
+
+        self._lookups.submit(swap).result()
 
     # ------------------------------------------------------------------------------ worker side
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -332,9 +341,11 @@ class KvstrataConnector(KVConnectorBase_V1):  # type: ignore[misc]
         where = "kvstrata vLLM connector"
         backends = attention_backends(self._vllm_config, self.layer_names)
         split = kv_split(backends, self._template.mla, where)
-        writer = writing_backend(backends, self._template.dtype, where)
-        shard = attrs.evolve(self._shard(tp_rank, pp_rank), kv_backend=writer)
-        self._handshake = KvstrataHandshake(writer)
+        writer = writing_backend(backends, self._template.dtype, self._configured, where)
+        self._template = attrs.evolve(self._template, kv_backend=writer)
+        shard = self._shard(tp_rank, pp_rank)
+        if writer and self._configured is None:  # the scheduler side learns it from this report
+            self._handshake = KvstrataHandshake(writer)
         host = HostKVPool(self.shape, self.l2_pages + self.staging_pages, "page_first_direct")
         backend = open_backend(self.options, shard.keyspace(), writer=shard.writer)
         caches = {name: kv_caches[name] for name in self.layer_names if name in kv_caches}
@@ -395,8 +406,9 @@ class KvstrataConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
     @property
     def kv_backend(self) -> str:
-        """The backend this side keys a KV kept as bytes by (``""`` for any other KV, and on the
-        scheduler side until the workers reported theirs)."""
+        """The backend (and platform fp8 type) this side keys a KV kept as bytes by (``""`` for
+        any other KV, on a worker until it registered its KV caches, and on the scheduler side
+        until the workers reported theirs, unless ``kv_backend`` was configured)."""
         return self._template.kv_backend
 
     @property

@@ -16,9 +16,11 @@ from kvstrata.model.engines import engine_kv_format, engine_weights, holds_bytes
 __all__ = [
     "agreed_backend",
     "attention_backends",
+    "backend_option",
     "count_option",
     "kv_format",
     "model_weights",
+    "platform_writer",
     "report_lag",
     "writing_backend",
 ]
@@ -94,12 +96,15 @@ def attention_backends(vllm_config: Any, layer_names: list[str]) -> set[str]:
     return names
 
 
-def writing_backend(backends: set[str], dtype: object, where: str) -> str:
+def writing_backend(backends: set[str], dtype: object, configured: object, where: str) -> str:
     """The :attr:`~kvstrata.model.engines.EngineShard.kv_backend` of a worker whose layers run on
     ``backends`` (:func:`attention_backends`): for a KV vLLM keeps as bytes, the one backend that
-    writes it (its kernels decide what the bytes mean: Triton keeps an ``fp8_e5m2`` cache as
-    e4m3); ``""`` for any other KV, whose bytes mean the same whichever backend wrote them.
-    :class:`ConfigError` for a byte-typed KV written by several backends, or by none known."""
+    writes it and the platform's fp8 type (the kernels decide what the bytes mean: Triton keeps
+    every fp8 cache in that type, ``fp8_e5m2`` included, and it is ``float8_e4m3fnuz`` on ROCm's
+    MI300), ``"TRITON_ATTN on float8_e4m3fn"``; ``""`` for any other KV, whose bytes mean the
+    same whichever backend wrote them. ``configured``: the backend the operator named (the
+    ``kv_backend`` extra config), checked against the one found. :class:`ConfigError` for a
+    byte-typed KV written by several backends, by none known, or by another than configured."""
     if not holds_bytes(dtype):
         return ""
     if len(backends) != 1:
@@ -108,7 +113,19 @@ def writing_backend(backends: set[str], dtype: object, where: str) -> str:
             f"{sorted(backends) or 'unknown'}: its pages are keyed by the one backend that writes "
             "them (set one attention backend)"
         )
-    return next(iter(backends))
+    found = next(iter(backends))
+    if configured is not None and configured != found:
+        raise ConfigError(f"{where}: kv_backend is {configured!r}, but {found} writes the KV")
+    return platform_writer(found)
+
+
+def platform_writer(backend: str | None) -> str:
+    """``backend`` on this platform: its name and the platform's fp8 type (``""`` for none)."""
+    if backend is None:
+        return ""
+    from vllm.platforms import current_platform  # noqa: PLC0415 (vLLM picks it at first use)
+
+    return f"{backend} on {str(current_platform.fp8_dtype()).removeprefix('torch.')}"
 
 
 def agreed_backend(reported: list[str], where: str) -> str | None:
@@ -119,3 +136,14 @@ def agreed_backend(reported: list[str], where: str) -> str | None:
     if len(named) > 1:
         raise ConfigError(f"{where}: workers write their KV with other backends: {sorted(named)}")
     return named.pop() if named else None
+
+
+def backend_option(extra: dict[str, Any], where: str) -> str | None:
+    """The ``kv_backend`` extra config: the attention backend the operator says writes a KV kept
+    as bytes (vLLM's name, ``"TRITON_ATTN"``; the CPU backend's with its kernel,
+    ``"CPU_ATTN:vec"``), so the scheduler side needs no handshake (under a ``MultiConnector``
+    whose first connector has a handshake of its own). ``None`` when not given."""
+    value = extra.get("kv_backend")
+    if value is not None and (not isinstance(value, str) or not value.strip()):
+        raise ConfigError(f"{where}: kv_backend must be an attention backend's name, got {value!r}")
+    return value

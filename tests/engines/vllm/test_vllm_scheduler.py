@@ -41,6 +41,7 @@ from vllm.config import (  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorLogging  # noqa: E402
+from vllm.platforms import current_platform  # noqa: E402
 from vllm.sampling_params import SamplingParams  # noqa: E402
 from vllm.utils.hashing import sha256  # noqa: E402
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash  # noqa: E402
@@ -1062,13 +1063,18 @@ def test_the_connector_takes_reports_as_late_as_vllms_batch_queue_gives_them(
 
 
 def fp8_config(
-    model_dir: Path, store: Path, cache_dtype: str, backend: str = "FLASH_ATTN", **model: Any
+    model_dir: Path,
+    store: Path,
+    cache_dtype: str,
+    backend: str = "FLASH_ATTN",
+    extra: dict[str, Any] | None = None,
+    **model: Any,
 ) -> tuple[VllmConfig, KVCacheConfig]:
     """A deployment whose KV vLLM keeps as ``uint8`` (every fp8 cache dtype), on the file store at
-    ``store``, its layer run by ``backend``; ``model``: further ``ModelConfig`` fields."""
-    config = with_backend(
-        _vllm_config(model_dir, {"store": "file", "path": str(store)}, 1024), backend
-    )
+    ``store``, its layer run by ``backend``; ``extra``: further connector options; ``model``:
+    further ``ModelConfig`` fields."""
+    options = {"store": "file", "path": str(store), **(extra or {})}
+    config = with_backend(_vllm_config(model_dir, options, 1024), backend)
     config.cache_config.cache_dtype = cache_dtype
     for name, value in model.items():
         setattr(config.model_config, name, value)
@@ -1084,10 +1090,15 @@ def fp8_config(
 
 
 def fp8_worker(
-    model_dir: Path, store: Path, cache_dtype: str, backend: str = "FLASH_ATTN", **model: Any
+    model_dir: Path,
+    store: Path,
+    cache_dtype: str,
+    backend: str = "FLASH_ATTN",
+    extra: dict[str, Any] | None = None,
+    **model: Any,
 ) -> KvstrataConnector:
     """The connector's worker side of :func:`fp8_config`'s deployment, its KV caches registered."""
-    config, kv_config = fp8_config(model_dir, store, cache_dtype, backend, **model)
+    config, kv_config = fp8_config(model_dir, store, cache_dtype, backend, extra, **model)
     worker = KvstrataConnector(config, KVConnectorRole.WORKER, kv_config)
     spec = kv_config.kv_cache_groups[0].kv_cache_spec
     worker.register_kv_caches(vllm_caches(spec, ["layers.0.attn"]))
@@ -1155,11 +1166,15 @@ def test_fp8_pages_are_shared_only_by_deployments_on_the_backend_that_wrote_them
     assert found_page(fp8_worker(model_dir, store, "fp8_e5m2", "FLASHINFER"), page) is None
     again = found_page(fp8_worker(model_dir, store, "fp8_e5m2", "TRITON_ATTN"), page)
     assert again is not None and torch.equal(again, written)
+    # Triton keeps every fp8 cache in the platform's e4m3 type (float8_e4m3fnuz on ROCm's MI300):
+    # the platform's type is part of the writer
+    fp8 = str(current_platform.fp8_dtype()).removeprefix("torch.")
     handshake = triton.get_handshake_metadata()
-    assert handshake is not None and handshake.kv_backend == "TRITON_ATTN"
+    assert handshake is not None and handshake.kv_backend == f"TRITON_ATTN on {fp8}"
     assert pickle.loads(pickle.dumps(handshake)) == handshake  # it crosses vLLM's RPC
     assert triton.worker is not None and triton.worker.backend is not None
-    assert triton.worker.backend.keyspace.model.dtype == "uint8.float8_e5m2@triton_attn~hnd"
+    dtype = triton.worker.backend.keyspace.model.dtype
+    assert dtype == f"uint8.float8_e5m2@triton_attn_on_{fp8}~hnd"
     # the same dtype kept as itself (float32 here): any backend's pages, one key
     plain = {"store": "file", "path": str(tmp_path / "plain")}
     for backend, layout in (
@@ -1173,7 +1188,7 @@ def test_fp8_pages_are_shared_only_by_deployments_on_the_backend_that_wrote_them
         )
         spec = kv_cache_config().kv_cache_groups[0].kv_cache_spec
         worker.register_kv_caches(vllm_caches(spec, ["layers.0.attn"], layout))
-        assert worker.get_handshake_metadata() == vllm_connector.KvstrataHandshake("")
+        assert worker.get_handshake_metadata() is None  # nothing to tell (vLLM's default)
         assert worker.worker is not None and worker.worker.backend is not None
         assert worker.worker.backend.keyspace.model.dtype == "float32~hnd"
     with pytest.raises(ConfigError, match="set one attention backend"):
@@ -1237,3 +1252,34 @@ def test_the_scheduler_side_finds_byte_kv_pages_once_the_workers_said_who_writes
     elsewhere.set_xfer_handshake_metadata({0: vllm_connector.KvstrataHandshake("FLASHINFER")})
     scheduler = elsewhere  # a deployment on another backend: Triton's pages are not its own
     assert matched("elsewhere") == 0
+
+
+def test_a_configured_writing_backend_needs_no_handshake(model_dir: Path, tmp_path: Path) -> None:
+    """Under a ``MultiConnector`` vLLM hands the scheduler only the first sub-connector's
+    handshake report, and another connector's (NIXL's) refuses any but its own: an operator
+    names the backend (``kv_backend``) instead. The scheduler side then keys by it from the
+    start, the workers check it against the backend they find and report nothing."""
+    init_none_hash(sha256)
+    store, named = tmp_path / "l3", {"kv_backend": "TRITON_ATTN"}
+    worker = fp8_worker(model_dir, store, "fp8_e4m3", "TRITON_ATTN", named)
+    assert worker.get_handshake_metadata() is None
+    side = worker.worker
+    assert side is not None and side.backend is not None
+    hasher = get_request_block_hasher(BLOCK, sha256)
+    sampling = SamplingParams(max_tokens=1, ignore_eos=True)
+    request = Request("r", prompt(2 * BLOCK + 1), sampling, None, None, block_hasher=hasher)
+    pages = [engine_page_hash(bytes(h), HashScheme.VLLM) for h in request.block_hashes]
+    assert side.backend.put(side.namespace, pages, [0, 1]) == [PutStatus.STORED] * 2
+    config, kv_config = fp8_config(model_dir, store, "fp8_e4m3", "TRITON_ATTN", named)
+    scheduler = KvstrataConnector(config, KVConnectorRole.SCHEDULER, kv_config)
+    assert scheduler.kv_backend == worker.kv_backend
+    for _ in range(60):
+        tokens, _load_async = scheduler.get_num_new_matched_tokens(request, 0)
+        if tokens is not None:
+            break
+        time.sleep(0.05)
+    assert tokens == 2 * BLOCK
+    with pytest.raises(ConfigError, match="but TRITON_ATTN writes the KV"):
+        fp8_worker(model_dir, store, "fp8_e4m3", "TRITON_ATTN", {"kv_backend": "FLASHINFER"})
+    with pytest.raises(ConfigError, match="kv_backend must be"):
+        fp8_worker(model_dir, store, "fp8_e4m3", "TRITON_ATTN", {"kv_backend": " "})

@@ -72,7 +72,7 @@ def main() -> None:
         worker = get_kv_transfer_group()
         report["loaded_pages"] = worker.loaded_pages
         report["kv_split"] = worker.worker.blocks.split  # found from vLLM's own layers
-        report["kv_backend"] = worker.get_handshake_metadata().kv_backend
+        report["kv_backend"] = worker.kv_backend
         scheduler = llm.llm_engine.engine_core.engine_core.scheduler.connector
         report["scheduler_kv_backend"] = scheduler.kv_backend  # from vLLM's handshake
         report["metrics"] = counters()

@@ -58,6 +58,7 @@ def test_served_through_the_connector_the_output_is_identical(
     assert through["second"] == plain  # loading from kvstrata changes nothing, to the last bit
     assert isinstance(through["loaded_pages"], int) and through["loaded_pages"] > 0
     assert through["kv_split"] == "cpu_vec"  # CPU_ATTN's vec kernel, found from its own layers
+    assert through["kv_backend"] == ""  # a KV kept as itself: keyed by no backend
     assert any((tmp_path / "l3").rglob("*"))  # the pages reached L3
     # kvstrata's counters as vLLM's own stats path carries them to Prometheus (family names)
     metrics = through["metrics"]
@@ -86,6 +87,6 @@ def test_fp8_kv_pages_one_engine_wrote_are_loaded_by_the_next(
     writer = serve(str(model_dir), "--connector", str(tmp_path / "l3"), *fp8)
     reader = serve(str(model_dir), "--connector", str(tmp_path / "l3"), *fp8)
     assert writer["first"] == reader["first"] == reader["second"] == plain
-    assert reader["kv_backend"] == reader["scheduler_kv_backend"] == "CPU_ATTN:vec"
+    assert reader["kv_backend"] == reader["scheduler_kv_backend"] == "CPU_ATTN:vec on float8_e4m3fn"
     first = reader["metrics_first"]
     assert isinstance(first, dict) and first["vllm:kvstrata_loaded_pages[l3]"] > 0, first
