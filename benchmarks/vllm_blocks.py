@@ -9,8 +9,14 @@ memcpy, what any copy of these bytes is bounded by. The views are built here the
 ``allocate_kv_cache`` builds them (one allocation in physical order, a logical view per layer), so
 the script needs no vLLM; the tests check the connector on vLLM's own views.
 
+With ``--device cuda`` the views live on the GPU, the host pool is pinned, the baseline is one
+contiguous device-to-host copy of the same bytes, and the connector's default on a device (pages
+staged on the device, one transfer per run of slots: ``STAGE_BYTES``) is measured against its
+view-to-view copies in the same run. ``--stage-mib N`` stages through N MiB on the CPU too (what
+the staged path costs where it brings nothing: an extra copy).
+
 Usage: python benchmarks/vllm_blocks.py [--layers 32 --heads 8 --head-dim 128 --block 16
-       --pages 32 --repeats 7 --scattered --split cell|cpu_vec]
+       --pages 32 --repeats 7 --scattered --split cell|cpu_vec --device cpu|cuda --stage-mib N]
 """
 
 from __future__ import annotations
@@ -52,25 +58,25 @@ class _Spec:
 
 
 def vllm_views(
-    order: tuple[int, ...], layers: int, blocks: int, spec: _Spec
+    order: tuple[int, ...], layers: int, blocks: int, spec: _Spec, device: str = "cpu"
 ) -> dict[str, torch.Tensor]:
     """One allocation in ``order``, viewed per layer as vLLM's logical ``[B, H, N, C]``."""
     logical = (layers, blocks, spec.num_heads, spec.block_size, 2 * spec.head_size)
-    physical = torch.randn([logical[d] for d in order]).to(spec.dtype)
+    physical = torch.randn([logical[d] for d in order], device=device).to(spec.dtype)
     view = physical.permute([order.index(d) for d in range(5)])  # back to logical order
     return {f"model.layers.{n}.self_attn.attn": view[n] for n in range(layers)}
 
 
 def copies(
-    views: BlockViews, host: HostKVPool, blocks: list[int], slots: list[int]
+    views: BlockViews, host: HostKVPool, blocks: list[int], slots: list[int], suffix: str = ""
 ) -> dict[str, Callable[[], object]]:
     """The connector's save and load calls. A tree before issue 20 part 20's direct copies has
     ``read`` / ``write`` (a staging tensor, then the host pool's ``write_pages`` /
     ``read_pages``): those are timed there, so one script measures both trees."""
     if hasattr(views, "save"):
         return {
-            "save": lambda: views.save(blocks, host, slots),
-            "load": lambda: views.load(host, slots, blocks),
+            "save" + suffix: lambda: views.save(blocks, host, slots),
+            "load" + suffix: lambda: views.load(host, slots, blocks),
         }
     old: Any = views
     return {
@@ -79,9 +85,11 @@ def copies(
     }
 
 
-def timed(fn: object) -> float:
+def timed(fn: object, device: str) -> float:
     start = time.perf_counter()
     fn()  # type: ignore[operator]
+    if device != "cpu":
+        torch.accelerator.synchronize()
     return time.perf_counter() - start
 
 
@@ -100,6 +108,10 @@ def main() -> None:
         default="cell",
         help="where K and V lie in a block: the GPU backends' (cell) or the CPU vec kernels'",
     )
+    parser.add_argument("--device", default="cpu", help="where vLLM's views live (cpu, cuda)")
+    parser.add_argument(
+        "--stage-mib", type=int, default=None, help="staging budget (default: the connector's)"
+    )
     args = parser.parse_args()
     torch.manual_seed(0)
     spec = _Spec(args.block, args.heads, args.head_dim, torch.bfloat16)
@@ -111,44 +123,57 @@ def main() -> None:
     else:
         blocks, slots = list(range(args.pages)), list(range(args.pages))
     nbytes = args.pages * shape.bytes_per_page
-    src = torch.randn(nbytes // 2).to(torch.bfloat16)
-    dst = torch.empty_like(src)
+    src = torch.randn(nbytes // 2, device=args.device).to(torch.bfloat16)
+    dst = torch.empty(nbytes // 2, dtype=torch.bfloat16, pin_memory=args.device != "cpu")
+    stage = None if args.stage_mib is None else args.stage_mib << 20
     print(
         f"{args.pages} pages of {shape.bytes_per_page / 2**20:.2f} MiB per call "
         f"({args.layers} layers, {args.heads} KV heads x {args.head_dim}, block {args.block}, "
         f"bfloat16, {'scattered' if args.scattered else 'ascending'} blocks and slots, "
-        f"{args.split} split); "
+        f"{args.split} split, views on {args.device}); "
         f"medians of {args.repeats}, ratio = memcpy seconds / connector seconds"
     )
-    print("| layout | memcpy GB/s | save GB/s | save ÷ memcpy | load GB/s | load ÷ memcpy |")
-    print("|---|---:|---:|---:|---:|---:|")
+    staged = hasattr(BlockViews, "save") and (stage or 0) + (args.device != "cpu") > 0
+    extra = " save, view to view | load, view to view |" if staged else ""
+    print(
+        f"| layout | memcpy GB/s | save GB/s | save ÷ memcpy | load GB/s | load ÷ memcpy |{extra}"
+    )
+    print("|---|---:|---:|---:|---:|---:|" + ("---:|---:|" if staged else ""))
     for name in SPLIT_LAYOUTS[args.split]:
-        order = LAYOUTS[name]
-        views = BlockViews(
-            vllm_views(order, args.layers, blocks_total, spec),
-            blocks_total,
-            shape,
-            heads,
-            head_size,
-            **({"split": args.split} if hasattr(BlockViews, "save") else {}),
-        )
+        caches = vllm_views(LAYOUTS[name], args.layers, blocks_total, spec, args.device)
         host = HostKVPool(shape, 2 * args.pages, "page_first_direct")
-        runs: dict[str, list[float]] = {"memcpy": [], "save": [], "load": []}
-        calls = {"memcpy": lambda: dst.copy_(src), **copies(views, host, blocks, slots)}
+
+        def views(stage_bytes: int | None) -> BlockViews:
+            options: dict[str, Any] = {"split": args.split}
+            if stage_bytes is not None:
+                options["stage_bytes"] = stage_bytes
+            if not hasattr(BlockViews, "save"):
+                options = {}
+            return BlockViews(caches, blocks_total, shape, heads, head_size, **options)  # noqa: B023
+
+        calls = {"memcpy": lambda: dst.copy_(src), **copies(views(stage), host, blocks, slots)}
+        if staged:
+            calls.update(copies(views(0), host, blocks, slots, " direct"))
+        runs: dict[str, list[float]] = {key: [] for key in calls}
         for what in calls.values():  # warm-up
             what()
         for repeat in range(args.repeats):
             names = list(calls)
-            names = names[repeat % 3 :] + names[: repeat % 3]  # each first in turn
+            names = (
+                names[repeat % len(names) :] + names[: repeat % len(names)]
+            )  # each first in turn
             for key in names:
-                runs[key].append(timed(calls[key]))
+                runs[key].append(timed(calls[key], args.device))
         median = {key: statistics.median(times) for key, times in runs.items()}
         gbs = {key: nbytes / seconds / 1e9 for key, seconds in median.items()}
-        print(
-            f"| {name} | {gbs['memcpy']:.2f} | {gbs['save']:.2f} | "
-            f"{median['memcpy'] / median['save']:.2f} | {gbs['load']:.2f} | "
-            f"{median['memcpy'] / median['load']:.2f} |"
-        )
+        cells = [f"{gbs['memcpy']:.2f}"]
+        for key in ("save", "load"):
+            cells += [f"{gbs[key]:.2f}", f"{median['memcpy'] / median[key]:.2f}"]
+        if staged:
+            cells += [
+                f"{median['memcpy'] / median[key + ' direct']:.2f}" for key in ("save", "load")
+            ]
+        print(f"| {name} | " + " | ".join(cells) + " |")
 
 
 if __name__ == "__main__":

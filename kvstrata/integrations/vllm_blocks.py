@@ -13,14 +13,15 @@ column-major in its vec kernels. A page is cut in **logical** order by its backe
 bytes a page holds do not depend on the backend, its physical layout or its kernel block size: MHA
 pages are two planes (K, V), each ``[H, N, D]`` of the block (:data:`PAGE_LAYOUT`, part of the
 keys), and MLA pages the block's ``[1, N, C]``. Pages go between vLLM's views and the host pool's
-pages directly (:meth:`BlockViews.save`, :meth:`BlockViews.load`): on the CPU view to view; from a
-device through the transfer torch makes.
+pages (:meth:`BlockViews.save`, :meth:`BlockViews.load`): on the CPU view to view; from a device
+through a staging tensor on the device in the host pool's own page order, so each run of slots is
+one contiguous transfer (pinned: an asynchronous DMA) instead of a pageable copy per layer.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 
@@ -29,7 +30,19 @@ from kvstrata.impl.pools.host import HostKVPool
 from kvstrata.impl.pools.shape import KVShape
 from kvstrata.model.keys import KVKind
 
-__all__ = ["KV_SPLITS", "PAGE_LAYOUT", "BlockViews", "kv_split", "page_geometry", "page_shape"]
+__all__ = [
+    "KV_SPLITS",
+    "PAGE_LAYOUT",
+    "STAGE_BYTES",
+    "BlockViews",
+    "kv_split",
+    "page_geometry",
+    "page_shape",
+]
+
+STAGE_BYTES = 64 << 20
+"""The staging tensor a :class:`BlockViews` on a device gathers pages in (bytes, rounded down to
+whole pages, at least one): one transfer per run of slots per chunk of this size."""
 
 PAGE_LAYOUT = "hnd"
 """The order of an MHA page's bytes (``EngineShard.kv_layout``): K, then V, each heads x tokens x
@@ -144,6 +157,7 @@ class BlockViews:
         *,
         split: str,
         gather_below: int | None = None,
+        stage_bytes: int | None = None,
     ) -> None:
         self.shape = shape
         self.num_blocks = num_blocks
@@ -156,28 +170,24 @@ class BlockViews:
         layer instead of one strided copy per run. Default: never on the CPU, where a strided copy
         per run measured faster even for single pages (docs/benchmarks.md, "vLLM connector
         copies"); 4 on a device, for one transfer per layer (not measured: no GPU)."""
+        budget = (0 if devices <= {"cpu"} else STAGE_BYTES) if stage_bytes is None else stage_bytes
+        self.stage_pages = max(1, budget // shape.bytes_per_page) if budget > 0 else 0
+        """Pages per transfer through :attr:`staging` (0: view to view, the CPU's default). On a
+        device: as many as :data:`STAGE_BYTES` holds, at least one."""
+        self.staging = torch.empty(
+            self.stage_pages * shape.bytes_per_page // shape.dtype.itemsize,
+            dtype=shape.dtype,
+            device=next(iter(caches.values())).device if caches else torch.device("cpu"),
+        )
+        """Where a staged copy gathers its pages on the views' device, in the host pool's native
+        page order; allocated once, at start (a device without room for it fails there)."""
         self.views: list[list[tuple[slice, torch.Tensor]]] = []  # per layer: (planes, view)
-        content = head_size * shape.planes
         for name in sorted(caches, key=_layer_order):
-            tensor = caches[name]
-            dims = list(tensor.shape)
-            if (
-                tensor.dtype != shape.dtype
-                or len(dims) != 4
-                or dims[0] % num_blocks
-                or dims[1] != heads
-                or dims[3] != content
-                or dims[2] * (dims[0] // num_blocks) != shape.page_size
-            ):
-                raise ConfigError(
-                    f"kvstrata: layer {name} {dims} {tensor.dtype} is not vLLM's [B, H, N, C] "
-                    f"view of {num_blocks} blocks of {shape.page_size} tokens, {heads} heads "
-                    f"and {content} values per token and head (vLLM >= 0.32)"
-                )
+            _check_view(name, caches[name], num_blocks, shape, heads=heads, head_size=head_size)
             self.views.append(
                 _planes(
                     name,
-                    tensor,
+                    caches[name],
                     num_blocks=num_blocks,
                     planes=shape.planes,
                     head_size=head_size,
@@ -189,8 +199,20 @@ class BlockViews:
 
     def save(self, blocks: Sequence[int], host: HostKVPool, slots: Sequence[int]) -> None:
         """Copy ``blocks`` into the host pool's pages ``slots`` (each distinct and in range,
-        paired in order; :class:`MisuseError` and no copy otherwise)."""
+        paired in order; :class:`MisuseError` and no copy otherwise). Done when it returns."""
         windows = _windows(blocks, slots, self.num_blocks, host.num_pages, self.gather_below)
+        if self.stage_pages:
+            for index, runs, staged in self._chunks(blocks, slots, host):
+                for rows, view in self._pairs(host, host.to_canonical(staged)):
+                    rows.copy_(view.index_select(1, index))
+                native = host.native()  # each (outer, run of slots) is contiguous on both sides
+                for at, first, count in runs:
+                    for outer in range(native.shape[0]):
+                        native[outer, first : first + count].copy_(
+                            staged[outer, at : at + count], non_blocking=True
+                        )
+            self._settle()
+            return
         for rows, view in self._pairs(host):
             for block, slot in windows:
                 rows[:, slot] = view[:, _on(block, view)].to(rows.device)
@@ -198,18 +220,62 @@ class BlockViews:
     def load(self, host: HostKVPool, slots: Sequence[int], blocks: Sequence[int]) -> None:
         """Copy the host pool's pages ``slots`` into ``blocks`` (as :meth:`save`, the other way)."""
         windows = _windows(blocks, slots, self.num_blocks, host.num_pages, self.gather_below)
+        if self.stage_pages:
+            for index, runs, staged in self._chunks(blocks, slots, host):
+                native = host.native()
+                for at, first, count in runs:
+                    for outer in range(native.shape[0]):
+                        staged[outer, at : at + count].copy_(
+                            native[outer, first : first + count], non_blocking=True
+                        )
+                for rows, view in self._pairs(host, host.to_canonical(staged)):
+                    view[:, index] = rows
+            self._settle()
+            return
         for rows, view in self._pairs(host):
             for block, slot in windows:
                 view[:, _on(block, view)] = rows[:, slot].to(view.device)
 
-    def _pairs(self, host: HostKVPool) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def _chunks(
+        self, blocks: Sequence[int], slots: Sequence[int], host: HostKVPool
+    ) -> Iterator[tuple[torch.Tensor, list[tuple[int, int, int]], torch.Tensor]]:
+        """The pairs (validated) in chunks of at most :attr:`stage_pages`: each chunk's blocks as
+        an index on the views' device, its runs of consecutive slots as ``(position in the
+        chunk, first slot, count)``, and :attr:`staging` as ``[outer, n, inner]`` pages in the
+        host pool's native order (``position`` there pairs with the run's slots)."""
+        for start in range(0, len(blocks), self.stage_pages):
+            chunk = [int(slot) for slot in slots[start : start + self.stage_pages]]
+            index = torch.tensor(
+                [int(block) for block in blocks[start : start + self.stage_pages]],
+                dtype=torch.int64,
+            ).to(self.staging.device)
+            runs: list[list[int]] = []
+            for at, slot in enumerate(chunk):
+                if runs and slot == runs[-1][1] + runs[-1][2]:
+                    runs[-1][2] += 1
+                else:
+                    runs.append([at, slot, 1])
+            size = len(chunk) * self.shape.bytes_per_page // self.shape.dtype.itemsize
+            staged = self.staging[:size].view(host.block_shape(len(chunk)))
+            yield index, [(at, slot, count) for at, slot, count in runs], staged
+
+    def _settle(self) -> None:
+        """Wait for the transfers queued on the views' device (a staged copy is done, and its
+        host pages hold their bytes, when :meth:`save` or :meth:`load` returns)."""
+        if self.staging.device.type != "cpu":
+            torch.accelerator.current_stream(self.staging.device).synchronize()
+
+    def _pairs(
+        self, host: HostKVPool, pages: torch.Tensor | None = None
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per layer and view of its blocks: the host pool's pages of the same planes,
-        ``[p, P, H, r, Nk, D]`` (a view of the pool: a write lands in it), and the view.
-        :class:`MisuseError` unless the pool holds this shape with a page's rows contiguous
-        (``page_first_direct``, ``layer_first``, ``page_major``)."""
+        ``[p, P, H, r, Nk, D]`` (a view of the pool, or of ``pages``, the canonical view of a
+        staged copy of its pages: a write lands in it), and the view. :class:`MisuseError` unless
+        the pool holds this shape with a page's rows contiguous (``page_first_direct``,
+        ``layer_first``, ``page_major``)."""
         if host.shape != self.shape:
             raise MisuseError(f"kvstrata: a host pool of {host.shape}, expected {self.shape}")
-        pages = host.canonical()  # [planes, L, P, page, 1, X]
+        pages = host.canonical() if pages is None else pages  # [planes, L, P, page, 1, X]
         try:  # view, never flatten or reshape: those copy where no view exists, and a copy
             # written into leaves the pool as it was
             return [
@@ -286,6 +352,28 @@ def _planes(
             f"kvstrata: layer {name}'s strides do not allow a {split} split"
         ) from error
     raise ConfigError(f"kvstrata: unknown K/V split {split!r}")
+
+
+def _check_view(
+    name: str, tensor: torch.Tensor, num_blocks: int, shape: KVShape, *, heads: int, head_size: int
+) -> None:
+    """:class:`ConfigError` unless ``tensor`` is vLLM's ``[B, H, N, C]`` view of ``num_blocks``
+    blocks of ``shape.page_size`` tokens, ``heads`` heads and a page's planes per token and head."""
+    dims = list(tensor.shape)
+    content = head_size * shape.planes
+    if (
+        tensor.dtype != shape.dtype
+        or len(dims) != 4
+        or dims[0] % num_blocks
+        or dims[1] != heads
+        or dims[3] != content
+        or dims[2] * (dims[0] // num_blocks) != shape.page_size
+    ):
+        raise ConfigError(
+            f"kvstrata: layer {name} {dims} {tensor.dtype} is not vLLM's [B, H, N, C] "
+            f"view of {num_blocks} blocks of {shape.page_size} tokens, {heads} heads "
+            f"and {content} values per token and head (vLLM >= 0.32)"
+        )
 
 
 def _layer_order(name: str) -> tuple[int, ...]:

@@ -1,9 +1,11 @@
 """vLLM's KV blocks and the connector's host pages, copied both ways (issue 20, part 20).
 
-:class:`~kvstrata.integrations.vllm_blocks.BlockViews` copies blocks of vLLM's per-layer ``[B, H,
-N, C]`` views into host pool pages (``save``) and back (``load``), view to view: one strided copy
-per run of consecutive blocks and slots, or (``gather_below``, drawn) a gather and a scatter per
-layer when runs are short. The views are built here as vLLM builds them (one allocation in a
+:class:`~kvstrata.integrations.vllm_blocks.BlockViews` copies blocks of vLLM's per-layer ``[B, H, N,
+C]`` views into host pool pages (``save``) and back (``load``), view to view: one strided copy per
+run of consecutive blocks and slots, or (``gather_below``, drawn) a gather and a scatter per layer
+when runs are short; or (``stage_pages``, drawn: a device's path, run here on the CPU) through a
+staging tensor in the host pool's native page order, chunk by chunk, one copy per run of slots. The
+host pool's layout is drawn too. The views are built here as vLLM builds them (one allocation in a
 physical order, a logical view per layer; kernel blocks of half a block where the order allows
 them), without vLLM; the engine tests check the same class on vLLM's own ``allocate_kv_cache``.
 
@@ -96,9 +98,17 @@ class VllmBlockCopies(RuleBasedStateMachine):
         kernel_split=st.sampled_from([1, 2]),
         kv_split=st.sampled_from(["cell", "cpu_vec"]),
         gather_below=st.sampled_from([0, 4]),  # strided copies per run only, or gathers too
+        stage_pages=st.sampled_from([0, 1, 3]),  # view to view, or staged in chunks of pages
+        layout=st.sampled_from(["page_first_direct", "page_major", "layer_first"]),
     )
-    def start(
-        self, order: tuple[int, ...], kernel_split: int, kv_split: str, gather_below: int
+    def start(  # noqa: PLR0917 (Hypothesis passes the draws by name)
+        self,
+        order: tuple[int, ...],
+        kernel_split: int,
+        kv_split: str,
+        gather_below: int,
+        stage_pages: int,
+        layout: str,
     ) -> None:
         if kv_split == "cpu_vec" and order not in HEAD_ORDERS:
             order = HEAD_ORDERS[0]
@@ -114,8 +124,10 @@ class VllmBlockCopies(RuleBasedStateMachine):
             head_size,
             split=kv_split,
             gather_below=gather_below,
+            stage_bytes=stage_pages * shape.bytes_per_page,
         )
-        self.host = HostKVPool(shape, SLOTS, "page_first_direct")
+        assert self.views.stage_pages == stage_pages
+        self.host = HostKVPool(shape, SLOTS, layout)
         self.host.canonical().zero_()
         self.block_ids = [0] * BLOCKS
         self.slot_ids = [0] * SLOTS
