@@ -42,7 +42,11 @@ __all__ = [
 
 STAGE_BYTES = 64 << 20
 """The staging tensor a :class:`BlockViews` on a device gathers pages in (bytes, rounded down to
-whole pages, at least one): one transfer per run of slots per chunk of this size."""
+whole pages, at least one), allocated once on the views' device: outside vLLM's own memory
+budget (its KV caches are allocated before the connector registers them), so it comes out of the
+headroom ``gpu_memory_utilization`` leaves. A chunk of this size moves as one copy per run of
+slots and per plane (the connector's ``page_first_direct`` pool; ``layer_first`` takes one per
+layer and plane)."""
 
 PAGE_LAYOUT = "hnd"
 """The order of an MHA page's bytes (``EngineShard.kv_layout``): K, then V, each heads x tokens x
@@ -65,7 +69,8 @@ keep K and V in a ``[B, H, N, C]`` block. ``cell``: each token's ``C`` is its K 
 (``split(head_size, dim=-1)``). ``cpu_vec``: each head's ``[N, C]`` is K then V (the CPU backend's
 ``view(B, H, 2N, D).chunk(2, dim=2)``), and its vec kernels store K column-major (``[D, N]``)
 and V row-major (``[N, D]``). A backend not listed (the CPU backend's AMX, NEON and other kernels,
-which pack K and V their own way; ROCm; b12x) is refused for MHA: its split is not known here."""
+which pack K and V their own way; the ROCm-only backends; b12x) is refused for MHA: its split is
+not known here. Triton on ROCm is listed (as ``TRITON_ATTN``); it ran on no ROCm machine here."""
 
 
 def kv_split(backends: set[str], mla: bool, where: str) -> str:
@@ -144,8 +149,10 @@ class BlockViews:
     holds the block's K (``p = 0``) or V as ``[H, N, D]``, cut by the backend's ``split``
     (:data:`KV_SPLITS`), whatever the strides; :meth:`save` then :meth:`load` of the same pairs
     is the identity on the blocks; layers are in model order (by the numbers in their names).
-    Copies go view to view: one strided copy per run of consecutive blocks and slots, a gather
-    and a scatter per layer when runs are shorter than :attr:`gather_below`."""
+    On the CPU copies go view to view: one strided copy per run of consecutive blocks and slots,
+    a gather and a scatter per layer when runs are shorter than :attr:`gather_below`. On a device
+    they go through :attr:`staging` (:attr:`stage_pages` at a time), in the host pool's native
+    page order, so each run of slots is one contiguous copy per plane."""
 
     def __init__(
         self,
@@ -169,7 +176,8 @@ class BlockViews:
         """Pairs per run (on average) under which a copy gathers all pairs in one indexed copy per
         layer instead of one strided copy per run. Default: never on the CPU, where a strided copy
         per run measured faster even for single pages (docs/benchmarks.md, "vLLM connector
-        copies"); 4 on a device, for one transfer per layer (not measured: no GPU)."""
+        copies"); 4 on a device, where it only applies with :attr:`stage_pages` 0 (the staged
+        default gathers every chunk)."""
         budget = (0 if devices <= {"cpu"} else STAGE_BYTES) if stage_bytes is None else stage_bytes
         self.stage_pages = max(1, budget // shape.bytes_per_page) if budget > 0 else 0
         """Pages per transfer through :attr:`staging` (0: view to view, the CPU's default). On a
@@ -243,12 +251,11 @@ class BlockViews:
         an index on the views' device, its runs of consecutive slots as ``(position in the
         chunk, first slot, count)``, and :attr:`staging` as ``[outer, n, inner]`` pages in the
         host pool's native order (``position`` there pairs with the run's slots)."""
+        every = torch.tensor([int(block) for block in blocks], dtype=torch.int64)
+        every = every.to(self.staging.device)  # one upload a call, not one a chunk (each waits)
         for start in range(0, len(blocks), self.stage_pages):
             chunk = [int(slot) for slot in slots[start : start + self.stage_pages]]
-            index = torch.tensor(
-                [int(block) for block in blocks[start : start + self.stage_pages]],
-                dtype=torch.int64,
-            ).to(self.staging.device)
+            index = every[start : start + self.stage_pages]
             runs: list[list[int]] = []
             for at, slot in enumerate(chunk):
                 if runs and slot == runs[-1][1] + runs[-1][2]:

@@ -105,6 +105,11 @@ def writing_backend(backends: set[str], dtype: object, configured: object, where
     same whichever backend wrote them. ``configured``: the backend the operator named (the
     ``kv_backend`` extra config), checked against the one found. :class:`ConfigError` for a
     byte-typed KV written by several backends, by none known, or by another than configured."""
+    if configured is not None and backends != {configured}:
+        raise ConfigError(
+            f"{where}: kv_backend is {configured!r}, but {sorted(backends) or 'no known backend'} "
+            "writes the KV"
+        )
     if not holds_bytes(dtype):
         return ""
     if len(backends) != 1:
@@ -113,10 +118,7 @@ def writing_backend(backends: set[str], dtype: object, configured: object, where
             f"{sorted(backends) or 'unknown'}: its pages are keyed by the one backend that writes "
             "them (set one attention backend)"
         )
-    found = next(iter(backends))
-    if configured is not None and configured != found:
-        raise ConfigError(f"{where}: kv_backend is {configured!r}, but {found} writes the KV")
-    return platform_writer(found)
+    return platform_writer(next(iter(backends)))
 
 
 def platform_writer(backend: str | None) -> str:

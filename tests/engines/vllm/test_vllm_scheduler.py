@@ -67,7 +67,7 @@ from kvstrata.impl.storage.base import GetStatus, PutStatus  # noqa: E402
 from kvstrata.integrations import vllm as vllm_connector  # noqa: E402
 from kvstrata.integrations.connector_worker import WorkerStats  # noqa: E402
 from kvstrata.integrations.vllm import KvstrataConnector  # noqa: E402
-from kvstrata.integrations.vllm_config import report_lag  # noqa: E402
+from kvstrata.integrations.vllm_config import platform_writer, report_lag  # noqa: E402
 from kvstrata.integrations.vllm_stats import KvstrataConnectorStats  # noqa: E402
 from kvstrata.model.engines import HashScheme, engine_page_hash  # noqa: E402
 from kvstrata.model.keys import PageHash  # noqa: E402
@@ -1249,7 +1249,9 @@ def test_the_scheduler_side_finds_byte_kv_pages_once_the_workers_said_who_writes
         )
     config, kv_config = fp8_config(model_dir, store, "fp8_e4m3", "FLASHINFER")
     elsewhere = KvstrataConnector(config, KVConnectorRole.SCHEDULER, kv_config)
-    elsewhere.set_xfer_handshake_metadata({0: vllm_connector.KvstrataHandshake("FLASHINFER")})
+    elsewhere.set_xfer_handshake_metadata(
+        {0: vllm_connector.KvstrataHandshake(platform_writer("FLASHINFER"))}
+    )
     scheduler = elsewhere  # a deployment on another backend: Triton's pages are not its own
     assert matched("elsewhere") == 0
 
@@ -1279,7 +1281,7 @@ def test_a_configured_writing_backend_needs_no_handshake(model_dir: Path, tmp_pa
             break
         time.sleep(0.05)
     assert tokens == 2 * BLOCK
-    with pytest.raises(ConfigError, match="but TRITON_ATTN writes the KV"):
+    with pytest.raises(ConfigError, match=r"but \['TRITON_ATTN'\] writes the KV"):
         fp8_worker(model_dir, store, "fp8_e4m3", "TRITON_ATTN", {"kv_backend": "FLASHINFER"})
     with pytest.raises(ConfigError, match="kv_backend must be"):
         fp8_worker(model_dir, store, "fp8_e4m3", "TRITON_ATTN", {"kv_backend": " "})

@@ -31,14 +31,17 @@ def caches(device: str) -> dict[str, torch.Tensor]:
     return {f"model.layers.{n}.self_attn.attn": view[n] for n in range(LAYERS)}
 
 
-def copied(device: str, stage_bytes: int | None) -> tuple[BlockViews, torch.Tensor, torch.Tensor]:
-    """The views on ``device``; the host pages after a save of :data:`BLOCK_PAIRS`; the views'
-    tensors after a load of those pages into other blocks (the pairs reversed)."""
+def copied(
+    device: str, stage_bytes: int | None, layout: str = "page_first_direct"
+) -> tuple[BlockViews, torch.Tensor, torch.Tensor]:
+    """The views on ``device``; the host pages (a ``layout`` pool) after a save of
+    :data:`BLOCK_PAIRS`; the views' tensors after a load of those pages into other blocks (the
+    pairs reversed)."""
     shape, heads, head_size = page_shape(_Spec(), LAYERS, False, "test")
     views = BlockViews(
         caches(device), BLOCKS, shape, heads, head_size, split="cell", stage_bytes=stage_bytes
     )
-    host = HostKVPool(shape, SLOTS, "page_first_direct")
+    host = HostKVPool(shape, SLOTS, layout)
     host.canonical().zero_()
     blocks, slots = BLOCK_PAIRS
     views.save(blocks, host, slots)
@@ -48,19 +51,30 @@ def copied(device: str, stage_bytes: int | None) -> tuple[BlockViews, torch.Tens
     return views, pages, loaded
 
 
-def test_a_staged_copy_moves_what_view_to_view_copies_move() -> None:
-    _views, direct_pages, direct_loaded = copied("cpu", 0)
+PAGE_BYTES = 2 * LAYERS * TOKENS * HEADS * HEAD * 2
+LAYOUTS = ["page_first_direct", "page_major", "layer_first"]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_a_staged_copy_moves_what_view_to_view_copies_move(layout: str) -> None:
+    _views, direct_pages, direct_loaded = copied("cpu", 0, layout)
     for stage in (1, 3, 64):  # a page per chunk, chunks that cut runs, one chunk
-        views, pages, loaded = copied("cpu", stage * 2 * LAYERS * TOKENS * HEADS * HEAD * 2)
+        views, pages, loaded = copied("cpu", stage * PAGE_BYTES, layout)
         assert views.stage_pages == stage
         assert torch.equal(pages, direct_pages) and torch.equal(loaded, direct_loaded)
     assert direct_pages.any()
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the device path)")
-def test_on_a_gpu_pages_are_staged_by_default_and_carry_the_same_bytes() -> None:
-    views, pages, loaded = copied("cuda", None)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_on_a_gpu_pages_are_staged_and_carry_the_cpu_paths_bytes(layout: str) -> None:
+    """The device default, and chunks of 1 and 3 pages (the staging tensor reused on the stream,
+    asynchronous copies to and from the pinned pool), against the CPU's view-to-view copies."""
+    views, pages, loaded = copied("cuda", None, layout)
     assert views.stage_pages == STAGE_BYTES // views.shape.bytes_per_page
     assert views.staging.device.type == "cuda"
-    _cpu, cpu_pages, cpu_loaded = copied("cpu", 0)
+    _cpu, cpu_pages, cpu_loaded = copied("cpu", 0, layout)
     assert torch.equal(pages, cpu_pages) and torch.equal(loaded, cpu_loaded)
+    for stage in (1, 3):
+        _views, pages, loaded = copied("cuda", stage * PAGE_BYTES, layout)
+        assert torch.equal(pages, cpu_pages) and torch.equal(loaded, cpu_loaded)
