@@ -31,6 +31,7 @@ import hypothesis.strategies as st
 import torch
 from hypothesis import event, settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from support.blocks import CanonicalBlocks
 from support.stages import LocalStagePipes
 
 from kvstrata.impl.pools.host import HostKVPool
@@ -67,23 +68,11 @@ def kv_of(pages: Sequence[PageHash]) -> torch.Tensor:
     )
 
 
-class EngineBlocks:
+class EngineBlocks(CanonicalBlocks):
     """The engine's paged KV: one canonical page per block."""
 
     def __init__(self) -> None:
-        self.kv = torch.zeros(2, SHAPE.layers, BLOCKS, PAGE, 1, SHAPE.head_dim)
-
-    def read(self, blocks: Sequence[int]) -> torch.Tensor:
-        return self.kv[:, :, list(blocks)].contiguous()
-
-    def write(self, blocks: Sequence[int], kv: torch.Tensor) -> None:
-        self.kv[:, :, list(blocks)] = kv
-
-    def save(self, blocks: Sequence[int], host: HostKVPool, slots: Sequence[int]) -> None:
-        host.write_pages(slots, self.read(blocks))
-
-    def load(self, host: HostKVPool, slots: Sequence[int], blocks: Sequence[int]) -> None:
-        self.write(blocks, host.read_pages(slots))
+        super().__init__(torch.zeros(2, SHAPE.layers, BLOCKS, PAGE, 1, SHAPE.head_dim))
 
     def compute(
         self,

@@ -11,12 +11,13 @@ import subprocess
 import sys
 import threading
 import types
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
 
 import pytest
 import torch
+from support.blocks import CanonicalBlocks
 from support.stages import LocalStagePipes
 
 from kvstrata.impl.errors import MisuseError
@@ -35,21 +36,9 @@ NAMESPACE = Namespace(extra_key="test")
 PAGES = [PageHash(hashlib.sha256(f"p{i}".encode()).digest()) for i in range(5)]
 
 
-class Blocks:
+class Blocks(CanonicalBlocks):
     def __init__(self, value: float) -> None:
-        self.kv = torch.full((2, 1, 16, PAGE, 1, 2), value)
-
-    def read(self, blocks: Sequence[int]) -> torch.Tensor:
-        return self.kv[:, :, list(blocks)].contiguous()
-
-    def write(self, blocks: Sequence[int], kv: torch.Tensor) -> None:
-        self.kv[:, :, list(blocks)] = kv
-
-    def save(self, blocks: Sequence[int], host: HostKVPool, slots: Sequence[int]) -> None:
-        host.write_pages(slots, self.read(blocks))
-
-    def load(self, host: HostKVPool, slots: Sequence[int], blocks: Sequence[int]) -> None:
-        self.write(blocks, host.read_pages(slots))
+        super().__init__(torch.full((2, 1, 16, PAGE, 1, 2), value))
 
 
 def _worker(rank: int, store: MemoryStore) -> ConnectorWorker:
