@@ -210,9 +210,10 @@ class BlockViews:
         paired in order; :class:`MisuseError` and no copy otherwise). Done when it returns."""
         windows = _windows(blocks, slots, self.num_blocks, host.num_pages, self.gather_below)
         if self.stage_pages:
-            for index, runs, staged in self._chunks(blocks, slots, host):
+            for gathers, runs, staged in self._chunks(blocks, slots, host):
                 for rows, view in self._pairs(host, host.to_canonical(staged)):
-                    rows.copy_(view.index_select(1, index))
+                    for block, place in gathers:
+                        rows[:, place] = view[:, block]
                 native = host.native()  # each (outer, run of slots) is contiguous on both sides
                 for at, first, count in runs:
                     for outer in range(native.shape[0]):
@@ -229,7 +230,7 @@ class BlockViews:
         """Copy the host pool's pages ``slots`` into ``blocks`` (as :meth:`save`, the other way)."""
         windows = _windows(blocks, slots, self.num_blocks, host.num_pages, self.gather_below)
         if self.stage_pages:
-            for index, runs, staged in self._chunks(blocks, slots, host):
+            for gathers, runs, staged in self._chunks(blocks, slots, host):
                 native = host.native()
                 for at, first, count in runs:
                     for outer in range(native.shape[0]):
@@ -237,7 +238,8 @@ class BlockViews:
                             native[outer, first : first + count], non_blocking=True
                         )
                 for rows, view in self._pairs(host, host.to_canonical(staged)):
-                    view[:, index] = rows
+                    for block, place in gathers:
+                        view[:, block] = rows[:, place]
             self._settle()
             return
         for rows, view in self._pairs(host):
@@ -246,16 +248,26 @@ class BlockViews:
 
     def _chunks(
         self, blocks: Sequence[int], slots: Sequence[int], host: HostKVPool
-    ) -> Iterator[tuple[torch.Tensor, list[tuple[int, int, int]], torch.Tensor]]:
-        """The pairs (validated) in chunks of at most :attr:`stage_pages`: each chunk's blocks as
-        an index on the views' device, its runs of consecutive slots as ``(position in the
-        chunk, first slot, count)``, and :attr:`staging` as ``[outer, n, inner]`` pages in the
-        host pool's native order (``position`` there pairs with the run's slots)."""
-        every = torch.tensor([int(block) for block in blocks], dtype=torch.int64)
-        every = every.to(self.staging.device)  # one upload a call, not one a chunk (each waits)
+    ) -> Iterator[tuple[list[tuple[Window, Window]], list[tuple[int, int, int]], torch.Tensor]]:
+        """The pairs in chunks of at most :attr:`stage_pages`. Per chunk: ``(blocks, positions)``
+        windows between the views and :attr:`staging` (:func:`_windows`: a slice pair per run of
+        consecutive blocks, or index tensors on the views' device when runs are shorter than
+        :attr:`gather_below`), the runs of consecutive slots as ``(position, first slot,
+        count)``, and :attr:`staging` as ``[outer, n, inner]`` pages in the host pool's native
+        order (page ``position`` there is the chunk's pair ``position``)."""
+        device = self.staging.device
         for start in range(0, len(blocks), self.stage_pages):
             chunk = [int(slot) for slot in slots[start : start + self.stage_pages]]
-            index = every[start : start + self.stage_pages]
+            gathers = [
+                (_to(block, device), _to(place, device))
+                for block, place in _windows(
+                    blocks[start : start + self.stage_pages],
+                    range(len(chunk)),
+                    self.num_blocks,
+                    len(chunk),
+                    self.gather_below,
+                )
+            ]
             runs: list[list[int]] = []
             for at, slot in enumerate(chunk):
                 if runs and slot == runs[-1][1] + runs[-1][2]:
@@ -264,7 +276,7 @@ class BlockViews:
                     runs.append([at, slot, 1])
             size = len(chunk) * self.shape.bytes_per_page // self.shape.dtype.itemsize
             staged = self.staging[:size].view(host.block_shape(len(chunk)))
-            yield index, [(at, slot, count) for at, slot, count in runs], staged
+            yield gathers, [(at, slot, count) for at, slot, count in runs], staged
 
     def _settle(self) -> None:
         """Wait for the transfers queued on the views' device (a staged copy is done, and its
@@ -302,6 +314,16 @@ Window = slice | torch.Tensor
 
 def _on(index: Window, tensor: torch.Tensor) -> Window:
     return index if isinstance(index, slice) else index.to(tensor.device)
+
+
+def _to(index: Window, device: torch.device) -> Window:
+    """``index`` on ``device``: from CUDA, through pinned memory without waiting (a blocking
+    upload would wait for everything queued on the stream)."""
+    if isinstance(index, slice) or device.type == "cpu":
+        return index
+    if device.type == "cuda":
+        return index.pin_memory().to(device, non_blocking=True)
+    return index.to(device)
 
 
 def _windows(
