@@ -28,9 +28,17 @@ def main() -> None:
     parser.add_argument("model_dir")
     parser.add_argument("--connector", help="the file store's directory (L3)")
     parser.add_argument("--kv-cache-dtype", default="auto")
+    parser.add_argument(
+        "--processes",
+        action="store_true",
+        help="vLLM's engine core and its worker in processes of their own (reports no objects)",
+    )
     args = parser.parse_args()
     model_dir, connector = args.model_dir, args.connector
     extra: dict[str, Any] = {"kv_cache_dtype": args.kv_cache_dtype}
+    if args.processes:
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
+        extra["distributed_executor_backend"] = "mp"
     if connector:
         extra["kv_transfer_config"] = {
             "kv_connector": "KvstrataConnector",
@@ -67,6 +75,10 @@ def main() -> None:
         report["metrics_first"] = counters()
         assert llm.reset_prefix_cache()
         report["second"] = run()
+        report["metrics"] = counters()
+        if args.processes:  # the connector's objects live in the other processes
+            print("REPORT " + json.dumps(report))
+            return
         from vllm.distributed.kv_transfer import get_kv_transfer_group  # noqa: PLC0415
 
         worker = get_kv_transfer_group()
@@ -75,7 +87,6 @@ def main() -> None:
         report["kv_backend"] = worker.kv_backend
         scheduler = llm.llm_engine.engine_core.engine_core.scheduler.connector
         report["scheduler_kv_backend"] = scheduler.kv_backend  # from vLLM's handshake
-        report["metrics"] = counters()
     print("REPORT " + json.dumps(report))
 
 

@@ -75,9 +75,10 @@ def test_fp8_kv_pages_one_engine_wrote_are_loaded_by_the_next(
 ) -> None:
     """A KV vLLM keeps as bytes (fp8) is keyed by the backend that writes it, which only the
     worker knows: the real engine's connector handshake tells the scheduler side, whose lookups
-    then find the pages an earlier engine wrote to L3 (issue 20, part 21). The second engine's
-    first run loads from L3 and its output is identical to the last bit to one without the
-    connector."""
+    then find the pages an earlier engine wrote to L3 (issue 20, part 21). The second engine runs
+    its engine core and its worker in processes of their own (the report crosses vLLM's
+    multiprocessing executor); its first run loads from L3, and both engines' outputs are
+    identical to the last bit to one without the connector."""
     import torch  # noqa: PLC0415
 
     if not torch.cpu._is_avx512_supported():  # vLLM's CPU fp8 KV needs AVX-512 or AMX
@@ -85,8 +86,8 @@ def test_fp8_kv_pages_one_engine_wrote_are_loaded_by_the_next(
     fp8 = ("--kv-cache-dtype", "fp8_e4m3")
     plain = serve(str(model_dir), *fp8)["first"]
     writer = serve(str(model_dir), "--connector", str(tmp_path / "l3"), *fp8)
-    reader = serve(str(model_dir), "--connector", str(tmp_path / "l3"), *fp8)
+    assert writer["kv_backend"] == writer["scheduler_kv_backend"] == "CPU_ATTN:vec on float8_e4m3fn"
+    reader = serve(str(model_dir), "--connector", str(tmp_path / "l3"), *fp8, "--processes")
     assert writer["first"] == reader["first"] == reader["second"] == plain
-    assert reader["kv_backend"] == reader["scheduler_kv_backend"] == "CPU_ATTN:vec on float8_e4m3fn"
     first = reader["metrics_first"]
     assert isinstance(first, dict) and first["vllm:kvstrata_loaded_pages[l3]"] > 0, first
