@@ -38,10 +38,12 @@ holds the behaviour (scheduler side: :class:`ConnectorIndex`; worker side: :clas
   own layers); the scheduler side's lookup asks for every rank's keys of every stage. The model's
   revision and weight quantization, when set, are part of its identity, and so is the cache dtype
   of a KV that vLLM keeps as bytes (every fp8 variant is ``uint8`` to vLLM:
-  :data:`~kvstrata.model.engines.BYTE_DTYPES`), and the page order (MHA).
+  :data:`~kvstrata.model.engines.BYTE_DTYPES`) with the attention backend that writes it (the
+  workers report it through vLLM's connector handshake, or ``kv_backend`` names it), and the page
+  order (MHA).
 
 Extra config: the store options of :mod:`kvstrata.integrations.store`, plus ``l2_pages`` (host pool
-pages for L2, default 1024) and ``staging_pages`` (L3 read slots, default 256).
+pages for L2, default 1024), ``staging_pages`` (L3 read slots, default 256) and ``kv_backend``.
 """
 
 from __future__ import annotations
@@ -100,8 +102,8 @@ class KvstrataConnectorMetadata(KVConnectorMetadata):  # type: ignore[misc]
 @attrs.frozen
 class KvstrataHandshake(KVConnectorHandshakeMetadata):  # type: ignore[misc]
     """What a worker tells the scheduler side once its KV caches are registered (vLLM's connector
-    handshake, before the first request): the backend that writes its KV
-    (:attr:`EngineShard.kv_backend`; ``""`` for a KV not kept as bytes)."""
+    handshake, before the first request), for a KV vLLM keeps as bytes when no ``kv_backend`` is
+    configured: the backend that writes it on this platform (:attr:`EngineShard.kv_backend`)."""
 
     kv_backend: str
 
