@@ -23,9 +23,11 @@ from __future__ import annotations
 import re
 from collections.abc import Iterator, Sequence
 
+import numpy as np
 import torch
 
 from kvstrata.impl.errors import ConfigError, MisuseError
+from kvstrata.impl.pools.copy import joint_runs
 from kvstrata.impl.pools.host import HostKVPool
 from kvstrata.impl.pools.shape import KVShape
 from kvstrata.model.keys import KVKind
@@ -268,15 +270,11 @@ class BlockViews:
                     self.gather_below,
                 )
             ]
-            runs: list[list[int]] = []
-            for at, slot in enumerate(chunk):
-                if runs and slot == runs[-1][1] + runs[-1][2]:
-                    runs[-1][2] += 1
-                else:
-                    runs.append([at, slot, 1])
+            places, firsts, counts = joint_runs(np.arange(len(chunk)), np.asarray(chunk, np.int64))
+            runs = list(zip(places.tolist(), firsts.tolist(), counts.tolist(), strict=True))
             size = len(chunk) * self.shape.bytes_per_page // self.shape.dtype.itemsize
             staged = self.staging[:size].view(host.block_shape(len(chunk)))
-            yield gathers, [(at, slot, count) for at, slot, count in runs], staged
+            yield gathers, runs, staged
 
     def _settle(self) -> None:
         """Wait for the transfers queued on the views' device (a staged copy is done, and its
@@ -342,16 +340,16 @@ def _windows(
             raise MisuseError(f"kvstrata: {name} must be distinct and in [0, {bound}): {values}")
     if len(blocks) != len(slots):
         raise MisuseError(f"kvstrata: {len(blocks)} blocks for {len(slots)} slots")
-    runs: list[list[int]] = []  # [first block, first slot, count]
-    for block, slot in zip(blocks, slots, strict=True):
-        if runs and block == runs[-1][0] + runs[-1][2] and slot == runs[-1][1] + runs[-1][2]:
-            runs[-1][2] += 1
-        else:
-            runs.append([block, slot, 1])
-    if len(runs) * gather_below > len(blocks):
+    if not blocks:
+        return []
+    firsts, starts, counts = joint_runs(np.asarray(blocks, np.int64), np.asarray(slots, np.int64))
+    if len(counts) * gather_below > len(blocks):
         as_index = [torch.tensor(values, dtype=torch.int64) for values in (blocks, slots)]
         return [(as_index[0], as_index[1])]
-    return [(slice(b, b + n), slice(s, s + n)) for b, s, n in runs]
+    return [
+        (slice(b, b + n), slice(s, s + n))
+        for b, s, n in zip(firsts.tolist(), starts.tolist(), counts.tolist(), strict=True)
+    ]
 
 
 def _planes(

@@ -85,10 +85,8 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-def kv_cache_config() -> KVCacheConfig:
-    spec = FullAttentionSpec(
-        block_size=BLOCK, num_kv_heads=HEADS, head_size=HEAD_DIM, dtype=torch.float32
-    )
+def kv_cache_config(dtype: torch.dtype = torch.float32) -> KVCacheConfig:
+    spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=HEADS, head_size=HEAD_DIM, dtype=dtype)
     return KVCacheConfig(
         num_blocks=NUM_BLOCKS,
         kv_cache_tensors=[],
@@ -312,13 +310,19 @@ def prompt(n: int, salt: int = 0) -> list[int]:
     return [(i * 7 + salt) % 500 + 1 for i in range(n)]
 
 
+def landed_match(connector: KvstrataConnector, request: Request) -> int:
+    """The tokens ``connector`` matches for ``request`` once its L3 lookup has landed."""
+    for _ in range(60):
+        tokens, _load_async = connector.get_num_new_matched_tokens(request, 0)
+        if tokens is not None:
+            return tokens
+        time.sleep(0.05)
+    raise AssertionError(f"{request.request_id}: the lookup never landed")
+
+
 def lookup_landed(rig: Rig, request_id: str) -> None:
     """Wait until the connector's L3 lookup of the request has landed."""
-    for _ in range(60):
-        if rig.connector.get_num_new_matched_tokens(rig.requests[request_id], 0)[0] is not None:
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"{request_id}: the lookup never landed")
+    landed_match(rig.connector, rig.requests[request_id])
 
 
 def lose_everything(root: Path) -> None:
@@ -1078,15 +1082,7 @@ def fp8_config(
     config.cache_config.cache_dtype = cache_dtype
     for name, value in model.items():
         setattr(config.model_config, name, value)
-    spec = FullAttentionSpec(
-        block_size=BLOCK, num_kv_heads=HEADS, head_size=HEAD_DIM, dtype=torch.uint8
-    )
-    kv_config = KVCacheConfig(
-        num_blocks=NUM_BLOCKS,
-        kv_cache_tensors=[],
-        kv_cache_groups=[KVCacheGroupSpec(["layers.0.attn"], spec)],
-    )
-    return config, kv_config
+    return config, kv_cache_config(torch.uint8)
 
 
 def fp8_worker(
@@ -1227,12 +1223,7 @@ def test_the_scheduler_side_finds_byte_kv_pages_once_the_workers_said_who_writes
     assert side.backend.put(side.namespace, pages, [0, 1]) == [PutStatus.STORED] * 2
 
     def matched(request_id: str) -> int:
-        for _ in range(60):
-            tokens, _load_async = scheduler.get_num_new_matched_tokens(request(request_id), 0)
-            if tokens is not None:
-                return tokens
-            time.sleep(0.05)
-        raise AssertionError(f"{request_id}: the lookup never landed")
+        return landed_match(scheduler, request(request_id))
 
     with caplog.at_level("WARNING", logger="kvstrata.integrations.vllm"):
         assert matched("before") == matched("before, again") == 0
@@ -1275,12 +1266,7 @@ def test_a_configured_writing_backend_needs_no_handshake(model_dir: Path, tmp_pa
     config, kv_config = fp8_config(model_dir, store, "fp8_e4m3", "TRITON_ATTN", named)
     scheduler = KvstrataConnector(config, KVConnectorRole.SCHEDULER, kv_config)
     assert scheduler.kv_backend == worker.kv_backend
-    for _ in range(60):
-        tokens, _load_async = scheduler.get_num_new_matched_tokens(request, 0)
-        if tokens is not None:
-            break
-        time.sleep(0.05)
-    assert tokens == 2 * BLOCK
+    assert landed_match(scheduler, request) == 2 * BLOCK
     with pytest.raises(ConfigError, match=r"but \['TRITON_ATTN'\] writes the KV"):
         fp8_worker(model_dir, store, "fp8_e4m3", "TRITON_ATTN", {"kv_backend": "FLASHINFER"})
     with pytest.raises(ConfigError, match="kv_backend must be"):
