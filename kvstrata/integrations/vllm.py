@@ -80,6 +80,7 @@ from kvstrata.integrations.vllm_config import (
     report_lag,
     writing_backend,
 )
+from kvstrata.integrations.vllm_groups import agree_least, group_rank, process_group
 from kvstrata.integrations.vllm_stats import KvstrataConnectorStats, KvstrataPromMetrics
 from kvstrata.model.engines import EngineShard, HashScheme, engine_page_hash, holds_bytes
 from kvstrata.model.keys import PageHash
@@ -338,8 +339,8 @@ class KvstrataConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
     # ------------------------------------------------------------------------------ worker side
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        tp_rank = _group_rank("tp") if self.tp_size > 1 else 0
-        pp_rank = _group_rank("pp") if self.pp_size > 1 else 0
+        tp_rank = group_rank("tp") if self.tp_size > 1 else 0
+        pp_rank = group_rank("pp") if self.pp_size > 1 else 0
         where = "kvstrata vLLM connector"
         backends = attention_backends(self._vllm_config, self.layer_names)
         split = kv_split(backends, self._template.mla, where)
@@ -356,7 +357,7 @@ class KvstrataConnector(KVConnectorBase_V1):  # type: ignore[misc]
         )
         self.worker = ConnectorWorker(host, backend, shard.namespace(), blocks)
         if self.pp_size > 1:
-            group = _group("pp")
+            group = process_group("pp")
             self._pipe = TorchStagePipe(group.cpu_group, group.ranks, int(group.rank_in_group))
 
     def get_handshake_metadata(self) -> KvstrataHandshake | None:
@@ -367,7 +368,7 @@ class KvstrataConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         if self.worker is not None and isinstance(meta, KvstrataConnectorMetadata):
-            agree = _agree_least if self.tp_size > 1 else None
+            agree = agree_least if self.tp_size > 1 else None
             self._failed |= self.worker.load(meta.plan, agree, self._pipe)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
@@ -424,25 +425,3 @@ class KvstrataConnector(KVConnectorBase_V1):  # type: ignore[misc]
         for _shard, backend in getattr(self, "_probes", []):
             if backend is not None:
                 backend.close()
-
-
-def _group(which: str) -> Any:
-    from vllm.distributed import parallel_state  # noqa: PLC0415
-
-    return parallel_state.get_tp_group() if which == "tp" else parallel_state.get_pp_group()
-
-
-def _group_rank(which: str) -> int:
-    """This worker's rank in vLLM's tensor-parallel (``"tp"``) or pipeline (``"pp"``) group."""
-    return int(_group(which).rank_in_group)
-
-
-def _agree_least(values: list[int]) -> list[int]:
-    """Each value's least over this worker's tensor-parallel group: the same plan reaches every
-    worker and the ranks of a stage run the step together, so each makes this call on the same
-    steps with the same length."""
-    import torch.distributed as dist  # noqa: PLC0415
-
-    tensor = torch.tensor(values, dtype=torch.int64)
-    dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=_group("tp").cpu_group)
-    return [int(value) for value in tensor.tolist()]
