@@ -22,7 +22,10 @@ Per request (:data:`~kvstrata.model.lifecycles.CONNECTOR_REQUEST`):
 - Saves: each step, every scheduled request's newly computed full pages that L2 does not hold are
   written to L2 (evicting the least recently used page when full) and backed up to L3. Pages the
   request *loaded* are never saved by it in that step (a failed load would otherwise be saved as if
-  it were good); they are already in L2 or L3.
+  it were good); they are already in L2 or L3. The worker may let a step's puts land behind the
+  step: this model's L3 is then the store once they landed, and ``backup_failed`` takes their
+  failures when they land (the worker's rule **C4**: a host slot is written only when no pending
+  put reads it; docs/model.md).
 - Failed backups (:meth:`ConnectorModel.backup_failed`): a page whose put failed (store down,
   full, timed out) stays in L2 and waits in ``unbacked``; the next step retries it first, before
   its own saves, while L2 still holds it (at most ``RETRY_PAGES`` a step, oldest first), so a short
