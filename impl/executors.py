@@ -7,7 +7,8 @@ the embedding cache's I/O).
   about to wait may run the queued jobs itself (:class:`Joinable`: no hand-off to the worker);
 - :class:`InlineExecutor`: every job at once on the submitting thread;
 - :class:`ManualExecutor`: nothing runs until a test says so (whole jobs, merged groups, or a
-  step of a job that has steps).
+  step of a job that has steps); :class:`ManualJoinableExecutor` also lets a caller that waits run
+  the queued jobs itself, as a :class:`ThreadExecutor`'s does.
 
 Every executor runs jobs in submission order; a merged group runs as one call of its first job
 (:meth:`Mergeable.run_merged`), which reports every member as if it had run alone.
@@ -28,6 +29,7 @@ __all__ = [
     "InlineExecutor",
     "Joinable",
     "ManualExecutor",
+    "ManualJoinableExecutor",
     "Mergeable",
     "Stepped",
     "ThreadExecutor",
@@ -369,3 +371,20 @@ class ManualExecutor:
 
     def close(self) -> None:
         self.run_all()
+
+
+class ManualJoinableExecutor(ManualExecutor):
+    """A :class:`ManualExecutor` that a waiting caller may drive (:class:`Joinable`): nothing runs
+    until a test says so *or* a caller waits for a job, which then runs the queued jobs itself, in
+    order, as with :meth:`ThreadExecutor.run_queued`. For tests of callers that wait for some jobs
+    and leave others in the background (the connector worker's L3 puts)."""
+
+    def run_queued(
+        self, timeout: float | None = None, until: Callable[[], bool] | None = None
+    ) -> int:
+        """Run the queued jobs in order until ``until()`` is true or none is left; how many ran
+        (``timeout`` is not needed: nothing else runs them)."""
+        ran = 0
+        while (until is None or not until()) and self.run_next():
+            ran += 1
+        return ran

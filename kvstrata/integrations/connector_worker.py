@@ -15,6 +15,12 @@ failed loads after it built the next plans (up to the index's ``lag``), whose sa
 over the same bad KV: the worker keeps each failure (``poisoned``) until a plan says it was
 reported (``Plan.reported_through``) and drops those saves too.
 
+The store calls run on a :class:`~kvstrata.integrations.connector_backup.BackupLane`: with a
+thread executor a save's puts land behind the step (the copies into L2 slots do not), a slot a
+pending put reads is written only once the put landed (C4), a load's L3 reads run behind the
+queued puts, and outcomes (a failed put waits in ``unbacked``) are applied on this worker's
+thread at its next load, save, stats or flush.
+
 Pipeline parallelism (a :class:`StagePipe`): a stage computes its layers from the hidden states of
 the stages before it, so an earlier stage's failed load makes a later stage's pages of that step
 wrong too (not the other way round: a stage's KV depends on its own layers and the ones before).
@@ -35,9 +41,11 @@ import attrs
 import torch
 
 from kvstrata.impl.errors import InvariantViolation, MisuseError
+from kvstrata.impl.executors import Executor, InlineExecutor
 from kvstrata.impl.pools.host import HostKVPool
 from kvstrata.impl.storage.base import GetStatus, PutStatus, StorageBackend
 from kvstrata.integrations.connector import NO_FAILURE, NO_SLOT, PageMove, Plan
+from kvstrata.integrations.connector_backup import BackupLane
 from kvstrata.model.connector import RETRY_PAGES, PageSource
 from kvstrata.model.keys import Namespace, PageHash
 
@@ -151,21 +159,30 @@ class ConnectorWorker:
         backend: StorageBackend | None,
         namespace: Namespace,
         blocks: BlockIO,
+        executor: Executor | None = None,
     ) -> None:
+        """``executor`` runs the store calls (:class:`BackupLane`): an :class:`InlineExecutor`
+        (the default) makes every save wait for its puts; a :class:`ThreadExecutor` lets them
+        land behind the step."""
         self.host, self.backend, self.namespace, self.blocks = host, backend, namespace, blocks
+        self.lane: BackupLane | None = None
         if backend is not None:
             backend.attach(host)
+            self.lane = BackupLane(backend, namespace, executor or InlineExecutor())
         self.written: dict[int, PageHash] = {}
         self.loaded_pages = 0
         #: failed loads not reported yet (plan number, failed blocks, each request's first failed
         #: page): a plan made before the report saves nothing computed over them
         self.poisoned: list[tuple[int, frozenset[int], dict[str, int]]] = []
         self.unbacked: dict[int, PageHash] = {}  # slot -> its page, whose backup put failed
-        self.failed_puts: list[PageHash] = []  # the pages whose put failed in the last save
+        self.failed_puts: list[PageHash] = []  # pages whose failed put was applied since the last
+        # save began (with an InlineExecutor: the pages whose put failed in the last save)
         self.stats = WorkerStats()
 
     def take_stats(self) -> WorkerStats:
-        """The stats since the last call (the worker starts counting again from zero)."""
+        """The stats since the last call (the worker starts counting again from zero), with the
+        puts that landed by now."""
+        self._apply_landed()
         stats, self.stats = self.stats, WorkerStats()
         return stats
 
@@ -181,6 +198,7 @@ class ConnectorWorker:
         (``NO_FAILURE`` if none) and returns the least over the ranks; every rank then fails
         from there, so no rank saves a page computed over another rank's failed load. ``pipe``
         (pipeline parallel) takes them to the later stages (see the module docstring)."""
+        self._apply_landed()
         fetched = [(moves, self._fetch(moves)) for _request_id, moves in plan.loads]
         cuts = [
             moves[ok.index(False)].index if False in ok else NO_FAILURE for moves, ok in fetched
@@ -227,11 +245,9 @@ class ConnectorWorker:
         remote = [k for k, move in enumerate(moves) if ok[k] and move.source is PageSource.L3]
         if remote:
             started = time.perf_counter()
-            statuses = (
-                self.backend.get(
-                    self.namespace, [moves[k].page for k in remote], [moves[k].slot for k in remote]
-                )
-                if self.backend is not None
+            statuses = (  # behind every put queued before it, which may read these slots (C4)
+                self.lane.get([moves[k].page for k in remote], [moves[k].slot for k in remote])
+                if self.lane is not None
                 else [GetStatus.FAILED] * len(remote)
             )
             self.stats.l3_read_seconds += time.perf_counter() - started
@@ -251,6 +267,7 @@ class ConnectorWorker:
             if earlier:
                 self._poison(plan, [min(cuts) for cuts in zip(*earlier, strict=True)])
         self.failed_puts = []
+        self._apply_landed()
         waiting = [(s, p) for s, p in self.unbacked.items() if self.written.get(s) == p]
         self.unbacked = dict(waiting[RETRY_PAGES:])
         if waiting[:RETRY_PAGES]:
@@ -279,8 +296,9 @@ class ConnectorWorker:
             for move in batch
             if move.index < cuts.get(request_id, NO_FAILURE) and move.block not in bad_blocks
         ]
-        # a full L2 reuses a slot within one plan: each run of distinct slots is written and backed
-        # up before the next run overwrites any of them (else L3 would get the later page's bytes)
+        # a full L2 reuses a slot within one plan: each run of distinct slots is written and its
+        # put queued; a run overwrites a slot only once the put reading it landed (else L3 would
+        # get the later page's bytes), and so does a later save
         while moves:
             seen: set[int] = set()
             run = []
@@ -290,6 +308,9 @@ class ConnectorWorker:
                 seen.add(move.slot)
                 run.append(move)
             moves = moves[len(run) :]
+            if self.lane is not None:  # C4: no put still reads a slot this run overwrites
+                self.lane.settle([m.slot for m in run])
+                self._apply_landed()
             self.blocks.save([m.block for m in run], self.host, [m.slot for m in run])
             self.stats.saved_pages += len(run)
             for move in run:
@@ -298,11 +319,26 @@ class ConnectorWorker:
             self._put([m.page for m in run], [m.slot for m in run])
 
     def _put(self, pages: Sequence[PageHash], slots: Sequence[int]) -> None:
-        if self.backend is None:
-            return
-        started = time.perf_counter()
-        statuses = self.backend.put(self.namespace, pages, slots)
-        self.stats.l3_write_seconds += time.perf_counter() - started
+        if self.lane is not None:
+            self.lane.put(pages, slots)
+            self._apply_landed()  # an InlineExecutor's put has landed already
+
+    def flush(self) -> None:
+        """Wait for every put queued so far and apply its outcome (tests; before a shutdown)."""
+        if self.lane is not None:
+            self.lane.flush()
+            self._apply_landed()
+
+    def _apply_landed(self) -> None:
+        """Apply the puts that landed: a page whose put failed waits in ``unbacked`` (while its
+        slot holds it: the slot was not written since, C4)."""
+        for put in self.lane.landed() if self.lane is not None else ():
+            self.stats.l3_write_seconds += put.seconds
+            self._count_put(put.pages, put.slots, put.statuses)
+
+    def _count_put(
+        self, pages: Sequence[PageHash], slots: Sequence[int], statuses: Sequence[PutStatus]
+    ) -> None:
         for page, slot, status in zip(pages, slots, statuses, strict=True):
             if not status.ok:
                 self.unbacked[slot] = page
@@ -314,5 +350,10 @@ class ConnectorWorker:
                 self.stats.l3_written_bytes += self.host.shape.bytes_per_page
 
     def close(self) -> None:
+        """Let every queued put land (the store keeps what this worker saved), then close the
+        executor and the store."""
+        if self.lane is not None:
+            self.lane.close()
+            self._apply_landed()
         if self.backend is not None:
             self.backend.close()

@@ -13,7 +13,10 @@ Bytes: every page a load reports good is compared with the KV its page hash name
 page the model says L3 holds (read back from the store after every step) and every L2 slot the
 worker says it wrote; a failed load must report the page and every later page of its request. Small
 L2 (4 pages) and staging (3 slots)
-keep eviction, slot reuse within one plan and staging exhaustion frequent.
+keep eviction, slot reuse within one plan and staging exhaustion frequent. The workers' puts queue
+(a :class:`ManualJoinableExecutor`) until the step's end, or until a run of the same save
+overwrites a slot one of them reads; ``test_connector_backup.py`` leaves them pending across
+steps.
 
 :class:`PipelineConnectorDifferential` runs the same with two pipeline stages, each with its own
 engine blocks, worker and store, joined by in-process stage pipes: a stage computes a page right
@@ -34,6 +37,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from support.blocks import CanonicalBlocks
 from support.stages import LocalStagePipes
 
+from kvstrata.impl.executors import ManualJoinableExecutor
 from kvstrata.impl.pools.host import HostKVPool
 from kvstrata.impl.pools.shape import KVShape
 from kvstrata.impl.storage.base import GetStatus
@@ -115,6 +119,7 @@ class ConnectorDifferential(RuleBasedStateMachine):
                 MemoryBackend(KEYS, store=probe.store),
                 NAMESPACE,
                 engine,
+                ManualJoinableExecutor(),  # puts queue until the step's end or a slot reuse
             )
             for probe, engine in zip(self.probes, self.engines, strict=True)
         ]
@@ -356,6 +361,7 @@ class ConnectorDifferential(RuleBasedStateMachine):
     def _save(self, plan: Plan) -> None:
         for stage, worker in enumerate(self.workers):
             worker.save(plan, self._pipe(stage))
+            worker.flush()  # the step's puts land (they queue while its runs reuse slots: C4)
         if self.pipes is not None:
             assert self.pipes.empty(), "a stage sent a plan's loads that no later stage took"
         if self.worker.failed_puts:
