@@ -18,7 +18,9 @@ holds the behaviour (scheduler side: :class:`ConnectorIndex`; worker side: :clas
   to compute. Loads are synchronous (done before the forward that needs them).
 - Worker side: ``start_load_kv`` reads the step's planned pages (L3 into staging slots, L2 slots
   checked against what they hold) into vLLM's blocks; ``wait_for_save`` copies newly computed full
-  blocks into L2 and backs them up to L3. A page that fails to load is reported through
+  blocks into L2 and queues their backup to L3, which lands behind the step on a thread of the
+  worker's own (a slot is written again only once the put reading it landed; the L3 reads of a
+  later load run behind the puts). A page that fails to load is reported through
   ``get_block_ids_with_load_errors`` with every later page of its request, never served: run vLLM
   with ``kv_load_failure_policy: recompute``. No worker saves a page its request computed in the
   step of a failed load (it attends over bad KV); with tensor parallelism the workers first agree
@@ -43,7 +45,8 @@ holds the behaviour (scheduler side: :class:`ConnectorIndex`; worker side: :clas
   order (MHA).
 
 Extra config: the store options of :mod:`kvstrata.integrations.store`, plus ``l2_pages`` (host pool
-pages for L2, default 1024), ``staging_pages`` (L3 read slots, default 256) and ``kv_backend``.
+pages for L2, default 1024), ``staging_pages`` (L3 read slots, default 256), ``kv_backend`` and
+``async_backup`` (default true; false: each ``wait_for_save`` waits for its puts).
 """
 
 from __future__ import annotations
@@ -73,7 +76,9 @@ from kvstrata.integrations.vllm_config import (
     agreed_backend,
     attention_backends,
     backend_option,
+    backup_executor,
     count_option,
+    flag_option,
     kv_format,
     model_weights,
     platform_writer,
@@ -90,7 +95,8 @@ __all__ = ["KvstrataConnector", "KvstrataConnectorMetadata", "KvstrataHandshake"
 
 _log = logging.getLogger(__name__)
 
-_OWN = frozenset({"l2_pages", "staging_pages", "kv_backend"})
+_OWN = frozenset({"l2_pages", "staging_pages", "kv_backend", "async_backup"})
+_WHERE = "kvstrata vLLM connector"  # how errors name this connector
 
 
 class KvstrataConnectorMetadata(KVConnectorMetadata):  # type: ignore[misc]
@@ -114,15 +120,15 @@ class KvstrataConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
-        where = "kvstrata vLLM connector"
         extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
-        self.options = StoreOptions.parse(extra, where=where, own=_OWN)
+        self.options = StoreOptions.parse(extra, where=_WHERE, own=_OWN)
         self.l2_pages = count_option(extra, "l2_pages", 1024)
         self.staging_pages = count_option(extra, "staging_pages", 256)
+        self.async_backup = flag_option(extra, "async_backup", True, _WHERE)
         groups = kv_cache_config.kv_cache_groups
         if len(groups) != 1:
             raise ConfigError(
-                f"{where}: one KV cache group expected (hybrid models are not supported yet)"
+                f"{_WHERE}: one KV cache group expected (hybrid models are not supported yet)"
             )
         spec = groups[0].kv_cache_spec
         self.block_size = int(spec.block_size)
@@ -130,13 +136,13 @@ class KvstrataConnector(KVConnectorBase_V1):  # type: ignore[misc]
         mla = bool(vllm_config.model_config.use_mla)
         self.layer_names = list(groups[0].layer_names)
         self.shape, self.heads, self.head_size = page_shape(
-            spec, len(groups[0].layer_names), mla, where
+            spec, len(groups[0].layer_names), mla, _WHERE
         )
         parallel = vllm_config.parallel_config
         self.tp_size = int(parallel.tensor_parallel_size)
         self.pp_size = int(parallel.pipeline_parallel_size)
         self.lag = report_lag(vllm_config, self.pp_size)
-        self._configured = backend_option(extra, where)
+        self._configured = backend_option(extra, _WHERE)
         self._template = EngineShard(
             HashScheme.VLLM,
             model_name=str(vllm_config.model_config.model),
@@ -148,7 +154,7 @@ class KvstrataConnector(KVConnectorBase_V1):  # type: ignore[misc]
             tag=self.options.tag,
             tenant=self.options.tenant,
             key_schema=self.options.key_schema,
-            kv_format=kv_format(spec.dtype, vllm_config.cache_config.cache_dtype, where),
+            kv_format=kv_format(spec.dtype, vllm_config.cache_config.cache_dtype, _WHERE),
             weights=model_weights(vllm_config.model_config),
             kv_layout="" if mla else PAGE_LAYOUT,
             # a KV kept as bytes is keyed by its writing backend: configured, or workers report it
@@ -320,9 +326,8 @@ class KvstrataConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._take_handshake(list(metadata.values()))
 
     def _take_handshake(self, reports: list[Any]) -> None:
-        where = "kvstrata vLLM connector"
         ours = [report.kv_backend for report in reports if isinstance(report, KvstrataHandshake)]
-        backend = agreed_backend(ours, where)
+        backend = agreed_backend(ours, _WHERE)
         if backend is None or (not self._backend_unknown and backend == self._template.kv_backend):
             return
         self._template = attrs.evolve(self._template, kv_backend=backend)
@@ -341,10 +346,9 @@ class KvstrataConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         tp_rank = group_rank("tp") if self.tp_size > 1 else 0
         pp_rank = group_rank("pp") if self.pp_size > 1 else 0
-        where = "kvstrata vLLM connector"
         backends = attention_backends(self._vllm_config, self.layer_names)
-        split = kv_split(backends, self._template.mla, where)
-        writer = writing_backend(backends, self._template.dtype, self._configured, where)
+        split = kv_split(backends, self._template.mla, _WHERE)
+        writer = writing_backend(backends, self._template.dtype, self._configured, _WHERE)
         self._template = attrs.evolve(self._template, kv_backend=writer)
         shard = self._shard(tp_rank, pp_rank)
         if writer and self._configured is None:  # the scheduler side learns it from this report
@@ -355,7 +359,8 @@ class KvstrataConnector(KVConnectorBase_V1):  # type: ignore[misc]
         blocks = BlockViews(  # a layer that reuses another's KV (an alias) is not a layer here
             caches, self.num_blocks, self.shape, self.heads, self.head_size, split=split
         )
-        self.worker = ConnectorWorker(host, backend, shard.namespace(), blocks)
+        lane = backup_executor(self.async_backup and backend is not None)
+        self.worker = ConnectorWorker(host, backend, shard.namespace(), blocks, lane)
         if self.pp_size > 1:
             group = process_group("pp")
             self._pipe = TorchStagePipe(group.cpu_group, group.ranks, int(group.rank_in_group))

@@ -1,8 +1,9 @@
 """What the vLLM connector reads from vLLM's config, beyond what the store options say: its own
-counts (``l2_pages``, ``staging_pages``), the engine identity of its pages (the KV format of a KV
-vLLM keeps as bytes, what fixes the model's weights: :class:`~kvstrata.model.engines.EngineShard`)
-and how far vLLM plans ahead of its reports. Pure functions of the config; no vLLM import but the
-platform's fp8 type, looked up when a byte-typed KV needs it."""
+counts (``l2_pages``, ``staging_pages``) and flags (``async_backup``), the engine identity of its
+pages (the KV format of a KV vLLM keeps as bytes, what fixes the model's weights:
+:class:`~kvstrata.model.engines.EngineShard`) and how far vLLM plans ahead of its reports. Pure
+functions of the config; no vLLM import but the platform's fp8 type, looked up when a byte-typed
+KV needs it."""
 
 from __future__ import annotations
 
@@ -11,13 +12,16 @@ from typing import Any
 import torch
 
 from kvstrata.impl.errors import ConfigError
+from kvstrata.impl.executors import Executor, ThreadExecutor
 from kvstrata.model.engines import engine_kv_format, engine_weights, holds_bytes
 
 __all__ = [
     "agreed_backend",
     "attention_backends",
+    "backup_executor",
     "backend_option",
     "count_option",
+    "flag_option",
     "kv_format",
     "model_weights",
     "platform_writer",
@@ -149,3 +153,18 @@ def backend_option(extra: dict[str, Any], where: str) -> str | None:
     if value is not None and (not isinstance(value, str) or not value.strip()):
         raise ConfigError(f"{where}: kv_backend must be an attention backend's name, got {value!r}")
     return value
+
+
+def flag_option(extra: dict[str, Any], key: str, default: bool, where: str) -> bool:
+    """The extra config's ``key``, a bool (``default`` when absent); :class:`ConfigError`."""
+    value = extra.get(key, default)
+    if not isinstance(value, bool):
+        raise ConfigError(f"{where}: key {key!r} expects true or false, got {value!r}")
+    return value
+
+
+def backup_executor(behind_step: bool) -> Executor | None:
+    """Where a worker's store calls run (``async_backup``): a thread of its own, so a step's puts
+    land behind it and ``wait_for_save`` returns once the bytes are in L2 (the default); ``None``:
+    each save waits for its puts, as before."""
+    return ThreadExecutor("kvstrata-l3") if behind_step else None

@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import pickle
+import threading
 import time
 from concurrent.futures import Future
 from pathlib import Path
@@ -63,8 +64,10 @@ from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 from vllm.v1.worker.utils import allocate_kv_cache  # noqa: E402
 
 from kvstrata.impl.errors import ConfigError  # noqa: E402
+from kvstrata.impl.executors import InlineExecutor, ThreadExecutor  # noqa: E402
 from kvstrata.impl.storage.base import GetStatus, PutStatus  # noqa: E402
 from kvstrata.integrations import vllm as vllm_connector  # noqa: E402
+from kvstrata.integrations import vllm_groups  # noqa: E402
 from kvstrata.integrations.connector_worker import WorkerStats  # noqa: E402
 from kvstrata.integrations.vllm import KvstrataConnector  # noqa: E402
 from kvstrata.integrations.vllm_config import platform_writer, report_lag  # noqa: E402
@@ -239,6 +242,7 @@ class Rig:
         self.failed |= invalid
         chunks = self.compute(out, self.kv, every_block)
         self.worker.wait_for_save()
+        land_puts(self.worker)
         self.worker.clear_connector_metadata()
         return invalid, chunks
 
@@ -297,6 +301,15 @@ class Rig:
         for output in outputs.values():
             if output.scheduler_stats is not None and output.scheduler_stats.kv_connector_stats:
                 self.stats.append(output.scheduler_stats.kv_connector_stats)
+
+
+def land_puts(connector: KvstrataConnector) -> None:
+    """The step's L3 puts land before the test looks at the store or asks a lookup (vLLM lets them
+    land behind the next step: ``async_backup``, on by default; tests/stateful/
+    test_connector_backup.py leaves them pending across steps, and the CPU engine tests run them
+    behind real steps)."""
+    assert connector.worker is not None
+    connector.worker.flush()
 
 
 def content(block_hash: bytes) -> torch.Tensor:
@@ -925,11 +938,14 @@ class PipelineRig(Rig):
         budget: int = 1024,
     ) -> None:
         pipes, building = LocalStagePipes(2), [0]
-        monkeypatch.setattr(
-            vllm_connector,
-            "_group",
-            lambda which: SimpleNamespace(rank_in_group=building[0], cpu_group=None, ranks=[0, 1]),
-        )
+        for module in (vllm_connector, vllm_groups):  # the name vllm.py imported, and its own
+            monkeypatch.setattr(
+                module,
+                "process_group",
+                lambda which: SimpleNamespace(
+                    rank_in_group=building[0], cpu_group=None, ranks=[0, 1]
+                ),
+            )
         monkeypatch.setattr(
             vllm_connector, "TorchStagePipe", lambda group, ranks, stage: pipes.pipe(stage)
         )
@@ -955,6 +971,7 @@ class PipelineRig(Rig):
             upstream = self.kvs[stage - 1] if stage else None
             chunks = self.compute(out, kv, every_block, upstream)
             worker.wait_for_save()
+            land_puts(worker)
             worker.clear_connector_metadata()
         self.failed |= invalid
         return invalid, chunks
@@ -1271,3 +1288,50 @@ def test_a_configured_writing_backend_needs_no_handshake(model_dir: Path, tmp_pa
         fp8_worker(model_dir, store, "fp8_e4m3", "TRITON_ATTN", {"kv_backend": "FLASHINFER"})
     with pytest.raises(ConfigError, match="kv_backend must be"):
         fp8_worker(model_dir, store, "fp8_e4m3", "TRITON_ATTN", {"kv_backend": " "})
+
+
+def test_a_steps_backup_lands_behind_it_unless_async_backup_is_off(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    """``wait_for_save`` returns once the step's blocks are in L2: the put to L3 runs on the
+    worker's own thread (here held back by a store that cannot answer yet) and lands later, when
+    the next step needs its slots, a flush, or shutdown. ``async_backup: false`` waits for it, as
+    before; anything but a bool is refused."""
+    rig = Rig(model_dir, {"store": "file", "path": str(tmp_path / "l3"), "l2_pages": 16})
+    side = rig.worker.worker
+    assert side is not None and side.lane is not None and side.backend is not None
+    assert isinstance(side.lane.executor, ThreadExecutor)
+    gate, put = threading.Event(), side.backend.put
+
+    def held_put(*args: Any) -> list[PutStatus]:
+        assert gate.wait(10), "the test never let the store answer"
+        return put(*args)
+
+    side.lane.backend = SimpleNamespace(put=held_put, get=side.backend.get)  # type: ignore[assignment]
+    request = rig.add("a", prompt(2 * BLOCK + 1))
+    for _ in range(200):  # the lookup lands, then "a" is scheduled and its pages saved
+        out = rig.scheduler.schedule()
+        if out.scheduled_new_reqs:
+            break
+        rig.report(out, set(), set())
+        time.sleep(0.01)
+    rig.worker.bind_connector_metadata(out.kv_connector_metadata)
+    rig.worker.start_load_kv(None)
+    rig.compute(out, rig.kv, every_block=True)
+    rig.worker.wait_for_save()  # returns with the put held in the store
+    assert side.lane.pinned and side.backend.exists(side.namespace, [page_of(request, 0)]) == 0
+    gate.set()
+    side.flush()
+    pages = [page_of(request, index) for index in range(2)]
+    assert side.backend.exists(side.namespace, pages) == 2 and not side.lane.pinned
+    rig.worker.shutdown()
+    sync = Rig(model_dir, {"store": "file", "path": str(tmp_path / "l3b"), "async_backup": False})
+    assert sync.worker.worker is not None and sync.worker.worker.lane is not None
+    assert isinstance(sync.worker.worker.lane.executor, InlineExecutor)
+    with pytest.raises(ConfigError, match="'async_backup' expects true or false"):
+        Rig(model_dir, {"store": "file", "path": str(tmp_path / "l3c"), "async_backup": "yes"})
+
+
+def page_of(request: Request, index: int) -> PageHash:
+    """The kvstrata page of a request's block ``index``."""
+    return engine_page_hash(bytes(request.block_hashes[index]), HashScheme.VLLM)
