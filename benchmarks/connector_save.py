@@ -27,7 +27,7 @@ Prints per side the median over repetitions of the time per step and of the save
 Exit status: 0 when everything ran; 2 when the cluster cannot be started here.
 
 Usage: python benchmarks/connector_save.py [--page-kib 1024] [--pages 32] [--forward-ms 20]
-    [--steps 12] [--repeats 7] [--cpu-forward] [--json PATH]
+    [--steps 8] [--repeats 7] [--cpu-forward] [--json PATH]
 """
 
 from __future__ import annotations
@@ -192,7 +192,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--pages", type=int, default=32, help="new full blocks saved per step")
     parser.add_argument("--forward-ms", type=float, default=20.0, help="the forward of a step")
     parser.add_argument("--cpu-forward", action="store_true", help="a forward of CPU work")
-    parser.add_argument("--steps", type=int, default=12, help="steps per repetition")
+    parser.add_argument("--steps", type=int, default=8, help="steps per repetition")
     parser.add_argument("--repeats", type=int, default=7, help="repetitions per side")
     parser.add_argument("--l2-steps", type=int, default=4, help="L2 slots, in steps' saves")
     parser.add_argument("--blocks", type=int, default=64, help="the engine's blocks")

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import logging
 import queue
-import threading
 import time
 from collections.abc import Callable, Sequence
 
@@ -65,21 +64,23 @@ class BackupLane:
             )
         self.backend, self.namespace, self.executor = backend, namespace, executor
         self._results: queue.SimpleQueue[tuple[int, LandedPut]] = queue.SimpleQueue()
-        self._reading: dict[int, int] = {}  # slot -> the newest pending put that reads it
-        self._pending: set[int] = set()  # puts queued or running, not applied by landed()
+        self._arrived: dict[int, LandedPut] = {}  # results taken off the queue, not handed out
+        self._reading: dict[int, tuple[int, PageHash]] = {}  # slot -> newest pending put, page
+        self._pending: set[int] = set()  # puts queued or running, not handed out by landed()
         self._landed: set[int] = set()  # puts whose result is queued (added on the I/O side)
         self._next = 0
         self._closed = False
 
     @property
     def pending(self) -> int:
-        """Puts not applied yet (queued, running, or landed and waiting for :meth:`landed`)."""
+        """Puts not handed out yet (queued, running, or landed and waiting for :meth:`landed`)."""
         return len(self._pending)
 
     @property
-    def pinned(self) -> frozenset[int]:
-        """The slots a put not applied yet reads (not to be written before :meth:`settle`)."""
-        return frozenset(self._reading)
+    def pinned(self) -> dict[int, PageHash]:
+        """Each slot a put not handed out yet reads, with the page that put stores from it (the
+        slot must hold that page's bytes until :meth:`settle`)."""
+        return {slot: page for slot, (_number, page) in self._reading.items()}
 
     def put(self, pages: Sequence[PageHash], slots: Sequence[int]) -> None:
         """Queue one put of ``pages`` from host ``slots`` (pinned until it lands)."""
@@ -88,15 +89,11 @@ class BackupLane:
             return
         number, self._next = self._next, self._next + 1
         self._pending.add(number)
-        for slot in slots:
-            self._reading[slot] = number
+        for slot, page in zip(slots, pages, strict=True):
+            self._reading[slot] = (number, page)
         pages, slots = tuple(pages), tuple(slots)
-        backend, namespace, results, landed = (
-            self.backend,
-            self.namespace,
-            self._results,
-            self._landed,
-        )
+        backend, namespace = self.backend, self.namespace
+        results, landed = self._results, self._landed
 
         def job() -> None:
             statuses: tuple[PutStatus, ...] = (PutStatus.FAILED,) * len(pages)
@@ -107,55 +104,53 @@ class BackupLane:
                 log.exception("kvstrata connector: an L3 put raised")
             finally:  # also for an interrupt on a caller's thread: never left pending
                 seconds = time.perf_counter() - started
-                landed.add(number)
+                landed.add(number)  # before the result: a waiter that sees it takes the result
                 results.put((number, LandedPut(pages, slots, statuses, seconds)))
 
         self.executor.submit(job)
 
-    def get(self, pages: Sequence[PageHash], slots: Sequence[int]) -> list[GetStatus]:
-        """Read ``pages`` into host ``slots`` now: after every put queued before it (C4), on this
-        thread where the executor lets a waiter run the queue; one status per page."""
+    def get(self, pages: Sequence[PageHash], slots: Sequence[int]) -> tuple[list[GetStatus], float]:
+        """Read ``pages`` into host ``slots`` now, after every put queued before it (one thread
+        drives the store), on this thread where the executor lets a waiter run the queue; one
+        status per page, and the seconds of the store call itself (not the wait for the puts)."""
         self._check_open()
-        box: list[list[GetStatus]] = []
-        done = threading.Event()
+        box: list[tuple[list[GetStatus], float]] = []
         backend, namespace = self.backend, self.namespace
 
         def job() -> None:
             statuses = [GetStatus.FAILED] * len(pages)
+            started = time.perf_counter()
             try:
                 statuses = list(backend.get(namespace, pages, slots))
             except Exception:
                 log.exception("kvstrata connector: an L3 get raised")
             finally:
-                box.append(statuses)
-                done.set()
+                box.append((statuses, time.perf_counter() - started))
 
         self.executor.submit(job)
-        self._wait_for(done.is_set)
+        self._wait_for(lambda: bool(box))
         return box[0]
 
     def settle(self, slots: Sequence[int]) -> None:
-        """Wait until no put reading any of ``slots`` is pending (before they are written)."""
-        numbers = {self._reading[slot] for slot in slots if slot in self._reading}
-        landed = self._landed
-        if numbers and not numbers <= landed:
-            self._wait_for(lambda: numbers <= landed)
+        """Wait until every put reading any of ``slots`` has landed and its outcome is ready for
+        :meth:`landed` (before those slots are written)."""
+        self._collect({self._reading[slot][0] for slot in slots if slot in self._reading})
 
     def flush(self) -> None:
-        """Wait until every put queued so far has landed."""
-        numbers, landed = set(self._pending), self._landed
-        if not numbers <= landed:
-            self._wait_for(lambda: numbers <= landed)
+        """Wait until every put queued so far has landed and its outcome is ready."""
+        self._collect(set(self._pending))
 
     def landed(self) -> list[LandedPut]:
-        """The puts that landed since the last call, oldest first; their slots are free to write
-        once no later put reads them. Called on the worker's thread only."""
+        """The puts that landed since the last call, in the order they were queued; their slots
+        are free to write once no later put reads them. Called on the worker's thread only."""
+        self._take(block=False)
         out = []
-        for number, put in drain(self._results):
+        for number in sorted(self._arrived):
+            put = self._arrived.pop(number)
             self._pending.discard(number)
             self._landed.discard(number)
             for slot in put.slots:
-                if self._reading.get(slot) == number:
+                if self._reading.get(slot, (None,))[0] == number:
                     del self._reading[slot]
             out.append(put)
         return out
@@ -172,9 +167,31 @@ class BackupLane:
         if self._closed:
             raise CacheClosed("BackupLane: the connector worker was closed")
 
+    def _collect(self, numbers: set[int]) -> None:
+        """Run or wait for the queued calls until the puts ``numbers`` landed, then take their
+        results off the queue (each is queued right after its put is marked landed)."""
+        numbers -= self._arrived.keys()
+        if not numbers:
+            return
+        landed = self._landed
+        self._wait_for(lambda: numbers <= landed)
+        while not numbers <= self._arrived.keys():
+            self._take(block=True)
+
+    def _take(self, *, block: bool) -> None:
+        """Move results off the queue into ``_arrived`` (one, waiting, if ``block``; else all)."""
+        if block:
+            number, put = self._results.get()
+            self._arrived[number] = put
+        for number, put in drain(self._results):
+            self._arrived[number] = put
+
     def _wait_for(self, condition: Callable[[], bool]) -> None:
-        """Run or wait for the queued calls until ``condition()`` holds (an executor's worker may
-        be running them: then poll its progress with a short sleep)."""
+        """Run or wait for the queued calls until ``condition()`` holds (the executor's worker
+        may be running the one it needs: then poll its progress with a short sleep). Everything
+        queued lands before :meth:`close` returns, so nothing is waited for after it."""
+        if self._closed:
+            return
         if isinstance(self.executor, Joinable):
             self.executor.run_queued(until=condition)
         while not condition():  # the worker took the job: it lands soon

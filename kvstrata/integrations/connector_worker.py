@@ -33,7 +33,6 @@ message was sent before it is awaited (no collective: the stages never wait for 
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
@@ -244,13 +243,12 @@ class ConnectorWorker:
         ]
         remote = [k for k, move in enumerate(moves) if ok[k] and move.source is PageSource.L3]
         if remote:
-            started = time.perf_counter()
-            statuses = (  # behind every put queued before it, which may read these slots (C4)
+            statuses, seconds = (  # behind the queued puts: one thread drives the store
                 self.lane.get([moves[k].page for k in remote], [moves[k].slot for k in remote])
                 if self.lane is not None
-                else [GetStatus.FAILED] * len(remote)
+                else ([GetStatus.FAILED] * len(remote), 0.0)
             )
-            self.stats.l3_read_seconds += time.perf_counter() - started
+            self.stats.l3_read_seconds += seconds
             for k, status in zip(remote, statuses, strict=True):
                 ok[k] = status is GetStatus.LOADED
                 self.stats.l3_read_bytes += self.host.shape.bytes_per_page * ok[k]
@@ -267,13 +265,7 @@ class ConnectorWorker:
             if earlier:
                 self._poison(plan, [min(cuts) for cuts in zip(*earlier, strict=True)])
         self.failed_puts = []
-        self._apply_landed()
-        waiting = [(s, p) for s, p in self.unbacked.items() if self.written.get(s) == p]
-        self.unbacked = dict(waiting[RETRY_PAGES:])
-        if waiting[:RETRY_PAGES]:
-            self._put(
-                [p for _s, p in waiting[:RETRY_PAGES]], [s for s, _p in waiting[:RETRY_PAGES]]
-            )
+        self._retry(plan)
         moves = [move for _rid, batch in plan.saves for move in batch]
         for move in moves:
             self.written.pop(move.slot, None)  # the slot is being reused
@@ -317,6 +309,19 @@ class ConnectorWorker:
                 self.written[move.slot] = move.page
                 self.unbacked.pop(move.slot, None)  # the slot holds another page now
             self._put([m.page for m in run], [m.slot for m in run])
+
+    def _retry(self, plan: Plan) -> None:
+        """Put again the pages whose backup failed (their slots still hold them; at most
+        ``RETRY_PAGES``, oldest first), once the puts still reading ``plan``'s slots landed: a
+        put that failed after this save began is put again before its slot is reused, as when
+        every save waited for its puts."""
+        if self.lane is not None:
+            self.lane.settle([move.slot for _rid, batch in plan.saves for move in batch])
+        self._apply_landed()
+        waiting = [(s, p) for s, p in self.unbacked.items() if self.written.get(s) == p]
+        retried, self.unbacked = waiting[:RETRY_PAGES], dict(waiting[RETRY_PAGES:])
+        if retried:
+            self._put([p for _s, p in retried], [s for s, _p in retried])
 
     def _put(self, pages: Sequence[PageHash], slots: Sequence[int]) -> None:
         if self.lane is not None:

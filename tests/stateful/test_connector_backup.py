@@ -88,8 +88,8 @@ class ConnectorBackup(RuleBasedStateMachine):
             st.lists(st.integers(0, L2_SLOTS - 1), min_size=len(pages), max_size=len(pages)),
             label="slots",
         )
-        pinned = self.worker.lane.pinned if self.worker.lane is not None else frozenset()
-        if pinned & set(slots):
+        pinned = self.worker.lane.pinned if self.worker.lane is not None else {}
+        if pinned.keys() & set(slots):
             event("a save overwrites a slot a queued put reads")
         moves = tuple(
             PageMove(k, page, slot, PAGES.index(page))
@@ -130,8 +130,9 @@ class ConnectorBackup(RuleBasedStateMachine):
         """Every queued put lands: each page an L2 slot holds is stored, waits for a retry, or was
         lost since it was last put."""
         self.worker.flush()
-        for slot, page in self.worker.written.items():
-            if page in self.lost or self.worker.unbacked.get(slot) == page:
+        waiting = set(self.worker.unbacked.values())  # a page may sit in two slots
+        for page in self.worker.written.values():
+            if page in self.lost or page in waiting:
                 continue
             assert self._stored(page) is not None, "a saved page neither stored nor retried"
 
@@ -142,9 +143,9 @@ class ConnectorBackup(RuleBasedStateMachine):
             assert got is None or torch.equal(got, kv_of(page)), "L3 has another page's bytes"
         lane = self.worker.lane
         assert lane is not None
-        for slot in lane.pinned:  # C4: a slot a queued put reads holds the page it was put with
-            page = self.worker.written[slot]  # written with it, and not written since
-            assert torch.equal(self.worker.host.read_pages([slot]), kv_of(page))
+        for slot, page in lane.pinned.items():  # C4: a slot a pending put reads still holds
+            held = self.worker.host.read_pages([slot])  # the page that put stores from it
+            assert torch.equal(held, kv_of(page)), "a slot written under a pending put"
         for slot, page in self.worker.written.items():
             assert torch.equal(self.worker.host.read_pages([slot]), kv_of(page))
 

@@ -13,7 +13,12 @@ import torch
 from support.blocks import CanonicalBlocks
 
 from kvstrata.impl.errors import CacheClosed, MisuseError
-from kvstrata.impl.executors import InlineExecutor, ManualExecutor, ThreadExecutor
+from kvstrata.impl.executors import (
+    InlineExecutor,
+    ManualExecutor,
+    ManualJoinableExecutor,
+    ThreadExecutor,
+)
 from kvstrata.impl.pools.host import HostKVPool
 from kvstrata.impl.pools.shape import KVShape
 from kvstrata.impl.storage.base import GetStatus, PutStatus
@@ -92,12 +97,12 @@ def test_a_save_returns_while_its_put_is_in_flight_and_the_put_lands_later() -> 
         worker.save(_save(3))  # returns although the put cannot finish
         assert backend.entered.wait(10)
         assert _held(store, PAGES[:3]) == 0
-        assert worker.lane is not None and worker.lane.pinned == {0, 1, 2}
+        assert worker.lane is not None and worker.lane.pinned == dict(enumerate(PAGES[:3]))
         assert worker.take_stats().backed_up_pages == 0  # not landed: nothing counted yet
         backend.gate.set()
         worker.flush()
         assert _held(store, PAGES[:3]) == 3
-        assert worker.lane.pinned == frozenset()
+        assert worker.lane.pinned == {}
         stats = worker.take_stats()
         assert (stats.backed_up_pages, stats.failed_backup_pages) == (3, 0)
         assert stats.l3_write_seconds > 0
@@ -178,3 +183,35 @@ def test_a_loads_l3_read_waits_for_the_puts_queued_before_it() -> None:
     finally:
         backend.gate.set()
         worker.close()
+
+
+class FailsFirstPut(MemoryBackend):
+    """A memory backend whose first put fails (a store that timed out once)."""
+
+    def __init__(self, store: MemoryStore) -> None:
+        super().__init__(KEYS, store=store)
+        self.puts = 0
+
+    def put(
+        self, namespace: Namespace, pages: Sequence[PageHash], host_indices: Sequence[int]
+    ) -> list[PutStatus]:
+        self.puts += 1
+        if self.puts == 1:
+            return [PutStatus.FAILED] * len(pages)
+        return super().put(namespace, pages, host_indices)
+
+
+def test_a_put_failing_after_the_next_save_began_is_put_again_before_its_slot_is_reused() -> None:
+    """The review's find: page A's put is still queued when the next save hands A's slot to page
+    B, and then fails. The save waits for the puts reading its slots before it picks the pages to
+    put again, so A is put again (and stored) before B overwrites it, as when every save waited
+    for its puts; otherwise A would leave L2 without ever reaching L3."""
+    store = MemoryStore()
+    io = ManualJoinableExecutor()
+    worker = _worker(FailsFirstPut(store), io)
+    worker.save(Plan(saves=(("r", (PageMove(0, PAGES[0], 0, 0),)),), number=1))
+    assert io.jobs  # A's put is queued, not run
+    worker.save(Plan(saves=(("r", (PageMove(0, PAGES[1], 0, 1),)),), number=2, reported_through=1))
+    worker.flush()
+    assert _held(store, PAGES[:1]) == 1 and _held(store, PAGES[1:2]) == 1
+    assert worker.failed_puts == [PAGES[0]] and worker.unbacked == {}
