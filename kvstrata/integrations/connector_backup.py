@@ -85,13 +85,15 @@ class BackupLane:
     def put(self, pages: Sequence[PageHash], slots: Sequence[int]) -> None:
         """Queue one put of ``pages`` from host ``slots`` (pinned until it lands)."""
         self._check_open()
+        pages, slots = tuple(pages), tuple(slots)
+        if len(pages) != len(slots):
+            raise MisuseError(f"BackupLane.put: {len(pages)} pages for {len(slots)} slots")
         if not pages:
             return
         number, self._next = self._next, self._next + 1
         self._pending.add(number)
         for slot, page in zip(slots, pages, strict=True):
             self._reading[slot] = (number, page)
-        pages, slots = tuple(pages), tuple(slots)
         backend, namespace = self.backend, self.namespace
         results, landed = self._results, self._landed
 
@@ -104,8 +106,10 @@ class BackupLane:
                 log.exception("kvstrata connector: an L3 put raised")
             finally:  # also for an interrupt on a caller's thread: never left pending
                 seconds = time.perf_counter() - started
-                landed.add(number)  # before the result: a waiter that sees it takes the result
-                results.put((number, LandedPut(pages, slots, statuses, seconds)))
+                try:  # the result first: a waiter that sees the mark takes it off the queue
+                    results.put((number, LandedPut(pages, slots, statuses, seconds)))
+                finally:
+                    landed.add(number)
 
         self.executor.submit(job)
 
@@ -153,6 +157,8 @@ class BackupLane:
                 if self._reading.get(slot, (None,))[0] == number:
                     del self._reading[slot]
             out.append(put)
+        if len(self._landed) > len(self._pending):  # a mark added after its result was taken
+            self._landed.intersection_update(self._pending)
         return out
 
     def close(self) -> None:

@@ -268,7 +268,8 @@ class ConnectorWorker:
         self._retry(plan)
         moves = [move for _rid, batch in plan.saves for move in batch]
         for move in moves:
-            self.written.pop(move.slot, None)  # the slot is being reused
+            self.written.pop(move.slot, None)  # the slot is being reused: its page leaves L2
+            self.unbacked.pop(move.slot, None)  # (a save cut below included), as in the model
         # a request whose load failed (this step, or one not reported when this plan was made),
         # or that attends over a block such a load failed to fill, computed over bad KV
         self._forget_reported(plan)
@@ -346,7 +347,8 @@ class ConnectorWorker:
     ) -> None:
         for page, slot, status in zip(pages, slots, statuses, strict=True):
             if not status.ok:
-                self.unbacked[slot] = page
+                if self.written.get(slot) == page:  # waits for a retry while L2 holds it
+                    self.unbacked[slot] = page
                 self.failed_puts.append(page)
                 self.stats.failed_backup_pages += 1
             else:  # stored, found there, or (replicated KV) another rank's duty: no bytes moved

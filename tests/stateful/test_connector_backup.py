@@ -13,12 +13,16 @@ content-addressed key keeps its first bytes: the stale-offset bug); every slot a
 still holds the page it was written with (C4); every L2 slot holds the page the worker says it
 wrote; a load reported good put the page's own bytes into the engine's block. And once every put
 landed: each page an L2 slot holds is in the store, waits in ``unbacked`` for a retry, or was lost
-by the store since it was last put.
+by the store since it was last put; and a page that leaves L2 (its slot reused) is in the store
+unless a put of it, or its retry before the reuse, failed meanwhile (``next_put_fails`` makes one
+put fail, so a late failure is put again, and must land, before its slot is reused).
 """
 
 from __future__ import annotations
 
+import collections
 import hashlib
+from collections.abc import Sequence
 
 import hypothesis.strategies as st
 import torch
@@ -29,7 +33,7 @@ from support.blocks import CanonicalBlocks
 from kvstrata.impl.executors import ManualJoinableExecutor
 from kvstrata.impl.pools.host import HostKVPool
 from kvstrata.impl.pools.shape import KVShape
-from kvstrata.impl.storage.base import GetStatus
+from kvstrata.impl.storage.base import GetStatus, PutStatus
 from kvstrata.impl.storage.memory import MemoryBackend, MemoryStore
 from kvstrata.integrations.connector import PageMove, Plan
 from kvstrata.integrations.connector_worker import ConnectorWorker
@@ -44,6 +48,32 @@ PAGES = [PageHash(hashlib.sha256(f"backup/{i}".encode()).digest()) for i in rang
 SCRATCH = len(PAGES)  # the engine block a load writes into
 
 
+class FlakyBackend(MemoryBackend):
+    """A memory backend whose next ``fail_next`` puts fail (a store that timed out), besides
+    ``down``; ``failures`` counts each page's failed puts (the machine resets a page's count
+    when it saves the page again)."""
+
+    def __init__(self, store: MemoryStore) -> None:
+        super().__init__(KEYS, store=store)
+        self.fail_next = 0
+        self.failures: collections.Counter[PageHash] = collections.Counter()
+
+    def put(
+        self, namespace: Namespace, pages: Sequence[PageHash], host_indices: Sequence[int]
+    ) -> list[PutStatus]:
+        statuses = [PutStatus.FAILED] * len(pages)
+        try:
+            if self.fail_next:
+                self.fail_next -= 1
+            else:
+                statuses = super().put(namespace, pages, host_indices)  # raises while down
+        finally:
+            self.failures.update(
+                page for page, status in zip(pages, statuses, strict=True) if not status.ok
+            )
+        return statuses
+
+
 def kv_of(page: PageHash) -> torch.Tensor:
     """The canonical KV of one page, ``[2, L, 1, page, H, D]``, bytes derived from its hash."""
     values = torch.frombuffer(bytearray(page.digest), dtype=torch.int16).float()
@@ -56,7 +86,7 @@ class ConnectorBackup(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         store = MemoryStore()
-        self.backend = MemoryBackend(KEYS, store=store)
+        self.backend = FlakyBackend(store)
         self.io = ManualJoinableExecutor()
         blocks = torch.zeros(2, SHAPE.layers, len(PAGES) + 1, PAGE, 1, SHAPE.head_dim)
         for block, page in enumerate(PAGES):  # block b holds page b, computed once
@@ -81,9 +111,12 @@ class ConnectorBackup(RuleBasedStateMachine):
 
     @rule(data=st.data())
     def save(self, data: st.DataObject) -> None:
-        """One plan's saves: distinct pages into L2 slots, a slot possibly named twice (a full L2
-        in one plan) or holding a page whose put is still queued."""
-        pages = data.draw(st.lists(st.sampled_from(PAGES), min_size=1, max_size=4, unique=True))
+        """One plan's saves: distinct pages L2 does not hold (as the index plans them) into L2
+        slots, a slot possibly named twice (a full L2 in one plan) or holding a page whose put is
+        still queued."""
+        in_l2 = set(self.worker.written.values())
+        fresh = [page for page in PAGES if page not in in_l2]  # 4 slots: at least 4 of 8 pages
+        pages = data.draw(st.lists(st.sampled_from(fresh), min_size=1, max_size=4, unique=True))
         slots = data.draw(
             st.lists(st.integers(0, L2_SLOTS - 1), min_size=len(pages), max_size=len(pages)),
             label="slots",
@@ -95,7 +128,16 @@ class ConnectorBackup(RuleBasedStateMachine):
             PageMove(k, page, slot, PAGES.index(page))
             for k, (page, slot) in enumerate(zip(pages, slots, strict=True))
         )
+        before = dict(self.worker.written)
+        for page in pages:  # a new put of each: count its failures afresh
+            self.backend.failures[page] = 0
         self.worker.save(self._plan(saves=(("r", moves),)))
+        held = set(self.worker.written.values())
+        for slot in set(slots) & before.keys():  # a page leaving L2 reached L3, unless its put
+            page = before[slot]  # and the retry before its slot was reused both failed
+            if page in held or page in self.lost or self.backend.failures[page] >= 2:
+                continue
+            assert self._stored(page) is not None, "a page left L2 without reaching L3"
         self.lost -= set(pages)
 
     @precondition(lambda self: self.io.jobs)
@@ -108,6 +150,11 @@ class ConnectorBackup(RuleBasedStateMachine):
     @rule(down=st.booleans())
     def store_reachable(self, down: bool) -> None:
         self.backend.down = down
+
+    @rule()
+    def next_put_fails(self) -> None:
+        """The store's next put fails (a timeout); the retry may then succeed."""
+        self.backend.fail_next += 1
 
     @rule(page=st.sampled_from(PAGES))
     def store_loses(self, page: PageHash) -> None:

@@ -215,3 +215,27 @@ def test_a_put_failing_after_the_next_save_began_is_put_again_before_its_slot_is
     worker.flush()
     assert _held(store, PAGES[:1]) == 1 and _held(store, PAGES[1:2]) == 1
     assert worker.failed_puts == [PAGES[0]] and worker.unbacked == {}
+
+
+def test_a_page_whose_slot_a_dropped_save_took_no_longer_waits_for_a_retry() -> None:
+    """The second review's find (older than the lane): page A waits for a retry in slot 0; the
+    next plan gives slot 0 to a page of a request whose load failed, so that save is dropped, and
+    A's retry fails again. A has left L2 (the index gave its slot away), so it must not wait in
+    ``unbacked`` under a slot the worker no longer says holds it, as the model says."""
+    store = MemoryStore()
+    backend = MemoryBackend(KEYS, store=store)
+    worker = _worker(backend, InlineExecutor())
+    backend.down = True
+    worker.save(_save(1))
+    assert worker.unbacked == {0: PAGES[0]}
+    load = PageMove(0, PAGES[3], 3, 5, PageSource.L3)  # fails: the store is down
+    plan = Plan(
+        loads=(("r2", (load,)),),
+        saves=(("r2", (PageMove(1, PAGES[1], 0, 1),)),),  # computed over the failed load
+        number=2,
+        reported_through=1,
+    )
+    assert worker.load(plan) == {5}
+    worker.save(plan)
+    assert worker.failed_puts == [PAGES[0]]  # retried, failed again
+    assert worker.unbacked == {} and 0 not in worker.written
