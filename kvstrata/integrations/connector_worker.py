@@ -33,6 +33,7 @@ message was sent before it is awaited (no collective: the stages never wait for 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
@@ -130,7 +131,10 @@ class WorkerStats:
     later page of its request, as the engine is told), pages saved into L2, backed up to L3 (stored,
     found there, or a replicated page another rank writes) and backup puts that failed (the page
     waits for a later save; a page that fails again counts again), and the bytes and seconds of the
-    store's calls (a put of a page the store holds moves no bytes). Counts are this worker's own:
+    store's calls (a put of a page the store holds moves no bytes), and the seconds saves waited
+    for puts (``backup_wait_seconds``: with the puts behind the step, only where the store fell
+    behind and a save reused a slot a put still read; with an inline lane, every put). Counts are
+    this worker's own:
     every tensor-parallel rank and pipeline stage moves its own copy of a page, and an engine that
     sums its workers counts each copy. Plain numbers, to ship between processes."""
 
@@ -144,6 +148,7 @@ class WorkerStats:
     l3_written_bytes: int = 0
     l3_read_seconds: float = 0.0
     l3_write_seconds: float = 0.0
+    backup_wait_seconds: float = 0.0
 
     def as_dict(self) -> dict[str, int | float]:
         return attrs.asdict(self)
@@ -301,9 +306,7 @@ class ConnectorWorker:
                 seen.add(move.slot)
                 run.append(move)
             moves = moves[len(run) :]
-            if self.lane is not None:  # C4: no put still reads a slot this run overwrites
-                self.lane.settle([m.slot for m in run])
-                self._apply_landed()
+            self._settle([m.slot for m in run])  # C4: no put still reads a slot it overwrites
             self.blocks.save([m.block for m in run], self.host, [m.slot for m in run])
             self.stats.saved_pages += len(run)
             for move in run:
@@ -316,17 +319,26 @@ class ConnectorWorker:
         ``RETRY_PAGES``, oldest first), once the puts still reading ``plan``'s slots landed: a
         put that failed after this save began is put again before its slot is reused, as when
         every save waited for its puts."""
-        if self.lane is not None:
-            self.lane.settle([move.slot for _rid, batch in plan.saves for move in batch])
-        self._apply_landed()
+        self._settle([move.slot for _rid, batch in plan.saves for move in batch])
         waiting = [(s, p) for s, p in self.unbacked.items() if self.written.get(s) == p]
         retried, self.unbacked = waiting[:RETRY_PAGES], dict(waiting[RETRY_PAGES:])
         if retried:
             self._put([p for _s, p in retried], [s for s, _p in retried])
 
+    def _settle(self, slots: Sequence[int]) -> None:
+        """Wait for the puts still reading ``slots`` (counted as waiting for the store), then apply
+        what landed."""
+        if self.lane is not None:
+            started = time.perf_counter()
+            self.lane.settle(slots)
+            self.stats.backup_wait_seconds += time.perf_counter() - started
+        self._apply_landed()
+
     def _put(self, pages: Sequence[PageHash], slots: Sequence[int]) -> None:
         if self.lane is not None:
+            started = time.perf_counter()  # an inline lane's put runs here: the step waits
             self.lane.put(pages, slots)
+            self.stats.backup_wait_seconds += time.perf_counter() - started
             self._apply_landed()  # an InlineExecutor's put has landed already
 
     def flush(self) -> None:

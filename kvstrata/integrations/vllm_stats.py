@@ -25,7 +25,11 @@ whole numbers):
     puts that failed (the page is put again by a later step, and counts again if that fails);
 ``vllm:kvstrata_l3_bytes_total{direction="read"|"write"}``,
 ``vllm:kvstrata_l3_seconds_total{direction="read"|"write"}``
-    bytes moved by the store's calls and the seconds the workers spent in them.
+    bytes moved by the store's calls and the seconds the workers spent in them;
+``vllm:kvstrata_backup_wait_seconds_total``
+    seconds the workers' saves waited for the store's puts: with ``async_backup`` (the default)
+    only where the store fell behind the steps (a save reusing a slot a put still reads), without
+    it every put. It grows with the store's backlog.
 """
 
 from __future__ import annotations
@@ -111,6 +115,8 @@ class KvstrataPromMetrics(KVConnectorPromMetrics):  # type: ignore[misc]
             (l3_bytes, ("write",), "l3_written_bytes"),
             (seconds, ("read",), "l3_read_seconds"),
             (seconds, ("write",), "l3_write_seconds"),
+            (counter("backup_wait_seconds", "Seconds saves waited for the store's puts."), (),
+             "backup_wait_seconds"),
         ]  # fmt: skip
         for labels in per_engine_labelvalues.values():  # every series exists from the start, at 0
             for metric, extra, _field in self._series:

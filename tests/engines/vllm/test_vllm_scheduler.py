@@ -469,6 +469,8 @@ def test_the_workers_stats_reach_vllms_stats_logger_and_prometheus(
     assert sample("loaded_pages", source="l2") == 4 and sample("loaded_pages", source="l3") == 0
     assert sample("backed_up_pages") == 4 and sample("failed_backup_pages") == 0
     assert sample("l3_bytes", direction="write") == summary["l3_written_bytes"]
+    waited = summary["backup_wait_seconds"]  # the saves' waits for the store (rig: a flush each)
+    assert waited >= 0 and sample("backup_wait_seconds") == pytest.approx(waited)
 
 
 def test_two_workers_stats_are_summed_by_vllms_output_aggregator() -> None:

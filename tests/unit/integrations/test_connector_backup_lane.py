@@ -239,3 +239,25 @@ def test_a_page_whose_slot_a_dropped_save_took_no_longer_waits_for_a_retry() -> 
     worker.save(plan)
     assert worker.failed_puts == [PAGES[0]]  # retried, failed again
     assert worker.unbacked == {} and 0 not in worker.written
+
+
+def test_backup_wait_seconds_count_what_the_step_waited_for_the_store() -> None:
+    """Behind the step a save waits only when it reuses a slot a put still reads (the store fell
+    behind): that wait is counted. An inline lane waits for every put, all counted."""
+    store = MemoryStore()
+    backend = GatedBackend(store)
+    worker = _worker(backend, ThreadExecutor("test-lane"))
+    try:
+        worker.save(_save(1))  # the put is held in the store
+        assert backend.entered.wait(10)
+        threading.Timer(0.2, backend.gate.set).start()
+        worker.save(Plan(saves=(("r", (PageMove(0, PAGES[1], 0, 1),)),), number=2))  # slot 0
+        assert worker.take_stats().backup_wait_seconds >= 0.2
+    finally:
+        backend.gate.set()
+        worker.close()
+    inline = GatedBackend(MemoryStore())
+    threading.Timer(0.1, inline.gate.set).start()
+    synchronous = _worker(inline, InlineExecutor())
+    synchronous.save(_save(1))
+    assert synchronous.take_stats().backup_wait_seconds >= 0.1
