@@ -34,13 +34,19 @@ from collections.abc import Callable, Sequence
 import attrs
 
 from kvstrata.impl.errors import CacheClosed, MisuseError
-from kvstrata.impl.executors import Executor, InlineExecutor, Joinable, drain
+from kvstrata.impl.executors import Executor, InlineExecutor, Joinable, ThreadExecutor, drain
 from kvstrata.impl.storage.base import GetStatus, PutStatus, StorageBackend
 from kvstrata.model.keys import Namespace, PageHash
 
-__all__ = ["BackupLane", "LandedPut"]
+__all__ = ["BackupLane", "LandedPut", "lane_executor"]
 
 log = logging.getLogger("kvstrata.integrations.connector_backup")
+
+
+def lane_executor(behind_step: bool) -> Executor:
+    """The executor of a worker's lane: a thread of its own (``kvstrata-l3``), so a step's puts
+    land behind it, or an :class:`InlineExecutor`, so each save waits for its puts."""
+    return ThreadExecutor("kvstrata-l3") if behind_step else InlineExecutor()
 
 
 @attrs.frozen

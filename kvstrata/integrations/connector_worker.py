@@ -45,7 +45,7 @@ from kvstrata.impl.executors import Executor, InlineExecutor
 from kvstrata.impl.pools.host import HostKVPool
 from kvstrata.impl.storage.base import GetStatus, PutStatus, StorageBackend
 from kvstrata.integrations.connector import NO_FAILURE, NO_SLOT, PageMove, Plan
-from kvstrata.integrations.connector_backup import BackupLane
+from kvstrata.integrations.connector_backup import BackupLane, LandedPut
 from kvstrata.model.connector import RETRY_PAGES, PageSource
 from kvstrata.model.keys import Namespace, PageHash
 
@@ -352,12 +352,10 @@ class ConnectorWorker:
         slot holds it: the slot was not written since, C4)."""
         for put in self.lane.landed() if self.lane is not None else ():
             self.stats.l3_write_seconds += put.seconds
-            self._count_put(put.pages, put.slots, put.statuses)
+            self._count_put(put)
 
-    def _count_put(
-        self, pages: Sequence[PageHash], slots: Sequence[int], statuses: Sequence[PutStatus]
-    ) -> None:
-        for page, slot, status in zip(pages, slots, statuses, strict=True):
+    def _count_put(self, put: LandedPut) -> None:
+        for page, slot, status in zip(put.pages, put.slots, put.statuses, strict=True):
             if not status.ok:
                 if self.written.get(slot) == page:  # waits for a retry while L2 holds it
                     self.unbacked[slot] = page

@@ -69,6 +69,7 @@ from kvstrata.impl.errors import ConfigError
 from kvstrata.impl.pools.host import HostKVPool
 from kvstrata.impl.storage.base import StorageBackend
 from kvstrata.integrations.connector import ConnectorIndex, Plan, Scheduled
+from kvstrata.integrations.connector_backup import lane_executor
 from kvstrata.integrations.connector_worker import ConnectorWorker, TorchStagePipe
 from kvstrata.integrations.store import StoreOptions, open_backend
 from kvstrata.integrations.vllm_blocks import PAGE_LAYOUT, BlockViews, kv_split, page_shape
@@ -76,7 +77,6 @@ from kvstrata.integrations.vllm_config import (
     agreed_backend,
     attention_backends,
     backend_option,
-    backup_executor,
     count_option,
     flag_option,
     kv_format,
@@ -359,7 +359,7 @@ class KvstrataConnector(KVConnectorBase_V1):  # type: ignore[misc]
         blocks = BlockViews(  # a layer that reuses another's KV (an alias) is not a layer here
             caches, self.num_blocks, self.shape, self.heads, self.head_size, split=split
         )
-        lane = backup_executor(self.async_backup and backend is not None)
+        lane = lane_executor(self.async_backup and backend is not None)
         self.worker = ConnectorWorker(host, backend, shard.namespace(), blocks, lane)
         if self.pp_size > 1:
             group = process_group("pp")

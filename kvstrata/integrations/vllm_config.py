@@ -12,13 +12,11 @@ from typing import Any
 import torch
 
 from kvstrata.impl.errors import ConfigError
-from kvstrata.impl.executors import Executor, ThreadExecutor
 from kvstrata.model.engines import engine_kv_format, engine_weights, holds_bytes
 
 __all__ = [
     "agreed_backend",
     "attention_backends",
-    "backup_executor",
     "backend_option",
     "count_option",
     "flag_option",
@@ -161,10 +159,3 @@ def flag_option(extra: dict[str, Any], key: str, default: bool, where: str) -> b
     if not isinstance(value, bool):
         raise ConfigError(f"{where}: key {key!r} expects true or false, got {value!r}")
     return value
-
-
-def backup_executor(behind_step: bool) -> Executor | None:
-    """Where a worker's store calls run (``async_backup``): a thread of its own, so a step's puts
-    land behind it and ``wait_for_save`` returns once the bytes are in L2 (the default); ``None``:
-    each save waits for its puts, as before."""
-    return ThreadExecutor("kvstrata-l3") if behind_step else None

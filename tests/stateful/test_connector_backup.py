@@ -20,20 +20,19 @@ put fail, so a late failure is put again, and must land, before its slot is reus
 
 from __future__ import annotations
 
-import collections
 import hashlib
-from collections.abc import Sequence
 
 import hypothesis.strategies as st
 import torch
 from hypothesis import event, settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from support.backends import FlakyBackend
 from support.blocks import CanonicalBlocks
 
 from kvstrata.impl.executors import ManualJoinableExecutor
 from kvstrata.impl.pools.host import HostKVPool
 from kvstrata.impl.pools.shape import KVShape
-from kvstrata.impl.storage.base import GetStatus, PutStatus
+from kvstrata.impl.storage.base import GetStatus
 from kvstrata.impl.storage.memory import MemoryBackend, MemoryStore
 from kvstrata.integrations.connector import PageMove, Plan
 from kvstrata.integrations.connector_worker import ConnectorWorker
@@ -48,32 +47,6 @@ PAGES = [PageHash(hashlib.sha256(f"backup/{i}".encode()).digest()) for i in rang
 SCRATCH = len(PAGES)  # the engine block a load writes into
 
 
-class FlakyBackend(MemoryBackend):
-    """A memory backend whose next ``fail_next`` puts fail (a store that timed out), besides
-    ``down``; ``failures`` counts each page's failed puts (the machine resets a page's count
-    when it saves the page again)."""
-
-    def __init__(self, store: MemoryStore) -> None:
-        super().__init__(KEYS, store=store)
-        self.fail_next = 0
-        self.failures: collections.Counter[PageHash] = collections.Counter()
-
-    def put(
-        self, namespace: Namespace, pages: Sequence[PageHash], host_indices: Sequence[int]
-    ) -> list[PutStatus]:
-        statuses = [PutStatus.FAILED] * len(pages)
-        try:
-            if self.fail_next:
-                self.fail_next -= 1
-            else:
-                statuses = super().put(namespace, pages, host_indices)  # raises while down
-        finally:
-            self.failures.update(
-                page for page, status in zip(pages, statuses, strict=True) if not status.ok
-            )
-        return statuses
-
-
 def kv_of(page: PageHash) -> torch.Tensor:
     """The canonical KV of one page, ``[2, L, 1, page, H, D]``, bytes derived from its hash."""
     values = torch.frombuffer(bytearray(page.digest), dtype=torch.int16).float()
@@ -86,7 +59,7 @@ class ConnectorBackup(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         store = MemoryStore()
-        self.backend = FlakyBackend(store)
+        self.backend = FlakyBackend(KEYS, store)
         self.io = ManualJoinableExecutor()
         blocks = torch.zeros(2, SHAPE.layers, len(PAGES) + 1, PAGE, 1, SHAPE.head_dim)
         for block, page in enumerate(PAGES):  # block b holds page b, computed once

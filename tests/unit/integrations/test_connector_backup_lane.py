@@ -10,6 +10,7 @@ from collections.abc import Sequence
 
 import pytest
 import torch
+from support.backends import FlakyBackend
 from support.blocks import CanonicalBlocks
 
 from kvstrata.impl.errors import CacheClosed, MisuseError
@@ -185,22 +186,6 @@ def test_a_loads_l3_read_waits_for_the_puts_queued_before_it() -> None:
         worker.close()
 
 
-class FailsFirstPut(MemoryBackend):
-    """A memory backend whose first put fails (a store that timed out once)."""
-
-    def __init__(self, store: MemoryStore) -> None:
-        super().__init__(KEYS, store=store)
-        self.puts = 0
-
-    def put(
-        self, namespace: Namespace, pages: Sequence[PageHash], host_indices: Sequence[int]
-    ) -> list[PutStatus]:
-        self.puts += 1
-        if self.puts == 1:
-            return [PutStatus.FAILED] * len(pages)
-        return super().put(namespace, pages, host_indices)
-
-
 def test_a_put_failing_after_the_next_save_began_is_put_again_before_its_slot_is_reused() -> None:
     """The review's find: page A's put is still queued when the next save hands A's slot to page
     B, and then fails. The save waits for the puts reading its slots before it picks the pages to
@@ -208,7 +193,7 @@ def test_a_put_failing_after_the_next_save_began_is_put_again_before_its_slot_is
     for its puts; otherwise A would leave L2 without ever reaching L3."""
     store = MemoryStore()
     io = ManualJoinableExecutor()
-    worker = _worker(FailsFirstPut(store), io)
+    worker = _worker(FlakyBackend(KEYS, store, fail_next=1), io)  # A's put fails
     worker.save(Plan(saves=(("r", (PageMove(0, PAGES[0], 0, 0),)),), number=1))
     assert io.jobs  # A's put is queued, not run
     worker.save(Plan(saves=(("r", (PageMove(0, PAGES[1], 0, 1),)),), number=2, reported_through=1))
@@ -261,3 +246,4 @@ def test_backup_wait_seconds_count_what_the_step_waited_for_the_store() -> None:
     synchronous = _worker(inline, InlineExecutor())
     synchronous.save(_save(1))
     assert synchronous.take_stats().backup_wait_seconds >= 0.1
+
