@@ -247,3 +247,10 @@ def test_backup_wait_seconds_count_what_the_step_waited_for_the_store() -> None:
     synchronous.save(_save(1))
     assert synchronous.take_stats().backup_wait_seconds >= 0.1
 
+
+def test_a_put_naming_more_pages_than_slots_is_refused_before_anything_is_pinned() -> None:
+    lane = BackupLane(MemoryBackend(KEYS, store=MemoryStore()), NAMESPACE, InlineExecutor())
+    with pytest.raises(MisuseError, match="2 pages for 1 slots"):
+        lane.put(PAGES[:2], [0])
+    assert lane.pending == 0 and lane.pinned == {}
+    lane.flush()  # nothing left waiting
