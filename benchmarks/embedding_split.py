@@ -5,7 +5,9 @@ float16 embeddings ([64, 1024]). For each call, one after the other on fresh key
 so a burst of load from the rest of the machine falls on all alike), the same batch is put seven
 ways, each adding one layer to the one before:
 
-- ``raw``: the native ``batch_put_from`` from a registered buffer that holds the batch;
+- ``raw``: the native ``batch_put_from`` from a registered buffer that holds the batch, on the native
+  instance inside kvstrata's client (as every raw baseline since part 23 of issue 20:
+  ``client_history.py``);
 - ``client``: :class:`~kvstrata.impl.storage.mooncake.MooncakeClient.batch_put_from` (the gate, the key
   and range checks, the per-key codes);
 - ``adapter``: :class:`~kvstrata.impl.embedding.MooncakeEmbeddingStore.put` of ``Extent`` values;
@@ -67,7 +69,6 @@ def split(batch: int, calls: int) -> dict[str, list[float]]:
     seconds: dict[str, list[float]] = {name: [] for name in LAYERS}
     with l3.bench_store(512 << 20) as (client, raw):
         sides = et.Sides(cell, client, raw)
-        client.register_buffer(sides.src.data_ptr(), sides.nbytes)
         shape = PoolShape(batch, cell.tokens, cell.dim, et.DTYPE)
         inline = EmbeddingCache(
             EmbeddingPool(shape),
@@ -95,7 +96,6 @@ def split(batch: int, calls: int) -> dict[str, list[float]]:
                 raise l3.BenchError("an embedding put failed")
         finally:
             inline.close()
-            client.unregister_buffer(sides.src.data_ptr())
             sides.close()
     return seconds
 
@@ -114,7 +114,7 @@ def _steps(
     pool = inline.pool
 
     def raw() -> None:
-        sides.raw.native.batch_put_from([k.text for k in keys[0]], sides.src_ptrs, sides.sizes)
+        sides.native.batch_put_from([k.text for k in keys[0]], sides.src_ptrs, sides.sizes)
 
     def wrapped() -> None:
         client.batch_put_from(keys[1], sides.src_ptrs, sides.sizes)

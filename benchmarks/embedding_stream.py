@@ -9,7 +9,8 @@ caller's thread while call ``i``'s store call runs on the cache's I/O thread. Th
 use, with the same cluster, clients, shapes, batches and keys as ``embedding_throughput.py``:
 
 - **raw put / raw get**: ``batch_put_from`` / ``batch_get_into`` for every call of the window,
-  one after the other (the raw client's calls block; this is its throughput on one thread);
+  one after the other (the raw client's calls block; this is its throughput on one thread), on the
+  native instance inside kvstrata's client (``embedding_throughput.py`` says why);
 - **reserve+commit stream**: node A2 ``reserve`` + the tensors written into the views (untimed, as the
   raw source buffer is filled before its clock starts) + ``commit`` for every call of the window,
   then one ``flush``; every item must be stored;
@@ -84,7 +85,7 @@ class Streams:
     def raw_put(self, calls: range) -> float:
         for call in calls:
             keys = self.sides.raw_keys[call]
-            codes = self.raw.native.batch_put_from(keys, self.sides.src_ptrs, self.sides.sizes)
+            codes = self.sides.native.batch_put_from(keys, self.sides.src_ptrs, self.sides.sizes)
             if any(code != 0 for code in codes):
                 raise l3.BenchError(f"raw batch_put_from returned {list(codes)}")
         return 0.0
@@ -92,7 +93,7 @@ class Streams:
     def raw_get(self, calls: range) -> float:
         for call in calls:
             keys = self.sides.raw_keys[call]
-            codes = self.raw.native.batch_get_into(keys, self.sides.dst_ptrs, self.sides.sizes)
+            codes = self.sides.native.batch_get_into(keys, self.sides.dst_ptrs, self.sides.sizes)
             if any(code != self.cell.item_bytes for code in codes):
                 raise l3.BenchError(f"raw batch_get_into returned {list(codes)}")
         return 0.0

@@ -7,7 +7,12 @@ cluster, the raw client, the prefault and the store clearing are ``l3_throughput
 
 - **raw**: ``mooncake.store.MooncakeDistributedStore`` called directly: ``batch_put_from`` of a batch
   of embeddings from one registered buffer that already holds them, then ``batch_get_into`` into a
-  second registered buffer, with key strings of the cache's own form computed before the clock starts;
+  second registered buffer, with key strings of the cache's own form computed before the clock starts.
+  The headline raw calls run on the native instance inside kvstrata's own ``MooncakeClient``
+  (``native_store``): a native client's past calls change its speed on small objects (one batch of
+  4 MiB objects made later 128 KiB puts 1.2-1.7x slower: ``client_history.py``), so a baseline on
+  another instance measures that instance's history too. The same calls on the benchmark's second raw
+  client are timed beside them and reported for scale (``raw, second client ÷ raw``);
 - **kvstrata**: two :class:`~kvstrata.impl.embedding.EmbeddingCache` nodes on one
   :class:`~kvstrata.impl.storage.mooncake.MooncakeClient`, each with its own pool and I/O thread.
   *insert_batch* is node A's ``insert_batch(hashes, tensors)`` until ``flush()`` has applied the batch
@@ -77,7 +82,18 @@ SHAPES = {"image": (576, 1024), "small": (64, 1024)}
 ITEMS = {"image": 96, "small": 384}
 BATCHES = (1, 8, 32)
 WAIT_S = 120.0
-NAMES = ("raw_put", "insert", "in_place", "raw_get", "prefetch", "borrow")
+NAMES = (
+    "raw_put",
+    "raw_put_second",
+    "insert",
+    "in_place",
+    "raw_get",
+    "raw_get_second",
+    "prefetch",
+    "borrow",
+)
+PUTS = ("raw_put", "raw_put_second", "insert", "in_place")
+GETS = ("raw_get", "raw_get_second", "prefetch", "borrow")
 
 
 @dataclass(frozen=True)
@@ -121,7 +137,8 @@ class Sides:
         pool_units: int = 0,
     ) -> None:
         """``pool_units``: units per cache pool (0: one batch, one unit per embedding)."""
-        self.cell, self.raw = cell, raw
+        self.cell, self.raw, self.client = cell, raw, client
+        self.native: Any = client.native_store  # the headline baseline: kvstrata's own instance
         gen = torch.Generator().manual_seed(cell.tokens * 7919 + cell.batch)
         self.tensors = [
             torch.randn((cell.tokens, cell.dim), generator=gen).to(DTYPE) for _ in range(cell.batch)
@@ -131,6 +148,7 @@ class Sides:
         self.nbytes = self.src.numel() * self.src.element_size()
         for buffer in (self.src, self.dst):
             raw.register(buffer.data_ptr(), self.nbytes)
+            client.register_buffer(buffer.data_ptr(), self.nbytes)
         size = cell.item_bytes
         self.src_ptrs = [self.src.data_ptr() + i * size for i in range(cell.batch)]
         self.dst_ptrs = [self.dst.data_ptr() + i * size for i in range(cell.batch)]
@@ -147,6 +165,7 @@ class Sides:
             for _ in range(4)
         )
         self.raw_keys: list[list[str]] = []
+        self.second_keys: list[list[str]] = []
         self.media: list[list[PageHash]] = []
         self.media2: list[list[PageHash]] = []
         self.requests = 0
@@ -156,26 +175,39 @@ class Sides:
         """Fresh keys for one repetition (the raw ones have the cache's key form)."""
         cell = self.cell
         raw_media = l3.fresh_pages(f"{label}/raw", cell.calls * cell.batch)
+        second_media = l3.fresh_pages(f"{label}/raw-second", cell.calls * cell.batch)
         media = l3.fresh_pages(f"{label}/emb", cell.calls * cell.batch)
         media2 = l3.fresh_pages(f"{label}/emb-in-place", cell.calls * cell.batch)
-        self.raw_keys = [
+        self.raw_keys, self.second_keys = (
             [
-                self.a.object_keys(m, cell.tokens)[0].text
-                for m in l3.batches(raw_media, cell.batch)[c]
+                [self.a.object_keys(m, cell.tokens)[0].text for m in chunk]
+                for chunk in l3.batches(pages, cell.batch)
             ]
-            for c in range(cell.calls)
-        ]
+            for pages in (raw_media, second_media)
+        )
         self.media = [list(chunk) for chunk in l3.batches(media, cell.batch)]
         self.media2 = [list(chunk) for chunk in l3.batches(media2, cell.batch)]
 
     # ------------------------------------------------------------------------------ the four calls
     def raw_put(self, call: int) -> None:
-        codes = self.raw.native.batch_put_from(self.raw_keys[call], self.src_ptrs, self.sizes)
+        self._put(self.native, self.raw_keys[call])
+
+    def raw_put_second(self, call: int) -> None:
+        self._put(self.raw.native, self.second_keys[call])
+
+    def raw_get(self, call: int) -> None:
+        self._get(self.native, self.raw_keys[call])
+
+    def raw_get_second(self, call: int) -> None:
+        self._get(self.raw.native, self.second_keys[call])
+
+    def _put(self, native: Any, keys: list[str]) -> None:
+        codes = native.batch_put_from(keys, self.src_ptrs, self.sizes)
         if any(code != 0 for code in codes):
             raise l3.BenchError(f"raw batch_put_from returned {list(codes)}")
 
-    def raw_get(self, call: int) -> None:
-        codes = self.raw.native.batch_get_into(self.raw_keys[call], self.dst_ptrs, self.sizes)
+    def _get(self, native: Any, keys: list[str]) -> None:
+        codes = native.batch_get_into(keys, self.dst_ptrs, self.sizes)
         if any(code != self.cell.item_bytes for code in codes):
             raise l3.BenchError(f"raw batch_get_into returned {list(codes)}")
 
@@ -246,6 +278,7 @@ class Sides:
             cache.close()
         for buffer in (self.src, self.dst):
             self.raw.unregister(buffer.data_ptr())
+            self.client.unregister_buffer(buffer.data_ptr())
 
 
 def repetition(
@@ -261,7 +294,7 @@ def repetition(
     sides.begin(label)
     sides.verify = verify
     seconds = dict.fromkeys(NAMES, 0.0)
-    for phase in (("raw_put", "insert", "in_place"), ("raw_get", "prefetch", "borrow")):
+    for phase in (PUTS, GETS):
         for call in range(sides.cell.calls):
             turn = call % len(phase)
             for name in phase[turn:] + phase[:turn]:  # each goes first in turn
@@ -320,6 +353,8 @@ def run_cell(
         "calls": cell.calls,
         "bytes": cell.total,
         "raw_put_mbps": mbps("raw_put"),
+        "second_put_ratio": ratio("raw_put", "raw_put_second"),
+        "second_get_ratio": ratio("raw_get", "raw_get_second"),
         "insert_mbps": mbps("insert"),
         "insert_ratio": ratio("raw_put", "insert"),
         "in_place_mbps": mbps("in_place"),
@@ -334,6 +369,8 @@ def run_cell(
             "in_place": call_ratio("raw_put", "in_place"),
             "prefetch": call_ratio("raw_get", "prefetch"),
             "borrow": call_ratio("raw_get", "borrow"),
+            "second_put": call_ratio("raw_put", "raw_put_second"),
+            "second_get": call_ratio("raw_get", "raw_get_second"),
         },
         "median_call_ms": {name: statistics.median(v) * 1e3 for name, v in call_medians.items()},
         "samples": samples,
@@ -427,9 +464,10 @@ def print_table(result: dict[str, Any]) -> None:
     print()
     print(
         "| embedding | batch x calls | raw put MB/s | insert_batch ÷ raw | reserve+commit ÷ raw "
-        "| raw get MB/s | prefetch+get ÷ raw | prefetch+borrow ÷ raw |"
+        "| raw get MB/s | prefetch+get ÷ raw | prefetch+borrow ÷ raw "
+        "| raw, second client ÷ raw: put / get |"
     )
-    print("|---|---|---:|---:|---:|---:|---:|---:|")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---|")
     for cell in result["cells"]:
         size = cell["item_bytes"]
         label = f"{cell['shape']} {cell['tokens']}x{cell['dim']} ({size / MIB:.3g} MiB)"
@@ -437,7 +475,8 @@ def print_table(result: dict[str, Any]) -> None:
             f"| {label} | {cell['batch']} x {cell['calls']} | {cell['raw_put_mbps']:.0f} "
             f"| {cell['insert_ratio']:.2f} | {cell['in_place_ratio']:.2f} "
             f"| {cell['raw_get_mbps']:.0f} | {cell['prefetch_ratio']:.2f} "
-            f"| {cell['borrow_ratio']:.2f} |"
+            f"| {cell['borrow_ratio']:.2f} "
+            f"| {cell['second_put_ratio']:.2f} / {cell['second_get_ratio']:.2f} |"
         )
     print()
     print(
@@ -447,16 +486,17 @@ def print_table(result: dict[str, Any]) -> None:
     print()
     print(
         "| embedding | batch | insert_batch | reserve+commit | prefetch+get | prefetch+borrow "
-        "| raw put / get ms |"
+        "| raw put / get ms | raw, second client ÷ raw |"
     )
-    print("|---|---|---:|---:|---:|---:|---|")
+    print("|---|---|---:|---:|---:|---:|---|---|")
     for cell in result["cells"]:
         by = cell["median_call_ratios"]
         ms = cell["median_call_ms"]
         print(
             f"| {cell['shape']} | {cell['batch']} | {by['insert']:.2f} | {by['in_place']:.2f} "
             f"| {by['prefetch']:.2f} | {by['borrow']:.2f} "
-            f"| {ms['raw_put']:.3f} / {ms['raw_get']:.3f} |"
+            f"| {ms['raw_put']:.3f} / {ms['raw_get']:.3f} "
+            f"| {by['second_put']:.2f} / {by['second_get']:.2f} |"
         )
 
 

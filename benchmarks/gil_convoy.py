@@ -194,7 +194,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         backend = MooncakeBackend(client, keyspace)
         backend.attach(host)
         paths: dict[str, l3.MovePath] = {
-            "raw": l3.RawPath(raw, host, cell, keyspace),
+            "raw": l3.RawPath(l3.SameInstance(client), host, cell, keyspace),
             "kvstrata": l3.BackendPath(backend, host, cell),
         }
         host_c = HostKVPool(l3.shape_of(cell), cell.pages, HostLayout.PAGE_FIRST_DIRECT)

@@ -4,7 +4,8 @@ one run (issue 6).
 Setup. One process starts a :class:`~kvstrata.impl.storage.mooncake.LocalCluster` (a
 ``mooncake_master`` and a storage node owning the only segment) and opens two segment-less clients, so
 every byte crosses TCP loopback on both sides: **raw** (``MooncakeDistributedStore`` called directly,
-key strings computed before the clock starts) and **kvstrata**
+on the native instance inside kvstrata's client, key strings computed before the clock starts) and
+**kvstrata**
 (:class:`~kvstrata.impl.storage.hybrid.HybridStorage` over :class:`MooncakeBackend`, zero-copy from a
 ``page_first_direct`` KV host pool and the side pools' registered buffers).
 
@@ -205,7 +206,7 @@ def run_cell(
                         start = time.perf_counter()
                         if side == "raw":
                             keys, ptrs, sizes = texts[call]
-                            native = raw.native
+                            native = client.native_store  # kvstrata's own instance
                             codes = (
                                 native.batch_put_from(keys, ptrs, sizes)
                                 if op == "put"
@@ -290,7 +291,7 @@ def run_exists(
             times: dict[str, list[float]] = {"raw": [], "kv": [], "hybrid": []}
             for _ in range(reps):
                 start = time.perf_counter()
-                codes = raw.native.batch_is_exist(texts)
+                codes = client.native_store.batch_is_exist(texts)
                 times["raw"].append(time.perf_counter() - start)
                 start = time.perf_counter()
                 kv = kv_only.exists(NS, subset)

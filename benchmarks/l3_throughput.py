@@ -23,9 +23,13 @@ Rows of the throughput table (per cell; ``time.perf_counter`` around the store c
 
 1. ``raw``: ``batch_put_from`` of each batch from the page slabs of a ``page_first_direct`` host pool
    (exactly the pointers and sizes kvstrata's zero-copy path hands Mooncake), then ``batch_get_into``
-   back into them; ``raw_same``: the same raw calls on the native instance inside kvstrata's own
-   client (the one its backends call), to show whether the instance matters (it does for small
-   queries, below; for moves it stayed within the run's spread);
+   back into them, on the native instance inside kvstrata's own client (the one its backends call):
+   every ratio is against it. ``raw_second``: the same raw calls on the benchmark's second native
+   client, for scale. A native client's past calls change its speed (``client_history.py``: one
+   batch of 4 MiB objects made later puts of 128 KiB objects 1.2-1.8x slower), and two clients
+   of one run drift apart as their calls differ (1.31x at 1 MiB pages in one run of 2026-12-02),
+   so a baseline on another instance measures that instance's history as well as kvstrata's code
+   (issue 20, part 23; before it the headline was the second client and this row ``raw_same``);
 2. ``direct``: ``MooncakeBackend.put`` then ``get`` of the same pages on that ``page_first_direct`` pool
    (zero-copy). This includes everything kvstrata does per call: rendering the keys from page hashes,
    the put, ``batch_is_exist`` after it (the confirm), argument checks and status accounting;
@@ -33,7 +37,7 @@ Rows of the throughput table (per cell; ``time.perf_counter`` around the store c
    too, then only the missing objects: the backend before issue 20);
 3. ``direct_twin``: a second ``MooncakeBackend`` like ``direct`` on the same client and pool: the same
    code measured twice in one run, so the gap between the two rows is the run's own spread on the
-   kvstrata side (``raw_same`` shows it on the raw side). It replaced a what-if that cached key
+   kvstrata side (``raw_second`` shows it on the raw side). It replaced a what-if that cached key
    prefixes: since ``KeySpace.rendered`` the backend renders a batch's keys that way itself;
 4. ``staged``: ``MooncakeBackend`` on a ``page_first`` pool, whose objects pass through the registered
    staging buffer (a gather/transpose copy before each put, a scatter after each get);
@@ -130,7 +134,7 @@ EXISTS_SIZES = (1, 64, 1024)
 PRIMER_BYTES = 4 * KIB
 INTERLEAVED = (
     "raw",
-    "raw_same",
+    "raw_second",
     "direct",
     "exists_first",
     "direct_twin",
@@ -141,8 +145,8 @@ INTERLEAVED = (
 )
 ONE_OBJECT = ("direct_one_object", "one_object_parts")
 PATH_NAMES = {
-    "raw": "raw `batch_put_from` / `batch_get_into`",
-    "raw_same": "raw calls on kvstrata's own native instance (the client's)",
+    "raw": "raw `batch_put_from` / `batch_get_into` (on kvstrata's own native instance)",
+    "raw_second": "the same raw calls on a second native client (for scale)",
     "raw_one_object": "raw, one object per page (page_major slabs)",
     "direct_one_object": "backend, key schema 2, page_major (one object per page, zero-copy)",
     "one_object_parts": "backend, key schema 2, page_first_direct (K and V runs as one object)",
@@ -364,7 +368,9 @@ class RawPath:
     """Raw batches over the direct pool's page slabs (K and V of each page, in key order), or, for
     a key space of schema 2 over a ``page_major`` pool, over its whole pages (one object each)."""
 
-    def __init__(self, raw: RawStore, host: HostKVPool, cell: Cell, keyspace: KeySpace) -> None:
+    def __init__(
+        self, raw: RawStore | SameInstance, host: HostKVPool, cell: Cell, keyspace: KeySpace
+    ) -> None:
         self.raw, self.host, self.cell, self.keyspace = raw, host, cell, keyspace
         width = len(keyspace.components)
         self.size = host.shape.bytes_per_page // width
@@ -733,15 +739,16 @@ def run_cell(
         backends["direct_one_object"].attach(major)
         backends["one_object_parts"].attach(direct)
         with registered(raw, direct), registered(raw, major):
-            raw_path = RawPath(raw, direct, cell, keyspace)
+            same = SameInstance(client)
+            raw_path = RawPath(same, direct, cell, keyspace)
             paths: dict[str, MovePath] = {
                 "raw": raw_path,
-                "raw_same": RawPath(SameInstance(client), direct, cell, keyspace),
+                "raw_second": RawPath(raw, direct, cell, keyspace),
                 "direct": BackendPath(backends["direct"], direct, cell),
                 "exists_first": BackendPath(backends["exists_first"], direct, cell),
                 "direct_twin": BackendPath(backends["direct_twin"], direct, cell),
                 "staged": BackendPath(backends["staged"], staged, cell),
-                "raw_one_object": RawPath(raw, major, cell, one_object),
+                "raw_one_object": RawPath(same, major, cell, one_object),
                 "direct_one_object": BackendPath(backends["direct_one_object"], major, cell),
                 "one_object_parts": BackendPath(backends["one_object_parts"], direct, cell),
             }
@@ -762,6 +769,7 @@ def run_cell(
                 retries = run_cache(
                     cell,
                     client=client,
+                    raw=raw,
                     raw_path=raw_path,
                     direct=major if cache_schema == 2 else direct,
                     backend=backends[cached],
@@ -814,6 +822,7 @@ def run_cache(
     cell: Cell,
     *,
     client: MooncakeClient,
+    raw: RawStore,
     raw_path: RawPath,
     direct: HostKVPool,
     backend: MooncakeBackend,
@@ -827,7 +836,6 @@ def run_cache(
     repetition. Returns backup retries seen."""
     cache = CachePath(client, cell, direct, backend, query_lane)
     waits = cache.query_waits
-    raw = raw_path.raw
     retries = 0
     try:
         paths = ("raw", "cache", "cache_l2")
@@ -989,7 +997,13 @@ def prefault(client: MooncakeClient, raw: RawStore, segment: int) -> None:
 def bench_store(segment_bytes: int) -> Iterator[tuple[MooncakeClient, RawStore]]:
     """A started :class:`LocalCluster` whose storage node owns ``segment_bytes`` (written once, so
     no timed path pays its first-touch page faults), a kvstrata client and a raw client on it; all
-    three are stopped on exit. :class:`SetupError` when the cluster cannot start here."""
+    three are stopped on exit. :class:`SetupError` when the cluster cannot start here.
+
+    The segment is written through a third native client, closed before the raw one is set up: a
+    client that has put large objects stays slower at putting small ones (``client_history.py``:
+    1.2-1.8x for 128 KiB objects after one batch of 4 MiB objects), so the prefault's client must
+    be neither of the two that are timed. Both start fresh; a benchmark that runs small cells after
+    large ones gives both the same history by interleaving their calls."""
     try:
         cluster = LocalCluster(segment_size=segment_bytes).start()
     except KvStrataError as error:
@@ -999,8 +1013,13 @@ def bench_store(segment_bytes: int) -> Iterator[tuple[MooncakeClient, RawStore]]
     raw: RawStore | None = None
     try:
         client = MooncakeClient(cluster.config).setup()
+        writer = RawStore(cluster.master_address, cluster.config.local_buffer_size)
+        try:
+            prefault(client, writer, segment_bytes)
+        finally:
+            writer.close()
         raw = RawStore(cluster.master_address, cluster.config.local_buffer_size)
-        prefault(client, raw, segment_bytes)
+        clear(client, raw)
         yield client, raw
     finally:
         if raw is not None:
@@ -1161,7 +1180,7 @@ def print_tables(result: dict[str, Any]) -> None:
     print()
     for cell in result["cells"]:
         for row in cell["rows"]:
-            if row["path"] in ("raw", "raw_same", "cache_raw", "raw_one_object"):
+            if row["path"] in ("raw", "raw_second", "cache_raw", "raw_one_object"):
                 continue
             verdict = ", ".join(
                 f"{what} {row[f'{what}_ratio']:.2f} (ratio of medians "

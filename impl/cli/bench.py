@@ -80,6 +80,13 @@ BENCHMARKS: tuple[Benchmark, ...] = (
         "embedding cache insert / prefetch (copied and in place) against the raw Mooncake client",
     ),
     Benchmark(
+        "client_history",
+        "benchmarks/client_history.py",
+        ("--json", "{out}/client_history.json"),
+        ("--calls", "8", "--repeats", "1", "--json", "{out}/client_history.json"),
+        "a native Mooncake client's past calls and its speed on small objects (the raw baselines)",
+    ),
+    Benchmark(
         "hybrid",
         "benchmarks/hybrid_throughput.py",
         ("--json", "{out}/hybrid.json"),

@@ -1,6 +1,8 @@
 """The benchmark helpers of issue 20, smoke-sized: ``benchmarks/against.py`` runs a script with the
-library of the checkout it names (and refuses a folder that is not one), and
-``benchmarks/backend_overhead.py`` times every call it lists against a real master's client.
+library of the checkout it names (and refuses a folder that is not one),
+``benchmarks/backend_overhead.py`` times every call it lists against a real master's client, and
+``benchmarks/client_history.py`` times every client history it names on a real cluster, with the
+bytes it reads back checked.
 Timings are the benchmarks' to report (docs/benchmarks.md), never asserted here."""
 
 from __future__ import annotations
@@ -43,3 +45,19 @@ def test_backend_overhead_times_every_call(tmp_path: Path) -> None:
     assert {"exists, 1024 pages", "put + confirm, 64 pages", "get, 64 pages"} <= set(results)
     assert ("keys of 1024 pages, C kernel" in results) == (kernels.join_keys is not None)
     assert all(us > 0 for us in results.values())
+
+
+def test_client_history_times_every_history_on_a_real_cluster(tmp_path: Path) -> None:
+    out = tmp_path / "history.json"
+    done = run(
+        "benchmarks/client_history.py",
+        *("--batch", "2", "--kib", "64", "--history-mib", "8", "--big-mib", "4"),
+        *("--calls", "3", "--repeats", "1", "--json", str(out)),
+    )
+    assert done.returncode == 0, done.stderr
+    clients = json.loads(out.read_text())["clients"]
+    assert set(clients) == {"fresh", "small_objects", "big_objects", "big_objects_removed"}
+    assert all(row["put_us"] > 0 and row["get_us"] > 0 for row in clients.values())
+    assert clients["fresh"]["put_vs_fresh"] == 1.0
+    refused = run("benchmarks/client_history.py", "--big-mib", "128", "--history-mib", "64")
+    assert refused.returncode == 2 and "--big-mib" in refused.stderr
