@@ -316,7 +316,7 @@ def median_us(seconds: list[float]) -> float:
 
 
 @contextmanager
-def registered(raw: RawStore, host: HostKVPool) -> Iterator[None]:
+def registered(raw: RawStore | SameInstance, host: HostKVPool) -> Iterator[None]:
     ptr = host.buffer.data_ptr()
     raw.register(ptr, host.buffer.numel() * host.buffer.element_size())
     try:
@@ -413,12 +413,22 @@ class RawPath:
 
 
 class SameInstance:
-    """Raw calls on the native instance inside kvstrata's own :class:`MooncakeClient` (the pools
-    are registered there by the backends' ``attach``): the raw baseline without the spread between
-    two native instances of one master, which alone reached 13-33% per call for small calls."""
+    """Raw calls on the native instance inside kvstrata's own :class:`MooncakeClient`: the raw
+    baseline of every ratio (``client_history.py`` says why). Its memory is registered through the
+    client (:meth:`register`: counted references, so a range a backend's ``attach`` registered too
+    stays registered until both let go); a range used here must be held by :meth:`register` (or
+    :func:`registered`) for as long as it is used, since closing the backends that registered it
+    drops their references."""
 
     def __init__(self, client: MooncakeClient) -> None:
+        self.client = client
         self.native: Any = client.native_store
+
+    def register(self, ptr: int, size: int) -> None:
+        self.client.register_buffer(ptr, size)
+
+    def unregister(self, ptr: int) -> None:
+        self.client.unregister_buffer(ptr)
 
 
 class BackendPath:
@@ -738,8 +748,10 @@ def run_cell(
         backends["staged"].attach(staged)
         backends["direct_one_object"].attach(major)
         backends["one_object_parts"].attach(direct)
-        with registered(raw, direct), registered(raw, major):
-            same = SameInstance(client)
+        same = SameInstance(client)
+        # the raw rows' memory stays registered with kvstrata's instance for the whole cell, also
+        # once the backends that registered it are closed (the cache rows run after that)
+        with registered(raw, direct), registered(same, direct), registered(same, major):
             raw_path = RawPath(same, direct, cell, keyspace)
             paths: dict[str, MovePath] = {
                 "raw": raw_path,
@@ -971,9 +983,10 @@ def run_exists(
     return rows
 
 
-def prefault(client: MooncakeClient, raw: RawStore, segment: int) -> None:
-    """Write about 85% of the segment once and remove it, so the storage node's memory is committed
-    before anything is timed (a store that fills up earlier just ends this early)."""
+def prefault(raw: RawStore | SameInstance, segment: int) -> None:
+    """Write about 85% of the segment once through ``raw``, so the storage node's memory is
+    committed before anything is timed (a store that fills up earlier just ends this early). The
+    objects stay: the caller empties the store (:func:`clear`)."""
     size, per_call = 4 * MIB, 16
     buffer = torch.ones(size * per_call, dtype=torch.uint8)
     ptr = buffer.data_ptr()
@@ -990,7 +1003,6 @@ def prefault(client: MooncakeClient, raw: RawStore, segment: int) -> None:
                 break
     finally:
         raw.unregister(ptr)
-        clear(client, raw)
 
 
 @contextmanager
@@ -1015,7 +1027,7 @@ def bench_store(segment_bytes: int) -> Iterator[tuple[MooncakeClient, RawStore]]
         client = MooncakeClient(cluster.config).setup()
         writer = RawStore(cluster.master_address, cluster.config.local_buffer_size)
         try:
-            prefault(client, writer, segment_bytes)
+            prefault(writer, segment_bytes)
         finally:
             writer.close()
         raw = RawStore(cluster.master_address, cluster.config.local_buffer_size)
@@ -1179,6 +1191,8 @@ def print_tables(result: dict[str, Any]) -> None:
             )
     print()
     for cell in result["cells"]:
+        second = next(row for row in cell["rows"] if row["path"] == "raw_second")
+        drift(f"{cell['page_bytes'] // KIB} KiB", second["put_ratio"], second["get_ratio"])
         for row in cell["rows"]:
             if row["path"] in ("raw", "raw_second", "cache_raw", "raw_one_object"):
                 continue
@@ -1201,6 +1215,22 @@ def print_tables(result: dict[str, Any]) -> None:
             )
         if cell["cache_backup_retries"]:
             print(f"{cell['page_bytes'] // KIB} KiB cache: {cell['cache_backup_retries']} retries")
+
+
+DRIFT = 0.15
+"""How far the second native client may lie from kvstrata's instance before a run says so."""
+
+
+def drift(where: str, put_ratio: float, get_ratio: float) -> None:
+    """One line when the second native client's raw calls (``put_ratio``, ``get_ratio``: raw
+    seconds on kvstrata's instance over the second client's) differ from the baseline's by more than
+    :data:`DRIFT`: the two instances drifted apart in this run (``client_history.py``), which the
+    baseline on kvstrata's own instance keeps out of the ratios."""
+    if max(abs(put_ratio - 1), abs(get_ratio - 1)) > DRIFT:
+        print(
+            f"{where}: the second native client ran at {put_ratio:.2f} (put) / {get_ratio:.2f} "
+            "(get) of kvstrata's instance: the instances drifted apart in this run"
+        )
 
 
 def report(

@@ -58,6 +58,5 @@ def test_client_history_times_every_history_on_a_real_cluster(tmp_path: Path) ->
     clients = json.loads(out.read_text())["clients"]
     assert set(clients) == {"fresh", "small_objects", "big_objects", "big_objects_removed"}
     assert all(row["put_us"] > 0 and row["get_us"] > 0 for row in clients.values())
-    assert clients["fresh"]["put_vs_fresh"] == 1.0
     refused = run("benchmarks/client_history.py", "--big-mib", "128", "--history-mib", "64")
     assert refused.returncode == 2 and "--big-mib" in refused.stderr
