@@ -83,12 +83,18 @@ class Streams:
 
     # ------------------------------------------------------------------------------------ the paths
     def raw_put(self, calls: range) -> float:
+        """Each call's source written (untimed: the seconds returned, as ``in_place`` writes its
+        views), then its raw put."""
+        untimed = 0.0
         for call in calls:
+            start = time.perf_counter()
+            self.sides.fill_source()
+            untimed += time.perf_counter() - start
             keys = self.sides.raw_keys[call]
             codes = self.sides.native.batch_put_from(keys, self.sides.src_ptrs, self.sides.sizes)
             if any(code != 0 for code in codes):
                 raise l3.BenchError(f"raw batch_put_from returned {list(codes)}")
-        return 0.0
+        return untimed
 
     def raw_get(self, calls: range) -> float:
         for call in calls:

@@ -6,8 +6,10 @@ its own, so every byte crosses TCP loopback to the storage node on both sides of
 cluster, the raw client, the prefault and the store clearing are ``l3_throughput.py``'s helpers):
 
 - **raw**: ``mooncake.store.MooncakeDistributedStore`` called directly: ``batch_put_from`` of a batch
-  of embeddings from one registered buffer that already holds them, then ``batch_get_into`` into a
-  second registered buffer, with key strings of the cache's own form computed before the clock starts.
+  of embeddings from one registered buffer, the batch copied into it right before each put (untimed,
+  as the in-place path's views are written: a put of memory written just before it is 5-10% slower
+  than one of memory written long ago), then ``batch_get_into`` into a second registered buffer, with
+  key strings of the cache's own form computed before the clock starts.
   The headline raw calls run on the native instance inside kvstrata's own ``MooncakeClient``
   (``native_store``): a native client's past calls change its speed on small objects (one batch of
   4 MiB objects made later 128 KiB puts 1.2-1.7x slower: ``client_history.py``), so a baseline on
@@ -189,11 +191,11 @@ class Sides:
         self.media2 = [list(chunk) for chunk in l3.batches(media2, cell.batch)]
 
     # ------------------------------------------------------------------------------ the four calls
-    def raw_put(self, call: int) -> None:
-        self._put(self.native, self.raw_keys[call])
+    def raw_put(self, call: int) -> float:
+        return self._put(self.native, self.raw_keys[call])
 
-    def raw_put_second(self, call: int) -> None:
-        self._put(self.raw.native, self.second_keys[call])
+    def raw_put_second(self, call: int) -> float:
+        return self._put(self.raw.native, self.second_keys[call])
 
     def raw_get(self, call: int) -> None:
         self._get(self.native, self.raw_keys[call])
@@ -201,10 +203,24 @@ class Sides:
     def raw_get_second(self, call: int) -> None:
         self._get(self.raw.native, self.second_keys[call])
 
-    def _put(self, native: Any, keys: list[str]) -> None:
+    def _put(self, native: Any, keys: list[str]) -> float:
+        """The batch written into the registered source (untimed: the seconds returned, as
+        ``in_place`` writes its views), then one raw put of it. A put reads memory written just
+        before it 5-10% slower than memory written long ago (a one-off probe of 2026-12-02, 128 KiB
+        and 1.12 MiB items): both sides put what was just written, as an encoder's output is."""
+        start = time.perf_counter()
+        self.fill_source()
+        untimed = time.perf_counter() - start
         codes = native.batch_put_from(keys, self.src_ptrs, self.sizes)
         if any(code != 0 for code in codes):
             raise l3.BenchError(f"raw batch_put_from returned {list(codes)}")
+        return untimed
+
+    def fill_source(self) -> None:
+        """Each tensor copied into its place in the registered source buffer (one copy each, as
+        ``in_place`` copies each into its view)."""
+        for place, tensor in zip(self.src, self.tensors, strict=True):
+            place.copy_(tensor)
 
     def _get(self, native: Any, keys: list[str]) -> None:
         codes = native.batch_get_into(keys, self.dst_ptrs, self.sizes)
@@ -225,7 +241,7 @@ class Sides:
 
     def in_place(self, call: int) -> float:
         """reserve, the encoder's output written into the views (untimed: the seconds returned,
-        as the raw put's buffer is filled before its clock starts), commit, flush."""
+        as the raw put's source is written before its clock starts), commit, flush."""
         tokens = [self.cell.tokens] * self.cell.batch
         before = self.a2.counters.pushed
         reservation = self.a2.reserve(self.media2[call], tokens)
