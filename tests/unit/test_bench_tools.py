@@ -2,7 +2,10 @@
 library of the checkout it names (and refuses a folder that is not one),
 ``benchmarks/backend_overhead.py`` times every call it lists against a real master's client, and
 ``benchmarks/client_history.py`` times every client history it names on a real cluster, with the
-bytes it reads back checked.
+bytes it reads back checked, and the two throughput benchmarks whose ratios are issue 20's goals
+(``l3_throughput.py``, ``embedding_throughput.py``) run end to end in their smallest form, their raw
+baseline and the second client's scale row among their results (each checks the bytes it moved in a
+warm-up repetition and exits 1 when they differ).
 Timings are the benchmarks' to report (docs/benchmarks.md), never asserted here."""
 
 from __future__ import annotations
@@ -60,3 +63,31 @@ def test_client_history_times_every_history_on_a_real_cluster(tmp_path: Path) ->
     assert all(row["put_us"] > 0 and row["get_us"] > 0 for row in clients.values())
     refused = run("benchmarks/client_history.py", "--big-mib", "128", "--history-mib", "64")
     assert refused.returncode == 2 and "--big-mib" in refused.stderr
+
+
+def test_l3_throughput_runs_its_rows_against_kvstratas_instance(tmp_path: Path) -> None:
+    out = tmp_path / "l3.json"
+    done = run(
+        "benchmarks/l3_throughput.py",
+        *("--quick", "--sizes", "256", "--skip-exists", "--cache-schema", "2"),
+        *("--repeats", "1", "--json", str(out)),
+    )
+    assert done.returncode == 0, done.stderr
+    (cell,) = json.loads(out.read_text())["cells"]
+    rows = {row["path"]: row for row in cell["rows"]}
+    assert {"raw", "raw_second", "direct", "raw_one_object", "cache_raw", "cache_l2"} <= set(rows)
+    assert all(row[f"{what}_ratio"] > 0 for row in rows.values() for what in ("put", "get"))
+
+
+def test_embedding_throughput_reports_the_second_client_beside_the_baseline(
+    tmp_path: Path,
+) -> None:
+    out = tmp_path / "embedding.json"
+    done = run(
+        "benchmarks/embedding_throughput.py",
+        *("--quick", "--shapes", "small", "--batches", "1", "--repeats", "1", "--json", str(out)),
+    )
+    assert done.returncode == 0, done.stderr
+    (cell,) = json.loads(out.read_text())["cells"]
+    names = ("insert", "in_place", "prefetch", "borrow", "second_put", "second_get")
+    assert all(cell["median_call_ratios"][name] > 0 for name in names)
