@@ -756,6 +756,8 @@ def run_cell(
         # once the backends that registered it are closed (the cache rows run after that)
         with registered(raw, direct), registered(same, direct), registered(same, major):
             raw_path = RawPath(same, direct, cell, keyspace)
+            raw_one = RawPath(same, major, cell, one_object)
+            cache_raw_path = raw_one if cache_schema == 2 else raw_path
             paths: dict[str, MovePath] = {
                 "raw": raw_path,
                 "raw_second": RawPath(raw, direct, cell, keyspace),
@@ -763,7 +765,7 @@ def run_cell(
                 "exists_first": BackendPath(backends["exists_first"], direct, cell),
                 "direct_twin": BackendPath(backends["direct_twin"], direct, cell),
                 "staged": BackendPath(backends["staged"], staged, cell),
-                "raw_one_object": RawPath(same, major, cell, one_object),
+                "raw_one_object": raw_one,
                 "direct_one_object": BackendPath(backends["direct_one_object"], major, cell),
                 "one_object_parts": BackendPath(backends["one_object_parts"], direct, cell),
             }
@@ -788,7 +790,7 @@ def run_cell(
                     # raw Mooncake moving the objects the cache moves: two a page for schema 1,
                     # one a page for schema 2 (against two a page, schema 2 would gain the
                     # store's own one-object advantage, 1.0-1.45x by page size)
-                    raw_path=paths["raw_one_object"] if cache_schema == 2 else raw_path,
+                    raw_path=cache_raw_path,
                     direct=major if cache_schema == 2 else direct,
                     backend=backends[cached],
                     repeats=repeats,
@@ -830,6 +832,7 @@ def run_cell(
         "total_bytes": cell.total,
         "object_bytes": cell.page_bytes // shape.planes,
         "cache_backup_retries": retries,
+        "cache_raw_objects_per_page": len(cache_raw_path.keyspace.components) if with_cache else 0,
         "query_wait_us": [wait * 1e6 for wait in query_waits],
         "seconds": time.perf_counter() - started,
         "rows": rows,
