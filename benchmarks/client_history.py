@@ -77,6 +77,41 @@ def give_history(raw: l3.RawStore, history: str, total: int, big: int) -> None:
         raw.unregister(ptr)
 
 
+class Buffers:
+    """The timed calls' memory: ``count`` objects of ``size`` bytes put from ``source`` and read
+    back into ``target`` (both to be registered with every client)."""
+
+    def __init__(self, count: int, size: int) -> None:
+        self.size = size
+        self.source = torch.randint(0, 255, (count * size,), dtype=torch.uint8)
+        self.target = torch.zeros_like(self.source)
+        self.ptrs = [self.source.data_ptr() + i * size for i in range(count)]
+        self.into = [self.target.data_ptr() + i * size for i in range(count)]
+        self.sizes = [size] * count
+
+    def check(self, name: str) -> None:
+        """The bytes read back are the bytes put; the target is zeroed for the next get."""
+        if not torch.equal(self.source, self.target):
+            raise l3.BenchError(f"{name}: other bytes than were put")
+        self.target.zero_()
+
+
+def timed_call(native: Any, verb: str, keys: list[str], moved: Buffers) -> float:
+    """The seconds of one ``batch_put_from`` (``verb`` "put") or ``batch_get_into`` of ``keys``;
+    :class:`~l3_throughput.BenchError` unless every object moved whole."""
+    start = time.perf_counter()
+    if verb == "put":
+        codes = native.batch_put_from(keys, moved.ptrs, moved.sizes)
+        ok = all(code == 0 for code in codes)
+    else:
+        codes = native.batch_get_into(keys, moved.into, moved.sizes)
+        ok = all(code == moved.size for code in codes)
+    seconds = time.perf_counter() - start
+    if not ok:
+        raise l3.BenchError(f"{verb} returned {list(codes)}")
+    return seconds
+
+
 def measure(args: argparse.Namespace) -> dict[str, Any]:
     size = args.kib * KIB
     # every history's objects, or every client's timed objects of one repetition, with room to
@@ -90,14 +125,10 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                 raw = l3.RawStore(client.config.master, client.config.local_buffer_size)
                 clients[history] = raw
                 give_history(raw, history, args.history_mib * MIB, args.big_mib * MIB)
-            source = torch.randint(0, 255, (args.batch * size,), dtype=torch.uint8)
-            target = torch.zeros_like(source)
+            moved = Buffers(args.batch, size)
             for raw in clients.values():
-                raw.register(source.data_ptr(), source.numel())
-                raw.register(target.data_ptr(), target.numel())
-            ptrs = [source.data_ptr() + i * size for i in range(args.batch)]
-            into = [target.data_ptr() + i * size for i in range(args.batch)]
-            sizes = [size] * args.batch
+                for buffer in (moved.source, moved.target):
+                    raw.register(buffer.data_ptr(), buffer.numel())
             medians: dict[str, dict[str, list[float]]] = {
                 name: {"put": [], "get": []} for name in HISTORIES
             }
@@ -117,21 +148,12 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                     for call in range(args.calls):
                         turn = call % len(HISTORIES)
                         for name in HISTORIES[turn:] + HISTORIES[:turn]:
-                            native = clients[name].native
-                            start = time.perf_counter()
-                            if verb == "put":
-                                codes = native.batch_put_from(keys[name][call], ptrs, sizes)
-                                ok = all(code == 0 for code in codes)
-                            else:
-                                codes = native.batch_get_into(keys[name][call], into, sizes)
-                                ok = all(code == size for code in codes)
-                            calls[name][verb].append(time.perf_counter() - start)
-                            if not ok:
-                                raise l3.BenchError(f"{name} {verb} returned {list(codes)}")
+                            seconds = timed_call(
+                                clients[name].native, verb, keys[name][call], moved
+                            )
+                            calls[name][verb].append(seconds)
                             if rep == 0 and verb == "get":  # the warm-up: every get's bytes
-                                if not torch.equal(source, target):
-                                    raise l3.BenchError(f"{name}: other bytes than were put")
-                                target.zero_()
+                                moved.check(name)
                 if rep == 0:
                     continue
                 for name in HISTORIES:

@@ -193,8 +193,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         l3.fill(host, 1 << 40)
         backend = MooncakeBackend(client, keyspace)
         backend.attach(host)
+        same = l3.SameInstance(client)  # the raw path's instance: kvstrata's own
         paths: dict[str, l3.MovePath] = {
-            "raw": l3.RawPath(l3.SameInstance(client), host, cell, keyspace),  # kvstrata's instance
+            "raw": l3.RawPath(same, host, cell, keyspace),
             "kvstrata": l3.BackendPath(backend, host, cell),
         }
         host_c = HostKVPool(l3.shape_of(cell), cell.pages, HostLayout.PAGE_FIRST_DIRECT)
@@ -210,7 +211,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             for interval in args.intervals:  # the loop alone, before any store call
                 sys.setswitchinterval(interval / 1e3)
                 alone[interval] = [loop_rate(0.5) for _ in range(2)]
-            same = l3.SameInstance(client)  # the raw path's instance (kvstrata's own)
             with l3.registered(same, host):
                 for rep in range(args.repeats + 1):  # the first is a warm-up
                     # a burst of 4 MiB puts: after an idle moment (the loop measured alone) the
