@@ -30,7 +30,7 @@ from collections.abc import Sequence
 import torch
 
 from kvstrata.impl import embedding
-from kvstrata.impl.embedding import EmbeddingCache, EmbeddingPool, Extent, ExtentStatus, PoolShape
+from kvstrata.impl.embedding import EmbeddingCache, EmbeddingPool, Extents, ExtentStatus, PoolShape
 from kvstrata.impl.transfer import ManualExecutor
 from kvstrata.model.keys import KeySpace, KVKind, ModelIdentity, Shard, StoreKey, content_hash
 
@@ -54,10 +54,10 @@ class NullStore:
     def exists(self, keys: Sequence[StoreKey]) -> list[bool]:
         return [self.there] * len(keys)
 
-    def put(self, extents: Sequence[Extent]) -> list[ExtentStatus]:
+    def put(self, extents: Extents) -> list[ExtentStatus]:
         return [ExtentStatus.DONE] * len(extents)
 
-    def get(self, extents: Sequence[Extent]) -> list[ExtentStatus]:
+    def get(self, extents: Extents) -> list[ExtentStatus]:
         return [ExtentStatus.DONE] * len(extents)
 
 

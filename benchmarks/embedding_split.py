@@ -10,7 +10,7 @@ ways, each adding one layer to the one before:
   ``client_history.py``);
 - ``client``: :class:`~kvstrata.impl.storage.mooncake.MooncakeClient.batch_put_from` (the gate, the key
   and range checks, the per-key codes);
-- ``adapter``: :class:`~kvstrata.impl.embedding.MooncakeEmbeddingStore.put` of ``Extent`` values;
+- ``adapter``: :class:`~kvstrata.impl.embedding.MooncakeEmbeddingStore.put` of ``Extents`` (columns);
 - ``adapter_pool``: the same from the pool of an embedding cache instead of the source buffer;
 - ``copy``: the copies ``insert_batch`` makes into that pool, alone (no store call);
 - ``cache_inline``: ``EmbeddingCache.insert_batch`` + ``flush`` with an ``InlineExecutor``;
@@ -45,6 +45,7 @@ from kvstrata.impl.embedding import (
     EmbeddingCache,
     EmbeddingPool,
     Extent,
+    Extents,
     MooncakeEmbeddingStore,
     PoolShape,
 )
@@ -119,8 +120,14 @@ def _steps(
     def wrapped() -> None:
         client.batch_put_from(keys[1], sides.src_ptrs, sides.sizes)
 
-    def extents(group: int, ptrs: Sequence[int]) -> list[Extent]:
-        return [Extent(k, p, s) for k, p, s in zip(keys[group], ptrs, sides.sizes, strict=True)]
+    def extents(group: int, ptrs: Sequence[int]) -> Extents:
+        """The adapter's columns, made before the clock starts (the cache renders them as one
+        batch while it plans the call: ``capture``, timed in the layers above)."""
+        rows = zip(keys[group], ptrs, sides.sizes, strict=True)
+        return Extents.of(Extent(k, p, s) for k, p, s in rows)
+
+    pool_ptrs = [pool.unit_ptr(unit) for unit in range(len(sides.tensors))]
+    from_source, from_pool = extents(2, sides.src_ptrs), extents(3, pool_ptrs)
 
     def copies() -> None:
         for unit, tensor in enumerate(sides.tensors):
@@ -134,12 +141,11 @@ def _steps(
 
         return step
 
-    pool_ptrs = [pool.unit_ptr(unit) for unit in range(len(sides.tensors))]
     return [
         raw,
         wrapped,
-        lambda: adapter.put(extents(2, sides.src_ptrs)),
-        lambda: adapter.put(extents(3, pool_ptrs)),
+        lambda: adapter.put(from_source),
+        lambda: adapter.put(from_pool),
         copies,
         cached(inline, 5),
         cached(sides.a, 6),

@@ -19,6 +19,7 @@ from kvstrata.impl.embedding.pool import EmbeddingPool, PoolShape
 from kvstrata.impl.embedding.store import (
     EmbeddingStore,
     Extent,
+    Extents,
     ExtentStatus,
     MemoryEmbeddingStore,
     MooncakeEmbeddingStore,
@@ -31,6 +32,7 @@ __all__ = [
     "EmbeddingStore",
     "Extent",
     "ExtentStatus",
+    "Extents",
     "InsertResult",
     "Loan",
     "MemoryEmbeddingStore",

@@ -54,9 +54,9 @@ import attrs
 import torch
 
 from kvstrata.impl.embedding.checks import check_hashes, check_insert, check_sizes
-from kvstrata.impl.embedding.entries import Entries, Entry
+from kvstrata.impl.embedding.entries import Entries, Entry, LiveEntry
 from kvstrata.impl.embedding.holds import Holds, Loan, Reservation, Reserved
-from kvstrata.impl.embedding.ops import Item, Ops
+from kvstrata.impl.embedding.ops import Ops
 from kvstrata.impl.embedding.pool import EmbeddingPool
 from kvstrata.impl.embedding.store import EmbeddingStore
 from kvstrata.impl.errors import MisuseError
@@ -191,7 +191,8 @@ class EmbeddingCache:
         return self.pool.used_count
 
     def entry(self, media: PageHash) -> Entry | None:
-        return self._entries.get(media)
+        """The entry of ``media`` as it is now (a snapshot), or ``None``."""
+        return self._entries.snapshot(media)
 
     def entries(self) -> tuple[Entry, ...]:
         return self._entries.sorted()
@@ -260,8 +261,8 @@ class EmbeddingCache:
 
     def _abort(self, reservation: Reservation) -> int:
         reserved = self._holds.close_reservation(reservation)
-        for media, _generation in reserved.fresh:
-            self._entries.forget(self._entries[media], EntryEvent.FILL_FAILED)
+        for entry in reserved.fresh:
+            self._entries.forget(entry, EntryEvent.FILL_FAILED)
         return len(reserved.fresh)
 
     def borrow(self, hashes: Iterable[PageHash]) -> Loan:
@@ -270,8 +271,9 @@ class EmbeddingCache:
         for anything else."""
         self._ops.poll()  # already guarded: the verb itself checked the caller
         asked = check_hashes(hashes)
-        lent = [m for m in dict.fromkeys(asked) if self._readable(m)]
-        views = {m: self._entries.view(self._entries[m]) for m in lent}
+        table = self._entries
+        lent = [e for m in dict.fromkeys(asked) if (e := table.get(m)) and e.state in READABLE]
+        views = {entry.media: table.view(entry) for entry in lent}
         hold = self._holds.lend(lent)
         return Loan(hold, tuple(views.get(m) for m in asked), self.give_back, owner=self._holds)
 
@@ -304,14 +306,14 @@ class EmbeddingCache:
         victims, fits, no_space = self._entries.plan_room(remote, protect)
         # Nothing has changed so far; every step below is legal by construction.
         self._evict(victims)
+        table = self._entries
         for media in local:
-            self._entries.touch(media)
-        items = [self._ops.item(self._entries.load(media, count)) for media, count in fits]
-        op = self._ops.submit(False, items)
+            table.touch(table[media])
+        op = self._ops.submit(False, table.loads(fits))
         self._ops.start_request(request_id, op)
         self._count(skipped_no_space=no_space)
         return PrefetchResult(
-            op, len(items), len(local), len(batch) - len(local) - len(remote), no_space
+            op, len(fits), len(local), len(batch) - len(local) - len(remote), no_space
         )
 
     def release(self, request_id: str) -> None:
@@ -322,12 +324,14 @@ class EmbeddingCache:
         """A copy of each READY entry's embedding (touched for LRU); ``None`` for anything else."""
         self._ops.poll()  # already guarded: the verb itself checked the caller
         out: list[torch.Tensor | None] = []
+        table = self._entries
         for media in check_hashes(hashes):
-            if not self._readable(media):
+            entry = table.get(media)
+            if entry is None or entry.state not in READABLE:
                 out.append(None)
                 continue
-            out.append(self._entries.read(self._entries[media]))
-            self._entries.touch(media)
+            out.append(table.read(entry))
+            table.touch(entry)
         return tuple(out)
 
     def evict(self, n_units: int) -> int:
@@ -368,21 +372,27 @@ class EmbeddingCache:
         """The reservation of ``batch``; ``views=False`` leaves :attr:`Reservation.views` empty
         (for :meth:`insert_batch`, which writes through :meth:`EmbeddingPool.write` itself)."""
         protect = frozenset(media for media, _tokens in batch)
-        hits = tuple(media for media, _tokens in batch if media in self._entries)
-        misses = [(media, tokens) for media, tokens in batch if media not in self._entries]
-        victims, fits, no_space = self._entries.plan_room(misses, protect)
+        table = self._entries
+        found: list[PageHash] = []
+        misses: list[tuple[PageHash, int]] = []
+        for pair in batch:
+            if pair[0] in table:
+                found.append(pair[0])
+            else:
+                misses.append(pair)
+        hits = tuple(found)
+        victims, fits, no_space = table.plan_room(misses, protect)
         # Nothing has changed so far; every step below is legal by construction.
         self._evict(victims)
-        fresh = [self._entries.begin_fill(media, tokens) for media, tokens in fits]
-        reserved = Reserved(
-            tuple(batch), tuple((e.media, e.generation) for e in fresh), hits, no_space
-        )
+        fresh = self._entries.begin_fills(fits)
+        reserved = Reserved(tuple(batch), tuple(fresh), hits, no_space)
         self._count(skipped_no_space=no_space)
+        view = self.pool.view
         return Reservation(
             self._holds.reserve(reserved),
             tuple(e.media for e in fresh),
             no_space,
-            views={e.media: self.pool.view(e.units, e.tokens) for e in fresh} if views else {},
+            views={e.media: view(e.units, e.tokens) for e in fresh} if views else {},
             places={e.media: (e.units, e.tokens) for e in fresh},
             pool=self.pool,
             owner=self._holds,
@@ -390,18 +400,20 @@ class EmbeddingCache:
 
     def _commit(self, reservation: Reservation) -> InsertResult:
         reserved = self._holds.close_reservation(reservation)
-        fresh = {media: self._entries[media] for media, _generation in reserved.fresh}
-        hits = {m: e for m in reserved.hits if m not in fresh and (e := self._entries.get(m))}
+        table = self._entries
+        fresh = {entry.media: entry for entry in reserved.fresh}
+        hits = {m: e for m in reserved.hits if m not in fresh and (e := table.get(m))}
         # Only the hits are looked up: a new entry is pushed unasked (the store skips a key it
         # holds), a hit the store holds stays READY (readable and evictable).
         ready = [(m, e.tokens) for m, e in hits.items() if e.state in PUSHABLE]
         visible = dict(zip([m for m, _ in ready], self._ops.visible(ready), strict=True))
-        items: list[Item] = []
+        pushed: list[LiveEntry] = []
         re_pushed = skipped = busy = 0
         for media, _tokens in reserved.batch:
             entry = fresh.get(media)
             if entry is not None:  # written by the caller: pushed unasked
-                items.append(self._ops.item(self._entries.push_filled(entry)))
+                table.push_filled(entry)
+                pushed.append(entry)
                 continue
             entry = hits.get(media)
             if entry is None:  # did not fit, or gone since the reserve
@@ -409,25 +421,24 @@ class EmbeddingCache:
             if entry.state not in PUSHABLE:
                 busy += 1
                 continue
-            re_pushed += media in hits
-            entry = self._entries.stamp(entry)
+            re_pushed += 1
+            table.touch(entry)
             if visible.get(media, False):
                 skipped += 1
             else:
-                entry = self._entries.step(entry, EntryEvent.PUSH)
-                items.append(self._ops.item(entry))
-            self._entries.put(entry)
-        op = self._ops.submit(True, items)
+                table.advance(entry, EntryEvent.PUSH)
+                pushed.append(entry)
+        op = self._ops.submit(True, pushed)
         self._count(new=len(fresh), re_pushed=re_pushed)
         return InsertResult(
-            op, len(fresh), re_pushed, len(items), skipped, busy, reserved.skipped_no_space
+            op, len(fresh), re_pushed, len(pushed), skipped, busy, reserved.skipped_no_space
         )
 
     def _readable(self, media: PageHash) -> bool:
         entry = self._entries.get(media)
         return entry is not None and entry.state in READABLE
 
-    def _evict(self, victims: Iterable[Entry]) -> None:
+    def _evict(self, victims: Iterable[LiveEntry]) -> None:
         for victim in victims:
             self._entries.forget(victim, EntryEvent.EVICT)
             self._counted["evicted"] += 1

@@ -1,13 +1,19 @@
 """The entry table of the embedding cache (SPEC §6), the implementation of
-:mod:`kvstrata.model.embedding.entries`: the entry values and the per-entry lifecycle bookkeeping
+:mod:`kvstrata.model.embedding.entries`: the entry records and the per-entry lifecycle bookkeeping
 over the :class:`~kvstrata.impl.embedding.pool.EmbeddingPool`.
 
-Owned here: every live :class:`Entry` (by media hash), the LRU stamps and the generation counter;
-the units come from the pool. The table is kept in stamp order (an entry whose stamp changes moves
-to its end), so the LRU victims are found from its front without sorting: planning room costs
-the victims it takes, not the size of the pool. This is the only module of the implementation that advances
+Owned here: every live entry (a :class:`LiveEntry` record by media hash, changed in place and only
+by :class:`Entries`), the LRU stamps and the generation counter; the units come from the pool.
+Callers read the records; what leaves the cache is an :class:`Entry` value (a snapshot). The
+table is kept in stamp order (an entry touched moves to its end), so the LRU victims are found
+from its front without sorting: planning room costs the victims it takes, not the size of the
+pool. This is the only module of the implementation that advances
 :data:`~kvstrata.model.lifecycles.EMBEDDING_ENTRY`, with the model's guard sets (derived from that
-table in :mod:`kvstrata.model.embedding.entries`).
+table in :mod:`kvstrata.model.embedding.entries`); every change of state is one step of the table.
+
+Why records and not a new value per change (issue 20): a batch of 128 KiB embeddings spent more
+on building values than a raw store call of its items spends on Python; a record changed in place
+costs an attribute store per step, and every step still goes through ``EMBEDDING_ENTRY.next``.
 
 Invariants upheld here alone:
 
@@ -15,7 +21,10 @@ Invariants upheld here alone:
   pushed or loaded is pinned, never evicted, its units never reused until its op's result is
   applied; a FILLING entry (held by a reservation) and a borrowed one (``readers``) are never
   evicted either;
-* every allocation gets a new generation, so an extent captured for an older one is stale;
+* every allocation gets a new generation (and a new record), so an extent captured for an older
+  one is stale;
+* the table's order is its stamps' order: a stamp changes only to the newest, and the entry moves
+  to the end with it;
 * an entry leaves the table only through an event that frees it (eviction, or a failed get:
   ``LOAD_FAILED`` frees and forgets it), and :meth:`Entries.forget` is the only place its units
   are freed: the pool's allocated units are exactly the units of the live entries.
@@ -34,13 +43,14 @@ from kvstrata.model.embedding.entries import EVICTABLE
 from kvstrata.model.keys import PageHash
 from kvstrata.model.lifecycles import EMBEDDING_ENTRY, EntryEvent, EntryState
 
-__all__ = ["Entries", "Entry"]
+__all__ = ["Entries", "Entry", "LiveEntry"]
 
 
 @attrs.frozen
 class Entry:
-    """One cached media item; ``generation`` is new for every allocation, ``stamp`` orders LRU,
-    ``readers`` counts the open loans of its units (a borrowed entry is never evicted)."""
+    """One cached media item as it was when asked; ``generation`` is new for every allocation,
+    ``stamp`` orders LRU, ``readers`` counts the open loans of its units (a borrowed entry is
+    never evicted)."""
 
     media: PageHash
     tokens: int
@@ -51,24 +61,37 @@ class Entry:
     readers: int = 0
 
 
-def _with(
-    entry: Entry,
-    *,
-    state: EntryState | None = None,
-    stamp: int | None = None,
-    readers: int | None = None,
-) -> Entry:
-    """``entry`` with some fields replaced (``attrs.evolve`` without its introspection: this
-    runs several times per item of every batch)."""
-    return Entry(
-        entry.media,
-        entry.tokens,
-        entry.units,
-        entry.state if state is None else state,
-        entry.generation,
-        entry.stamp if stamp is None else stamp,
-        entry.readers if readers is None else readers,
-    )
+@attrs.define(eq=False, repr=False)
+class LiveEntry:
+    """The table's record of one entry: the fields of :class:`Entry`, changed in place by
+    :class:`Entries` only (``media``, ``tokens``, ``units`` and ``generation`` never change: a new
+    allocation is a new record)."""
+
+    media: PageHash
+    tokens: int
+    units: tuple[int, ...]
+    state: EntryState
+    generation: int
+    stamp: int
+    readers: int = 0
+
+    def snapshot(self) -> Entry:
+        return Entry(
+            self.media,
+            self.tokens,
+            self.units,
+            self.state,
+            self.generation,
+            self.stamp,
+            self.readers,
+        )
+
+    def __repr__(self) -> str:
+        return f"Live{self.snapshot()!r}"
+
+
+_FILLING = EMBEDDING_ENTRY.next(EMBEDDING_ENTRY.initial, EntryEvent.FILL)
+_LOADING = EMBEDDING_ENTRY.next(EMBEDDING_ENTRY.initial, EntryEvent.LOAD)
 
 
 class Entries:
@@ -76,41 +99,49 @@ class Entries:
 
     def __init__(self, pool: EmbeddingPool) -> None:
         self.pool = pool
-        self._table: dict[PageHash, Entry] = {}
+        self._table: dict[PageHash, LiveEntry] = {}
         self._clock = 0
         self._generation = 0
 
     # ----------------------------------------------------------------------------- queries
 
-    def get(self, media: PageHash) -> Entry | None:
+    def get(self, media: PageHash) -> LiveEntry | None:
         return self._table.get(media)
 
-    def __getitem__(self, media: PageHash) -> Entry:
+    def __getitem__(self, media: PageHash) -> LiveEntry:
         return self._table[media]
 
     def __contains__(self, media: object) -> bool:
         return media in self._table
 
-    def __iter__(self) -> Iterator[Entry]:
+    def __iter__(self) -> Iterator[LiveEntry]:
         return iter(self._table.values())
 
-    def sorted(self) -> tuple[Entry, ...]:
-        return tuple(sorted(self._table.values(), key=lambda entry: entry.media.digest))
+    def snapshot(self, media: PageHash) -> Entry | None:
+        entry = self._table.get(media)
+        return None if entry is None else entry.snapshot()
 
-    def read(self, entry: Entry) -> torch.Tensor:
+    def sorted(self) -> tuple[Entry, ...]:
+        """Every entry's snapshot, by media digest."""
+        return tuple(
+            entry.snapshot()
+            for entry in sorted(self._table.values(), key=lambda entry: entry.media.digest)
+        )
+
+    def read(self, entry: LiveEntry) -> torch.Tensor:
         """A copy of ``entry``'s embedding."""
         return self.pool.read(entry.units, entry.tokens)
 
-    def view(self, entry: Entry) -> torch.Tensor:
+    def view(self, entry: LiveEntry) -> torch.Tensor:
         """``entry``'s embedding in place (a copy only when its units are apart)."""
         view = self.pool.view(entry.units, entry.tokens)
         return view if view is not None else self.pool.read(entry.units, entry.tokens)
 
-    def lru(self, protect: frozenset[PageHash]) -> list[Entry]:
+    def lru(self, protect: frozenset[PageHash]) -> list[LiveEntry]:
         """Evictable entries (READY, unpinned, not borrowed, not protected), LRU first."""
         return list(self._evictable(protect))
 
-    def _evictable(self, protect: frozenset[PageHash]) -> Iterator[Entry]:
+    def _evictable(self, protect: frozenset[PageHash]) -> Iterator[LiveEntry]:
         """:meth:`lru`, lazily: the table is in stamp order (see the module docstring)."""
         for entry in self._table.values():
             if entry.state in EVICTABLE and not entry.readers and entry.media not in protect:
@@ -118,7 +149,7 @@ class Entries:
 
     def plan_room(
         self, needs: Sequence[tuple[PageHash, int]], protect: frozenset[PageHash]
-    ) -> tuple[list[Entry], list[tuple[PageHash, int]], int]:
+    ) -> tuple[list[LiveEntry], list[tuple[PageHash, int]], int]:
         """The victims (LRU first), the needs (media, tokens) that fit (in order) and how many did
         not; changes nothing. A need fits when the free units and the evictable ones not yet taken
         hold it; its victims are then the next LRU candidates. Candidates are pulled from the
@@ -126,7 +157,7 @@ class Entries:
         not fit)."""
         candidates = self._evictable(protect)
         # candidates seen so far, LRU first; the first ``taken`` of them are victims
-        pulled: list[Entry] = []
+        pulled: list[LiveEntry] = []
         taken = 0
         spare = 0  # units of pulled[taken:]
         free = self.pool.free_count
@@ -153,84 +184,64 @@ class Entries:
 
     # ----------------------------------------------------------------------------- lifecycle
 
-    def begin_fill(self, media: PageHash, tokens: int) -> Entry:
-        """A new FILLING entry of ``media`` (FREE -> FILLING): the caller writes its units (a
-        reservation holds it until it is committed or aborted)."""
-        entry = Entry(
-            media=media,
-            tokens=tokens,
-            units=self.pool.alloc(self.pool.shape.units_for(tokens)),
-            state=EMBEDDING_ENTRY.next(EMBEDDING_ENTRY.initial, EntryEvent.FILL),
-            generation=self._new_generation(),
-            stamp=self._tick(),
+    def begin_fills(self, needs: Sequence[tuple[PageHash, int]]) -> list[LiveEntry]:
+        """A new FILLING entry for each (media, tokens) of ``needs`` (FREE -> FILLING; room was
+        planned): the caller writes its units (a reservation holds it until it is committed or
+        aborted)."""
+        return self._allocate(needs, _FILLING)
+
+    def loads(self, needs: Sequence[tuple[PageHash, int]]) -> list[LiveEntry]:
+        """A new LOADING (pinned) entry for each (media, tokens) of ``needs`` (FREE -> LOADING;
+        room was planned), its units unwritten."""
+        return self._allocate(needs, _LOADING)
+
+    def _allocate(
+        self, needs: Sequence[tuple[PageHash, int]], state: EntryState
+    ) -> list[LiveEntry]:
+        table, alloc, units_for = self._table, self.pool.alloc, self.pool.shape.units_for
+        made = []
+        for media, tokens in needs:
+            self._generation += 1
+            self._clock += 1
+            entry = LiveEntry(
+                media, tokens, alloc(units_for(tokens)), state, self._generation, self._clock
+            )
+            table[media] = entry  # a new key: at the end (media are not in the table, planned)
+            made.append(entry)
+        return made
+
+    def push_filled(self, entry: LiveEntry) -> None:
+        """The caller wrote a FILLING ``entry``: FILLED then PUSH (touched for LRU)."""
+        entry.state = EMBEDDING_ENTRY.next(
+            EMBEDDING_ENTRY.next(entry.state, EntryEvent.FILLED), EntryEvent.PUSH
         )
-        self._table[media] = entry
-        return entry
+        self.touch(entry)
 
-    def push_filled(self, entry: Entry) -> Entry:
-        """The caller wrote a FILLING ``entry``: FILLED then PUSH (one value, touched for LRU),
-        stored. One step of the table each, as :meth:`step` would take them."""
-        ready = EMBEDDING_ENTRY.next(entry.state, EntryEvent.FILLED)
-        pushing = EMBEDDING_ENTRY.next(ready, EntryEvent.PUSH)
-        entry = _with(entry, state=pushing, stamp=self._tick())
-        self.put(entry)
-        return entry
+    def lend(self, entry: LiveEntry, delta: int) -> None:
+        """One loan of ``entry``'s units opened (``delta`` 1, touched for LRU) or closed (-1)."""
+        entry.readers += delta
+        if delta > 0:
+            self.touch(entry)
 
-    def lend(self, media: PageHash, delta: int) -> None:
-        """One loan of ``media``'s units opened (``delta`` 1, touched for LRU) or closed (-1)."""
-        entry = self._table[media]
-        stamp = self._tick() if delta > 0 else None
-        self.put(_with(entry, readers=entry.readers + delta, stamp=stamp))
-
-    def load(self, media: PageHash, tokens: int) -> Entry:
-        """A new LOADING (pinned) entry of ``media`` (FREE -> LOADING), its units unwritten."""
-        entry = Entry(
-            media=media,
-            tokens=tokens,
-            units=self.pool.alloc(self.pool.shape.units_for(tokens)),
-            state=EMBEDDING_ENTRY.next(EMBEDDING_ENTRY.initial, EntryEvent.LOAD),
-            generation=self._new_generation(),
-            stamp=self._tick(),
-        )
-        self._table[media] = entry
-        return entry
-
-    def stamp(self, entry: Entry) -> Entry:
-        """``entry`` touched for LRU (not stored: :meth:`put` it before touching another entry, so
-        the table stays in stamp order)."""
-        return _with(entry, stamp=self._tick())
-
-    def step(self, entry: Entry, event: EntryEvent) -> Entry:
-        """``entry`` after ``event`` (not stored: :meth:`put` it); never to FREE (:meth:`forget`)."""
-        return _with(entry, state=EMBEDDING_ENTRY.next(entry.state, event))
-
-    def put(self, entry: Entry) -> None:
-        """Store ``entry``; one whose stamp changed (always to the newest) moves to the end, which
-        keeps the table in stamp order."""
+    def touch(self, entry: LiveEntry) -> None:
+        """``entry`` is the most recently used: the newest stamp, at the end of the table."""
         table = self._table
-        old = table.get(entry.media)
-        if old is not None and old.stamp != entry.stamp:
-            del table[entry.media]
+        del table[entry.media]
         table[entry.media] = entry
-
-    def touch(self, media: PageHash) -> None:
-        self.put(self.stamp(self._table[media]))
-
-    def advance(self, entry: Entry, event: EntryEvent) -> None:
-        """``entry`` (the stored value) after ``event``, stored in its place (no touch)."""
-        self._table[entry.media] = _with(entry, state=EMBEDDING_ENTRY.next(entry.state, event))
-
-    def forget(self, entry: Entry, event: EntryEvent) -> None:
-        """Take ``entry`` to FREE through ``event``: forgotten, its units freed."""
-        if EMBEDDING_ENTRY.next(entry.state, event) is not EntryState.FREE or entry.readers:
-            raise InvariantViolation("I5", f"{event} does not free {entry!r}")
-        del self._table[entry.media]
-        self.pool.free(entry.units)
-
-    def _tick(self) -> int:
         self._clock += 1
-        return self._clock
+        entry.stamp = self._clock
 
-    def _new_generation(self) -> int:
-        self._generation += 1
-        return self._generation
+    def advance(self, entry: LiveEntry, event: EntryEvent) -> None:
+        """``entry`` after ``event``, in its place (no touch); never to FREE (:meth:`forget`)."""
+        entry.state = EMBEDDING_ENTRY.next(entry.state, event)
+
+    def forget(self, entry: LiveEntry, event: EntryEvent) -> None:
+        """Take ``entry`` to FREE through ``event``: forgotten, its units freed."""
+        freed = EMBEDDING_ENTRY.next(entry.state, event)
+        if freed is not EntryState.FREE or entry.readers:
+            raise InvariantViolation("I5", f"{event} does not free {entry!r}")
+        if self._table.get(entry.media) is not entry:
+            raise InvariantViolation("I5", f"{entry!r} is not the live entry of its media")
+        del self._table[entry.media]
+        entry.state = freed
+        self.pool.free(entry.units)

@@ -28,7 +28,7 @@ from types import TracebackType
 import attrs
 import torch
 
-from kvstrata.impl.embedding.entries import Entries
+from kvstrata.impl.embedding.entries import Entries, LiveEntry
 from kvstrata.impl.embedding.pool import EmbeddingPool
 from kvstrata.impl.errors import MisuseError
 from kvstrata.model.keys import PageHash
@@ -39,11 +39,12 @@ __all__ = ["Holds", "Loan", "Reservation", "Reserved"]
 @attrs.frozen
 class Reserved:
     """An open reservation: the batch (media, tokens) in order, duplicates merged; the FILLING
-    entries it allocated (media, generation); the batch's local hits when it was made; how many
-    new items did not fit."""
+    entries it allocated (their records: a FILLING entry is never evicted, so each is live until
+    the reservation is closed); the batch's local hits when it was made; how many new items did
+    not fit."""
 
     batch: tuple[tuple[PageHash, int], ...]
-    fresh: tuple[tuple[PageHash, int], ...]
+    fresh: tuple[LiveEntry, ...]
     hits: tuple[PageHash, ...]
     skipped_no_space: int
 
@@ -118,7 +119,7 @@ class Holds:
     def __init__(self, entries: Entries) -> None:
         self.entries = entries
         self._reserved: dict[int, Reserved] = {}
-        self._loans: dict[int, tuple[PageHash, ...]] = {}
+        self._loans: dict[int, tuple[LiveEntry, ...]] = {}
         self._next = 0
 
     def handles(self) -> tuple[int, ...]:
@@ -141,22 +142,25 @@ class Holds:
         reservation.closed = True
         return self._reserved.pop(reservation.hold)
 
-    def lend(self, media: Sequence[PageHash]) -> int:
-        """A loan of ``media`` (each a READY entry, named once): one reader more on each."""
-        for item in media:
-            self.entries.lend(item, 1)
+    def lend(self, lent: Sequence[LiveEntry]) -> int:
+        """A loan of ``lent`` (each a READY entry, named once): one reader more on each (a
+        borrowed entry is never forgotten, so its record is live until the loan is back)."""
+        lend = self.entries.lend
+        for entry in lent:
+            lend(entry, 1)
         hold = self._take_seq()
-        self._loans[hold] = tuple(media)
+        self._loans[hold] = tuple(lent)
         return hold
 
     def give_back(self, loan: Loan) -> int:
         """Close ``loan``: one reader less on each entry it names; how many."""
         if not isinstance(loan, Loan) or loan.owner is not self or loan.hold not in self._loans:
             raise MisuseError(f"no open loan {loan!r} of this cache")
-        media = self._loans.pop(loan.hold)
-        for item in media:
-            self.entries.lend(item, -1)
-        return len(media)
+        lent = self._loans.pop(loan.hold)
+        lend = self.entries.lend
+        for entry in lent:
+            lend(entry, -1)
+        return len(lent)
 
     def _take_seq(self) -> int:
         self._next += 1

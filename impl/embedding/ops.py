@@ -11,7 +11,7 @@ Invariants upheld here alone:
 
 * an entry is PUSHING (LOADING) exactly while one pending put (get) holds its extents, and those
   extents are the units of the entry's *current* generation (an extent is captured from a pinned
-  entry, :meth:`Ops.item`); a result for another generation is a stale offset (``I5``);
+  entry, :meth:`Ops.capture`); a result for another generation is a stale offset (``I5``);
 * results are applied only on the caller's thread (:meth:`Ops.poll`), item by item as the model's
   ``ack_push(op, failed)`` / ``ack_get(op, failed)``: an item whose *every* object is DONE
   completes; an item with *any* failed object failed (a put item is READY again, a get item is
@@ -29,12 +29,13 @@ from collections.abc import Sequence
 
 import attrs
 
-from kvstrata.impl.embedding.entries import Entries, Entry
-from kvstrata.impl.embedding.store import EmbeddingStore, Extent, ExtentStatus
+from kvstrata.impl.embedding.entries import Entries, LiveEntry
+from kvstrata.impl.embedding.store import EmbeddingStore, Extents, ExtentStatus
 from kvstrata.impl.errors import InvariantViolation, MisuseError
 from kvstrata.impl.executors import Joinable, deadline_after, seconds_left
+from kvstrata.impl.kernels import join_keys
 from kvstrata.impl.transfer import Executor
-from kvstrata.model.keys import KeySpace, Namespace, PageHash, StoreKey
+from kvstrata.model.keys import KeySpace, Namespace, PageHash, RenderedKeys, StoreKey
 from kvstrata.model.lifecycles import EntryEvent
 
 __all__ = ["POOL", "Item", "Op", "Ops"]
@@ -44,18 +45,23 @@ POOL = "emb"
 
 @attrs.frozen
 class Item:
-    """One entry of a pending op, as it was when the op started (its generation and units)."""
+    """One entry of a pending op, as it was when the op started: its generation, and how many
+    store objects (units) of the op's :class:`Extents` are its own, in order."""
 
     media: PageHash
     generation: int
-    extents: tuple[Extent, ...]
+    objects: int
 
 
 @attrs.frozen
 class Op:
+    """A pending batch put (``push``) or get: its items in order, and the extents handed to the
+    store (item by item, each item's objects unit by unit)."""
+
     op_id: int
     push: bool
     items: tuple[Item, ...]
+    extents: Extents
 
 
 class Ops:
@@ -95,7 +101,10 @@ class Ops:
 
     def _labels(self, tokens: int) -> tuple[str, ...]:
         """The key components of an embedding of ``tokens`` rows: ``u<i>of<n>``, unit by unit."""
-        count = self.pool.shape.units_for(tokens)
+        return self._labels_of(self.pool.shape.units_for(tokens))
+
+    def _labels_of(self, count: int) -> tuple[str, ...]:
+        """The key components of an embedding of ``count`` units."""
         labels = self._unit_labels.get(count)
         if labels is None:
             labels = self._unit_labels[count] = tuple(f"u{i}of{count}" for i in range(count))
@@ -135,28 +144,49 @@ class Ops:
         self.request(request_id)
         del self._requests[request_id]
 
-    def item(self, entry: Entry) -> Item:
-        """The extents of ``entry``'s current generation (it is pinned by the caller)."""
-        pool, tokens = self.pool, entry.tokens
-        keys = self.object_keys(entry.media, tokens)
-        if len(keys) == 1:  # the common case: one unit, every row from its start
-            (unit,) = entry.units
-            extent = Extent(keys[0], pool.unit_ptr(unit), tokens * pool.row_nbytes)
-            return Item(entry.media, entry.generation, (extent,))
-        rows = pool.shape.rows
-        extents = tuple(
-            Extent(key, pool.unit_ptr(unit), rows(tokens, i) * pool.row_nbytes)
-            for i, (key, unit) in enumerate(zip(keys, entry.units, strict=True))
-        )
-        return Item(entry.media, entry.generation, extents)
+    def capture(self, entries: Sequence[LiveEntry]) -> tuple[tuple[Item, ...], Extents]:
+        """The items and extents of ``entries``' current generations, in order (each entry is
+        pinned by the caller, so its units stay its own until the op's result is applied): one
+        object per unit, its rows from the unit's start; the keys rendered as one batch."""
+        pool = self.pool
+        row_nbytes, unit_ptr = pool.row_nbytes, pool.unit_ptr
+        ptrs: list[int] = []
+        sizes: list[int] = []
+        items = []
+        whole = True  # every entry in one unit: one rendering for the batch
+        for entry in entries:
+            units = entry.units
+            if len(units) == 1:  # the common case: one unit, every row from its start
+                ptrs.append(unit_ptr(units[0]))
+                sizes.append(entry.tokens * row_nbytes)
+            else:
+                whole = False
+                rows = pool.shape.rows
+                for index, unit in enumerate(units):
+                    ptrs.append(unit_ptr(unit))
+                    sizes.append(rows(entry.tokens, index) * row_nbytes)
+            items.append(Item(entry.media, entry.generation, len(units)))
+        render, namespace = self.keyspace.rendered, self.namespace
+        if whole:
+            keys = render(
+                namespace, [e.media for e in entries], POOL, self._labels_of(1), join_keys
+            )
+        else:
+            keys = RenderedKeys.join(
+                render(namespace, [e.media], POOL, self._labels_of(len(e.units)), join_keys)
+                for e in entries
+            )
+        return tuple(items), Extents(keys, ptrs, sizes)
 
-    def submit(self, push: bool, items: Sequence[Item]) -> int | None:
-        if not items:
+    def submit(self, push: bool, entries: Sequence[LiveEntry]) -> int | None:
+        """One batch put (``push``) or get of ``entries`` (pinned by the caller: PUSHING or
+        LOADING) on the executor; the op's number, or ``None`` for no entries (no call)."""
+        if not entries:
             return None
-        op = Op(self._next_op, push, tuple(items))
+        items, extents = self.capture(entries)
+        op = Op(self._next_op, push, items, extents)
         self._next_op += 1
         self._ops[op.op_id] = op
-        extents = [extent for item in items for extent in item.extents]
         call = self.store.put if push else self.store.get
 
         def job() -> None:
@@ -227,22 +257,29 @@ class Ops:
         self._landed.discard(op_id)
         statuses = iter(done)
         ok = failed = full = 0
+        entries, push = self.entries, op.push
+        get, advance = entries.get, entries.advance
+        done_status, failed_status = ExtentStatus.DONE, ExtentStatus.FAILED
         for item in op.items:
-            entry = self.entries.get(item.media)
+            entry = get(item.media)
             if entry is None or entry.generation != item.generation:
                 raise InvariantViolation("I5", f"op {op_id}: stale offset for {item.media}")
-            mine = [next(statuses, ExtentStatus.FAILED) for _ in item.extents]
-            good = all(status is ExtentStatus.DONE for status in mine)
-            ok += good
-            failed += not good
-            if op.push:
-                full += ExtentStatus.FULL in mine
-                event = EntryEvent.PUSH_ACK if good else EntryEvent.PUSH_FAILED
-                self.entries.advance(entry, event)
-            elif good:
-                self.entries.advance(entry, EntryEvent.LOADED)
+            if item.objects == 1:  # the common case: one object
+                mine: tuple[ExtentStatus, ...] = (next(statuses, failed_status),)
+                good = mine[0] is done_status
             else:
-                self.entries.forget(entry, EntryEvent.LOAD_FAILED)
+                mine = tuple(next(statuses, failed_status) for _ in range(item.objects))
+                good = all(status is done_status for status in mine)
+            if good:
+                ok += 1
+                advance(entry, EntryEvent.PUSH_ACK if push else EntryEvent.LOADED)
+                continue
+            failed += 1
+            if push:
+                full += ExtentStatus.FULL in mine
+                advance(entry, EntryEvent.PUSH_FAILED)
+            else:
+                entries.forget(entry, EntryEvent.LOAD_FAILED)
         self.failed += failed
         self.store_full += full
         self.pushed += ok if op.push else 0

@@ -101,6 +101,11 @@ class EmbeddingPool:
         pool, :meth:`view`), else the lowest free units."""
         if count > self._free_count:
             raise MisuseError(f"embedding pool: {count} units asked, {self._free_count} free")
+        if count == 1:  # the common case (an embedding in one unit): any free unit is a run
+            at = self._map.find(_FREE)
+            self._map[at] = _USED[0]
+            self._free_count -= 1
+            return (at,)
         at = self._map.find(_FREE * count)
         if at >= 0:
             units = tuple(range(at, at + count))
@@ -118,6 +123,13 @@ class EmbeddingPool:
 
     def free(self, units: tuple[int, ...]) -> None:
         size, used = self.shape.units, _USED[0]
+        if len(units) == 1:  # the common case, checked the same way
+            (unit,) = units
+            if not (0 <= unit < size and self._map[unit] == used):
+                raise MisuseError(f"embedding pool: freeing units {units} that are not allocated")
+            self._map[unit] = _FREE[0]
+            self._free_count += 1
+            return
         if len(set(units)) != len(units) or any(
             not 0 <= unit < size or self._map[unit] != used for unit in units
         ):

@@ -25,21 +25,22 @@ import ctypes
 import enum
 import itertools
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Protocol
 
 import attrs
 
-from kvstrata.impl.errors import StoreError
+from kvstrata.impl.errors import MisuseError, StoreError
 from kvstrata.impl.storage.base import PutStatus
 from kvstrata.impl.storage.memory import MemoryStore
 from kvstrata.impl.storage.mooncake import ErrorKind, MooncakeClient, classify
-from kvstrata.model.keys import StoreKey
+from kvstrata.model.keys import RenderedKeys, StoreKey
 
 __all__ = [
     "EmbeddingStore",
     "Extent",
     "ExtentStatus",
+    "Extents",
     "MemoryEmbeddingStore",
     "MooncakeEmbeddingStore",
 ]
@@ -55,6 +56,42 @@ class Extent:
     key: StoreKey
     ptr: int
     nbytes: int
+
+
+@attrs.frozen
+class Extents:
+    """The objects of one batch call as columns: object ``i`` is ``keys.texts[i]`` (rendered by
+    the key space as one batch: no object per key) at the host range ``[ptrs[i], ptrs[i] +
+    sizes[i])``. The three have one length (checked when made)."""
+
+    keys: RenderedKeys
+    ptrs: Sequence[int]
+    sizes: Sequence[int]
+
+    def __attrs_post_init__(self) -> None:
+        if not isinstance(self.keys, RenderedKeys):
+            raise MisuseError(f"Extents takes RenderedKeys, got {self.keys!r}")
+        if not len(self.keys) == len(self.ptrs) == len(self.sizes):
+            raise MisuseError("Extents: keys, pointers and sizes differ in length")
+
+    def __len__(self) -> int:
+        return len(self.sizes)
+
+    def __iter__(self) -> Iterator[Extent]:
+        """Object by object (for a store that takes them one at a time)."""
+        for text, ptr, nbytes in zip(self.keys.texts, self.ptrs, self.sizes, strict=True):
+            yield Extent(StoreKey(text), ptr, nbytes)
+
+    @staticmethod
+    def of(extents: Iterable[Extent]) -> Extents:
+        """The columns of ``extents``, in order (tests, benchmarks: a call made by hand). Their
+        keys are :class:`StoreKey` values, so the texts were rendered by a key space too."""
+        listed = list(extents)
+        for extent in listed:
+            if not isinstance(extent, Extent) or not isinstance(extent.key, StoreKey):
+                raise MisuseError(f"Extents.of takes Extent values of StoreKeys, got {extent!r}")
+        keys = RenderedKeys([extent.key.text for extent in listed])
+        return Extents(keys, [e.ptr for e in listed], [e.nbytes for e in listed])
 
 
 class ExtentStatus(enum.Enum):
@@ -79,9 +116,9 @@ class EmbeddingStore(Protocol):
 
     def exists(self, keys: Sequence[StoreKey]) -> list[bool]: ...
 
-    def put(self, extents: Sequence[Extent]) -> list[ExtentStatus]: ...
+    def put(self, extents: Extents) -> list[ExtentStatus]: ...
 
-    def get(self, extents: Sequence[Extent]) -> list[ExtentStatus]: ...
+    def get(self, extents: Extents) -> list[ExtentStatus]: ...
 
 
 class MemoryEmbeddingStore:
@@ -116,12 +153,13 @@ class MemoryEmbeddingStore:
             return True
         return False
 
-    def put(self, extents: Sequence[Extent]) -> list[ExtentStatus]:
+    def put(self, extents: Extents) -> list[ExtentStatus]:
         if self._failing():
             return [ExtentStatus.FAILED] * len(extents)
-        batch = [e.key for e in extents]
+        listed = list(extents)
+        batch = [e.key for e in listed]
         done = []
-        for extent in extents:
+        for extent in listed:
             if extent.key in self.fail_keys:
                 done.append(ExtentStatus.FAILED)
                 continue
@@ -132,12 +170,13 @@ class MemoryEmbeddingStore:
             done.append(_PUT_STATUS.get(status, ExtentStatus.FAILED))
         return done
 
-    def get(self, extents: Sequence[Extent]) -> list[ExtentStatus]:
+    def get(self, extents: Extents) -> list[ExtentStatus]:
         if self._failing():
             return [ExtentStatus.FAILED] * len(extents)
-        found = self.objects.read([e.key for e in extents])
+        listed = list(extents)
+        found = self.objects.read([e.key for e in listed])
         done = []
-        for extent, data in zip(extents, found, strict=True):
+        for extent, data in zip(listed, found, strict=True):
             if extent.key in self.fail_keys:
                 done.append(ExtentStatus.FAILED)
             elif data is None:
@@ -213,24 +252,20 @@ class MooncakeEmbeddingStore:
             log.warning("embedding exists failed: %r", error)
             return [False] * len(keys)
 
-    def put(self, extents: Sequence[Extent]) -> list[ExtentStatus]:
+    def put(self, extents: Extents) -> list[ExtentStatus]:
         try:
-            codes = self.client.batch_put_from(
-                [e.key for e in extents], [e.ptr for e in extents], [e.nbytes for e in extents]
-            )
+            codes = self.client.batch_put_from(extents.keys, extents.ptrs, extents.sizes)
         except StoreError as error:
             log.warning("embedding put failed: %r", error)
             return [ExtentStatus.FAILED] * len(extents)
         _log_failures("put", codes)
         return [status_of_put(code) for code in codes]
 
-    def get(self, extents: Sequence[Extent]) -> list[ExtentStatus]:
+    def get(self, extents: Extents) -> list[ExtentStatus]:
         try:
-            codes = self.client.batch_get_into(
-                [e.key for e in extents], [e.ptr for e in extents], [e.nbytes for e in extents]
-            )
+            codes = self.client.batch_get_into(extents.keys, extents.ptrs, extents.sizes)
         except StoreError as error:
             log.warning("embedding get failed: %r", error)
             return [ExtentStatus.FAILED] * len(extents)
         _log_failures("get", codes)
-        return [status_of_get(code, e.nbytes) for code, e in zip(codes, extents, strict=True)]
+        return [status_of_get(code, size) for code, size in zip(codes, extents.sizes, strict=True)]

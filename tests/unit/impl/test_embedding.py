@@ -83,6 +83,30 @@ def test_insert_then_another_node_prefetches_bit_for_bit() -> None:
     assert same(got_a, embedding(A, 5)) and same(got_b, embedding(B, 3))
 
 
+def test_each_unit_is_one_object_of_exactly_its_rows_under_its_own_key() -> None:
+    """A batch of one-unit and several-unit embeddings (units of 4 rows): every unit is one object
+    under ``object_keys``' key for it, holding exactly the rows it holds (a partly filled unit is
+    not stored whole), whatever the other items of the batch take."""
+    store = MemoryEmbeddingStore()
+    a, io_a = node(store)
+    assert io_a is not None
+    sizes = {A: 3, B: 9, C: 4}  # one unit partly filled, three units (4 + 4 + 1 rows), one full
+    a.insert_batch(list(sizes), [embedding(m, n) for m, n in sizes.items()])
+    io_a.run_all()
+    assert a.poll() == 1 and a.counters.pushed == 3
+    row = DIM * torch.bfloat16.itemsize
+    for media, tokens in sizes.items():
+        keys = a.object_keys(media, tokens)
+        assert len(keys) == -(-tokens // 4)
+        objects = store.objects.read(list(keys))
+        want = embedding(media, tokens).view(torch.int16).numpy().tobytes()
+        assert [len(o or b"") for o in objects] == [
+            min(4, tokens - 4 * i) * row for i in range(len(keys))
+        ]
+        assert b"".join(o or b"" for o in objects) == want
+    assert len(store.objects.visible_keys()) == 1 + 3 + 1
+
+
 def test_local_hits_are_pushed_again_when_the_store_lost_them() -> None:
     store = MemoryEmbeddingStore()
     a, io = node(store)
