@@ -165,7 +165,8 @@ class Shard:
 
 @attrs.frozen(repr=False)
 class StoreKey:
-    """A rendered store key. Only :func:`render_store_key` makes one; it is not a :class:`PageHash`."""
+    """A rendered store key. Only :func:`render_store_key` makes one (or wraps a text a key space
+    rendered: the columns of a batch call taken object by object); it is not a :class:`PageHash`."""
 
     text: str
 
@@ -420,8 +421,9 @@ class KeySpace:
 
 @attrs.frozen
 class RenderedKeys:
-    """A batch of store keys as text, made only by :meth:`KeySpace.rendered` (so, like a
-    :class:`StoreKey`, never a string from elsewhere). ``texts`` is page-major."""
+    """A batch of store keys as text, made only by :meth:`KeySpace.rendered` or from the texts of
+    :class:`StoreKey` values (so, like a :class:`StoreKey`, never a string from elsewhere).
+    ``texts`` is page-major."""
 
     texts: list[str]
 

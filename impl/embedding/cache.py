@@ -434,10 +434,6 @@ class EmbeddingCache:
             op, len(fresh), re_pushed, len(pushed), skipped, busy, reserved.skipped_no_space
         )
 
-    def _readable(self, media: PageHash) -> bool:
-        entry = self._entries.get(media)
-        return entry is not None and entry.state in READABLE
-
     def _evict(self, victims: Iterable[LiveEntry]) -> None:
         for victim in victims:
             self._entries.forget(victim, EntryEvent.EVICT)
