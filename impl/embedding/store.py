@@ -129,12 +129,15 @@ class MemoryEmbeddingStore:
     Test hooks: ``fail_next`` (int) makes that many next ``put`` / ``get`` calls fail as a whole
     (every extent FAILED), touching nothing. ``fail_keys`` (a set of keys, kept until cleared)
     fails every extent of a ``put`` / ``get`` whose key is in it (not written; destination
-    untouched) while the call serves the others. ``drop(keys)`` is the store's own eviction."""
+    untouched) while the call serves the others, answering ``fail_as`` for each (FAILED unless
+    set: FULL as a put the store has no room for, MISSING as a get of a dropped object).
+    ``drop(keys)`` is the store's own eviction."""
 
     def __init__(self, objects: MemoryStore | None = None) -> None:
         self.objects = objects if objects is not None else MemoryStore()
         self.fail_next = 0
         self.fail_keys: set[StoreKey] = set()
+        self.fail_as = ExtentStatus.FAILED
         self._owner = next(_OWNERS)
 
     def register(self, ptr: int, nbytes: int) -> None:
@@ -161,7 +164,7 @@ class MemoryEmbeddingStore:
         done = []
         for extent in listed:
             if extent.key in self.fail_keys:
-                done.append(ExtentStatus.FAILED)
+                done.append(self.fail_as)
                 continue
             data = ctypes.string_at(extent.ptr, extent.nbytes)
             status, _evicted = self.objects.write(
@@ -178,7 +181,7 @@ class MemoryEmbeddingStore:
         done = []
         for extent, data in zip(listed, found, strict=True):
             if extent.key in self.fail_keys:
-                done.append(ExtentStatus.FAILED)
+                done.append(self.fail_as)
             elif data is None:
                 done.append(ExtentStatus.MISSING)
             elif len(data) != extent.nbytes:

@@ -9,11 +9,13 @@ that node on both sides: insert / re-insert, prefetch (also steered toward objec
 pushed), finish the node's oldest I/O (``finish_io``: ack or fail it as a whole; the implementation's
 executor is FIFO), ``partial_io`` (the oldest op answers item by item: a chosen subset of its items
 fails, and on the implementation side a chosen non-empty subset of each failed item's store objects
-fails while every other object is served), the store dropping an object, local eviction, get,
-exists and bad input.
+fails while every other object is served, each failed object answering FAILED, or FULL for a put /
+MISSING for a get), the store dropping an object, local eviction, get, exists and bad input.
 
 After every step, per node: the same media are cached in the same states with the same used units,
-the same ops pend, every request is ready on both sides or neither; and the store holds an
+the same ops pend, every request is ready on both sides or neither, the counters agree with the
+model's (items new, re-pushed, pushed, loaded, failed, evicted; and the failed put items the store
+refused for room are the ones ``partial_io`` failed with FULL); and the store holds an
 embedding (every object of it) exactly when the model's store does. Every ``get`` checks bytes: a
 hit on either side must be a hit on the other, and the tensor must equal, bit for bit, the embedding
 its media hash names. This is what shows that what one node pushes (or pushes again after the store
@@ -38,6 +40,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from kvstrata.impl.embedding import (
     EmbeddingCache,
     EmbeddingPool,
+    ExtentStatus,
     Loan,
     MemoryEmbeddingStore,
     PoolShape,
@@ -140,6 +143,7 @@ class EmbeddingDifferential(RuleBasedStateMachine):
         self.pending: list[Pending] = []
         self.requests: dict[str, int] = {}
         self.pushed_by: dict[PageHash, int] = {}
+        self.store_full = [0] * NODES  # put items partial_io failed with FULL, per node
         self.reservations: list[tuple[int, Hold, Reservation, tuple[PageHash, ...]]] = []
         self.loans: list[tuple[int, Hold, Loan, tuple[PageHash, ...]]] = []
 
@@ -278,6 +282,13 @@ class EmbeddingDifferential(RuleBasedStateMachine):
         failed = frozenset(
             data.draw(st.sets(st.sampled_from(failable), min_size=1, max_size=most), "failed")
         )
+        push = op.handle.kind is OpKind.PUSH
+        how = data.draw(
+            st.sampled_from(
+                (ExtentStatus.FAILED, ExtentStatus.FULL if push else ExtentStatus.MISSING)
+            ),
+            label="answer",
+        )
         keys: set[StoreKey] = set()
         for m in sorted(failed, key=lambda m: m.digest):
             candidates = self.impl_keys(m)
@@ -286,11 +297,14 @@ class EmbeddingDifferential(RuleBasedStateMachine):
                 candidates = tuple(k for k, v in zip(candidates, visible, strict=True) if not v)
             keys |= data.draw(st.sets(st.sampled_from(candidates), min_size=1), label="objects")
         store = self.stores[op.node]
-        store.fail_keys = keys
+        store.fail_keys, store.fail_as = keys, how
         assert self.executors[op.node].run_next()
-        store.fail_keys = set()
+        store.fail_keys, store.fail_as = set(), ExtentStatus.FAILED
         assert self.impls[op.node].poll() == 1
         self.complete(op, failed)
+        if push and how is ExtentStatus.FULL:
+            self.store_full[op.node] += len(failed)
+        event(f"io: failed objects answer {how.value}")
         if failed and len(failed) < len(media):
             event(f"io: {op.handle.kind.value} partially failed")
         if any(len(self.impl_keys(m)) > 1 for m in failed):
@@ -469,6 +483,23 @@ class EmbeddingDifferential(RuleBasedStateMachine):
             assert len(impl.open_holds()) == holds, node
         for request, node in self.requests.items():
             assert self.impls[node].is_ready(request) == self.models[node].is_ready(request)
+
+    @invariant()
+    def same_counters(self) -> None:
+        """Items counted alike: what the implementation counts and the model's stats (a result
+        applied wrongly, e.g. a failed object taken as done, shows here even where the entry's
+        state would be the same either way: a push acked or failed is READY again)."""
+        for node, (model, impl) in enumerate(zip(self.models, self.impls, strict=True)):
+            want, got = model.stats, impl.counters
+            assert (got.new, got.re_pushed, got.pushed, got.loaded, got.evicted) == (
+                want.new,
+                want.re_pushed,
+                want.pushed,
+                want.loaded,
+                want.evicted,
+            ), (node, got, want)
+            assert got.failed == want.push_failed + want.load_failed, (node, got, want)
+            assert got.store_full == self.store_full[node], (node, got)
 
     @invariant()
     def same_store(self) -> None:
