@@ -165,8 +165,7 @@ class Shard:
 
 @attrs.frozen(repr=False)
 class StoreKey:
-    """A rendered store key. Only :func:`render_store_key` makes one (or wraps a text a key space
-    rendered: the columns of a batch call taken object by object); it is not a :class:`PageHash`."""
+    """A rendered store key, made only by :func:`render_store_key` or from a text it rendered."""
 
     text: str
 
@@ -421,9 +420,8 @@ class KeySpace:
 
 @attrs.frozen
 class RenderedKeys:
-    """A batch of store keys as text, made only by :meth:`KeySpace.rendered` or from the texts of
-    :class:`StoreKey` values (so, like a :class:`StoreKey`, never a string from elsewhere).
-    ``texts`` is page-major."""
+    """A batch of store keys as text, made only by :meth:`KeySpace.rendered` or from StoreKeys'
+    texts (so, like a :class:`StoreKey`, never a string from elsewhere). ``texts`` is page-major."""
 
     texts: list[str]
 
