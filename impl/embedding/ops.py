@@ -1,11 +1,12 @@
 """The batch puts and gets in flight of the embedding cache (SPEC §6), the implementation of
 :mod:`kvstrata.model.embedding.ops`.
 
-Owned here: every pending op (the extents it handed to the store, per item with the generation it
-was captured for), the request ids of ``prefetch``, the op sequence, the I/O executor and the queue
-its results come back on, and the counters of applied results. Keys are rendered here
-(:meth:`Ops.object_keys`: one object per unit, ``KeySpace.key(namespace, "emb", "u<i>of<n>",
-media)``). Entry states change only through :class:`~kvstrata.impl.embedding.entries.Entries`.
+Owned here: every pending op (its items, each with the generation its extents were captured for
+and its count of store objects; the extents go to the op's job), the request ids of ``prefetch``,
+the op sequence, the I/O executor and the queue its results come back on, and the counters of
+applied results. Keys are rendered here (:meth:`Ops.object_keys`: one object per unit,
+``KeySpace.key(namespace, "emb", "u<i>of<n>", media)``). Entry states change only through
+:class:`~kvstrata.impl.embedding.entries.Entries`.
 
 Invariants upheld here alone:
 
@@ -55,13 +56,12 @@ class Item:
 
 @attrs.frozen
 class Op:
-    """A pending batch put (``push``) or get: its items in order, and the extents handed to the
-    store (item by item, each item's objects unit by unit)."""
+    """A pending batch put (``push``) or get: its items in order, as its store call names their
+    objects (item by item, each item's unit by unit; the call's job holds the extents)."""
 
     op_id: int
     push: bool
     items: tuple[Item, ...]
-    extents: Extents
 
 
 class Ops:
@@ -184,7 +184,7 @@ class Ops:
         if not entries:
             return None
         items, extents = self.capture(entries)
-        op = Op(self._next_op, push, items, extents)
+        op = Op(self._next_op, push, items)
         self._next_op += 1
         self._ops[op.op_id] = op
         call = self.store.put if push else self.store.get
