@@ -1,4 +1,4 @@
-"""Where one batch-1 embedding call spends its time next to a real store (issue 20, part 25).
+"""Where one embedding call spends its time next to a real store (issue 20, parts 25 and 26).
 
 Setup as ``embedding_throughput.py`` (its ``Sides``: a local cluster, kvstrata's own native instance
 for the raw calls, 128 KiB float16 embeddings by default, one unit each). The native store object
@@ -22,7 +22,9 @@ still runs the job, so it measures what waking the worker costs a caller that th
 Exit status: 0 when everything ran; 1 when a store call failed; 2 when the cluster cannot be
 started here.
 
-Usage: python benchmarks/embedding_call_split.py [--shape small] [--calls 384] [--repeats 4]
+``--batch`` puts and gets that many embeddings per call (default 1; part 26).
+
+Usage: python benchmarks/embedding_call_split.py [--shape small] [--batch 1] [--calls 384] [--repeats 4]
        [--inline] [--no-notify]
 """
 
@@ -90,13 +92,15 @@ def queue_without_waking(self: executors.ThreadExecutor, job: Callable[[], None]
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     tokens, dim = bench.SHAPES[args.shape]
-    cell = bench.Cell(args.shape, tokens, dim, 1, args.calls)
+    batch = args.batch
+    cell = bench.Cell(args.shape, tokens, dim, batch, args.calls * batch)
+    sizes = [tokens] * batch
     split: dict[str, list[float]] = {name: [] for name in PUT_SIDE + GET_SIDE + IDLE_SIDE}
     now = time.perf_counter
     with l3.bench_store(512 * bench.MIB) as (client, raw):
         sides = bench.Sides(cell, client, raw, args.inline)
         idle = EmbeddingCache(
-            EmbeddingPool(PoolShape(1, tokens, dim, bench.DTYPE)),
+            EmbeddingPool(PoolShape(batch, tokens, dim, bench.DTYPE)),
             overhead.NullStore(False),
             bench.keyspace_of(cell),
             executor=InlineExecutor(),
@@ -114,11 +118,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     t0 = now()
                     sides.raw_put(call)
                     t1 = now()
-                    reservation = writer.reserve(media, [tokens])
+                    reservation = writer.reserve(media, sizes)
                     t2 = now()
-                    view = reservation.views[media[0]]
-                    assert view is not None
-                    view.copy_(sides.tensors[0])
+                    for index, item in enumerate(media):
+                        view = reservation.views[item]
+                        assert view is not None
+                        view.copy_(sides.tensors[index])
                     t3 = now()
                     writer.commit(reservation)
                     t4 = now()
@@ -126,14 +131,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         raise l3.BenchError("flush: the put did not complete")
                     t5 = now()
                     native = timed.last
-                    fresh = [content_hash(f"idle/{rep}/{call}/{n}".encode()) for n in range(3)]
-                    idle.commit(idle.reserve(fresh[:1], [tokens]))
+                    fresh = [
+                        [content_hash(f"idle/{rep}/{call}/{n}/{i}".encode()) for i in range(batch)]
+                        for n in range(3)
+                    ]
+                    idle.commit(idle.reserve(fresh[0], sizes))
                     t6 = now()
-                    idle.commit(idle.reserve(fresh[1:2], [tokens]))
+                    idle.commit(idle.reserve(fresh[1], sizes))
                     t7 = now()
                     sides.raw_put(call)
                     t8 = now()
-                    idle.commit(idle.reserve(fresh[2:], [tokens]))
+                    idle.commit(idle.reserve(fresh[2], sizes))
                     t9 = now()
                     if keep:
                         split["raw put"].append(t1 - t0)
@@ -148,13 +156,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     t0 = now()
                     sides.raw_get(call)
                     t1 = now()
-                    reader.prefetch(request, media, [tokens], probe=False)
+                    reader.prefetch(request, media, sizes, probe=False)
                     t2 = now()
                     if not reader.wait(request, bench.WAIT_S):
                         raise l3.BenchError("wait: the get did not complete")
                     t3 = now()
                     with reader.borrow(media) as loan:
-                        if loan.tensors[0] is None:
+                        if any(tensor is None for tensor in loan.tensors):
                             raise l3.BenchError("borrow: a miss after the get completed")
                     t4 = now()
                     reader.release(request)
@@ -176,13 +184,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--shape", default="small", choices=sorted(bench.SHAPES))
+    parser.add_argument("--batch", type=int, default=1, help="embeddings per call")
     parser.add_argument("--calls", type=int, default=384, help="calls per repetition")
     parser.add_argument("--repeats", type=int, default=4, help="recorded repetitions")
     parser.add_argument("--inline", action="store_true", help="InlineExecutor caches")
     parser.add_argument("--no-notify", action="store_true", help="submit without a wake-up")
     args = parser.parse_args(argv)
-    if args.calls < 1 or args.repeats < 1:
-        parser.error("--calls and --repeats must be >= 1")
+    if args.calls < 1 or args.repeats < 1 or args.batch < 1:
+        parser.error("--batch, --calls and --repeats must be >= 1")
     torch.set_num_threads(1)
     os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
     if args.no_notify:
@@ -190,7 +199,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     executor = "inline" if args.inline else "thread" + (", no wake-up" if args.no_notify else "")
 
     def table(split: dict[str, float]) -> None:
-        print(f"{args.shape}, batch 1, {args.calls} calls x {args.repeats}; {executor} executor")
+        print(
+            f"{args.shape}, batch {args.batch}, {args.calls} calls x {args.repeats}; {executor} executor"
+        )
         print("| part | median µs (the native call subtracted) |\n|---|---:|")
         for name, micros in split.items():
             print(f"| {name} | {micros:.1f} |")

@@ -119,7 +119,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             rounds = [per_item(batch, pool_units) for _ in range(ROUNDS)]
             cost = {name: min(r[name] for r in rounds) for name in rounds[0]}
             units = max(batch, pool_units)
-            columns = ", ".join(f"{name} {cost[name]:.0f}" for name in COLUMNS)
+            columns = ", ".join(f"{name} {cost[name]:.1f}" for name in COLUMNS)
             print(f"pool {units} units, batch {batch}: {columns} (us/item)")
     return 0
 

@@ -297,18 +297,17 @@ class EmbeddingCache:
             raise MisuseError(f"prefetch: probe is a bool, got {probe!r}")
         self._ops.poll()  # already guarded: the verb itself checked the caller
         self._ops.check_new_request(request_id)
-        batch = check_sizes(self._entries, hashes, tokens, merge=True)
-        local = [media for media, _tokens in batch if media in self._entries]
-        others = [(media, count) for media, count in batch if media not in self._entries]
+        table = self._entries
+        batch = check_sizes(table, hashes, tokens, merge=True)
+        local, others = table.partition(batch)
         seen = self._ops.visible(others) if probe else [True] * len(others)
         remote = [item for item, there in zip(others, seen, strict=True) if there]
         protect = frozenset(media for media, _tokens in batch)
         victims, fits, no_space = self._entries.plan_room(remote, protect)
         # Nothing has changed so far; every step below is legal by construction.
-        self._evict(victims)
-        table = self._entries
-        for media in local:
-            table.touch(table[media])
+        self._evict(victims)  # never a local entry: the batch is protected
+        for entry in local:
+            table.touch(entry)
         op = self._ops.submit(False, table.loads(fits))
         self._ops.start_request(request_id, op)
         self._count(skipped_no_space=no_space)
@@ -373,20 +372,14 @@ class EmbeddingCache:
         (for :meth:`insert_batch`, which writes through :meth:`EmbeddingPool.write` itself)."""
         protect = frozenset(media for media, _tokens in batch)
         table = self._entries
-        found: list[PageHash] = []
-        misses: list[tuple[PageHash, int]] = []
-        for pair in batch:
-            if pair[0] in table:
-                found.append(pair[0])
-            else:
-                misses.append(pair)
-        hits = tuple(found)
+        found, misses = table.partition(batch)
+        hits = tuple(entry.media for entry in found)
         victims, fits, no_space = table.plan_room(misses, protect)
         # Nothing has changed so far; every step below is legal by construction.
         self._evict(victims)
-        fresh = self._entries.begin_fills(fits)
+        fresh = table.begin_fills(fits)
         reserved = Reserved(tuple(batch), tuple(fresh), hits, no_space)
-        self._count(skipped_no_space=no_space)
+        self._counted["skipped_no_space"] += no_space
         view = self.pool.view
         return Reservation(
             self._holds.reserve(reserved),
@@ -401,6 +394,12 @@ class EmbeddingCache:
     def _commit(self, reservation: Reservation) -> InsertResult:
         reserved = self._holds.close_reservation(reservation)
         table = self._entries
+        if len(reserved.fresh) == len(reserved.batch):  # the common case: every item is new
+            written = reserved.fresh  # in batch order (the misses were planned in order)
+            table.push_filled(written)
+            op = self._ops.submit(True, written)
+            self._counted["new"] += len(written)
+            return InsertResult(op, len(written), 0, len(written), 0, 0, 0)
         fresh = {entry.media: entry for entry in reserved.fresh}
         hits = {m: e for m in reserved.hits if m not in fresh and (e := table.get(m))}
         # Only the hits are looked up: a new entry is pushed unasked (the store skips a key it
@@ -412,7 +411,7 @@ class EmbeddingCache:
         for media, _tokens in reserved.batch:
             entry = fresh.get(media)
             if entry is not None:  # written by the caller: pushed unasked
-                table.push_filled(entry)
+                table.push_filled((entry,))
                 pushed.append(entry)
                 continue
             entry = hits.get(media)
@@ -435,9 +434,7 @@ class EmbeddingCache:
         )
 
     def _evict(self, victims: Iterable[LiveEntry]) -> None:
-        for victim in victims:
-            self._entries.forget(victim, EntryEvent.EVICT)
-            self._counted["evicted"] += 1
+        self._counted["evicted"] += self._entries.forget_all(victims, EntryEvent.EVICT)
 
     def _count(self, **deltas: int) -> None:
         for name, delta in deltas.items():

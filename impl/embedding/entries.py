@@ -26,13 +26,13 @@ Invariants upheld here alone:
 * the table's order is its stamps' order: a stamp changes only to the newest, and the entry moves
   to the end with it;
 * an entry leaves the table only through an event that frees it (eviction, or a failed get:
-  ``LOAD_FAILED`` frees and forgets it), and :meth:`Entries.forget` is the only place its units
-  are freed: the pool's allocated units are exactly the units of the live entries.
+  ``LOAD_FAILED`` frees and forgets it), and :meth:`Entries.forget_all` is the only place its
+  units are freed: the pool's allocated units are exactly the units of the live entries.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 import attrs
 import torch
@@ -117,6 +117,22 @@ class Entries:
     def __iter__(self) -> Iterator[LiveEntry]:
         return iter(self._table.values())
 
+    def partition(
+        self, batch: Sequence[tuple[PageHash, int]]
+    ) -> tuple[list[LiveEntry], list[tuple[PageHash, int]]]:
+        """The live entries of ``batch``'s media and the (media, tokens) pairs without one, each
+        in batch order."""
+        table = self._table
+        found: list[LiveEntry] = []
+        misses: list[tuple[PageHash, int]] = []
+        for pair in batch:
+            entry = table.get(pair[0])
+            if entry is None:
+                misses.append(pair)
+            else:
+                found.append(entry)
+        return found, misses
+
     def snapshot(self, media: PageHash) -> Entry | None:
         entry = self._table.get(media)
         return None if entry is None else entry.snapshot()
@@ -199,29 +215,47 @@ class Entries:
         self, needs: Sequence[tuple[PageHash, int]], state: EntryState
     ) -> list[LiveEntry]:
         table, alloc, units_for = self._table, self.pool.alloc, self.pool.shape.units_for
+        one = self.pool.shape.unit_tokens  # an embedding of at most this many rows is one unit
+        generation, clock = self._generation, self._clock
         made = []
         for media, tokens in needs:
-            self._generation += 1
-            self._clock += 1
-            entry = LiveEntry(
-                media, tokens, alloc(units_for(tokens)), state, self._generation, self._clock
-            )
+            generation += 1
+            clock += 1
+            units = alloc(1 if tokens <= one else units_for(tokens))
+            entry = LiveEntry(media, tokens, units, state, generation, clock)
             table[media] = entry  # a new key: at the end (media are not in the table, planned)
             made.append(entry)
+        self._generation, self._clock = generation, clock
         return made
 
-    def push_filled(self, entry: LiveEntry) -> None:
-        """The caller wrote a FILLING ``entry``: FILLED then PUSH (touched for LRU)."""
-        entry.state = EMBEDDING_ENTRY.next(
-            EMBEDDING_ENTRY.next(entry.state, EntryEvent.FILLED), EntryEvent.PUSH
-        )
-        self.touch(entry)
+    def push_filled(self, entries: Sequence[LiveEntry]) -> None:
+        """The caller wrote each FILLING entry of ``entries``: FILLED then PUSH, touched for LRU
+        in order (each moves to the end of the table with the newest stamp)."""
+        step, table, clock = EMBEDDING_ENTRY.next, self._table, self._clock
+        filled, push = EntryEvent.FILLED, EntryEvent.PUSH
+        for entry in entries:
+            entry.state = step(step(entry.state, filled), push)
+            del table[entry.media]
+            table[entry.media] = entry
+            clock += 1
+            entry.stamp = clock
+        self._clock = clock
 
-    def lend(self, entry: LiveEntry, delta: int) -> None:
-        """One loan of ``entry``'s units opened (``delta`` 1, touched for LRU) or closed (-1)."""
-        entry.readers += delta
-        if delta > 0:
-            self.touch(entry)
+    def lend(self, entries: Sequence[LiveEntry], delta: int) -> None:
+        """One loan of each entry's units opened (``delta`` 1: touched for LRU, in order) or
+        closed (-1)."""
+        if delta < 0:
+            for entry in entries:
+                entry.readers += delta
+            return
+        table, clock = self._table, self._clock
+        for entry in entries:
+            entry.readers += delta
+            del table[entry.media]
+            table[entry.media] = entry
+            clock += 1
+            entry.stamp = clock
+        self._clock = clock
 
     def touch(self, entry: LiveEntry) -> None:
         """``entry`` is the most recently used: the newest stamp, at the end of the table."""
@@ -237,11 +271,22 @@ class Entries:
 
     def forget(self, entry: LiveEntry, event: EntryEvent) -> None:
         """Take ``entry`` to FREE through ``event``: forgotten, its units freed."""
-        freed = EMBEDDING_ENTRY.next(entry.state, event)
-        if freed is not EntryState.FREE or entry.readers:
-            raise InvariantViolation("I5", f"{event} does not free {entry!r}")
-        if self._table.get(entry.media) is not entry:
-            raise InvariantViolation("I5", f"{entry!r} is not the live entry of its media")
-        del self._table[entry.media]
-        entry.state = freed
-        self.pool.free(entry.units)
+        self.forget_all((entry,), event)
+
+    def forget_all(self, entries: Iterable[LiveEntry], event: EntryEvent) -> int:
+        """:meth:`forget` each of ``entries`` through ``event``, in order; how many. Each is
+        checked before it changes (an entry that ``event`` does not free raises there, the ones
+        before it stay forgotten)."""
+        table, free, step, gone = self._table, self.pool.free, EMBEDDING_ENTRY.next, EntryState.FREE
+        count = 0
+        for entry in entries:
+            freed = step(entry.state, event)
+            if freed is not gone or entry.readers:
+                raise InvariantViolation("I5", f"{event} does not free {entry!r}")
+            if table.get(entry.media) is not entry:
+                raise InvariantViolation("I5", f"{entry!r} is not the live entry of its media")
+            del table[entry.media]
+            entry.state = freed
+            free(entry.units)
+            count += 1
+        return count

@@ -145,9 +145,7 @@ class Holds:
     def lend(self, lent: Sequence[LiveEntry]) -> int:
         """A loan of ``lent`` (each a READY entry, named once): one reader more on each (a
         borrowed entry is never forgotten, so its record is live until the loan is back)."""
-        lend = self.entries.lend
-        for entry in lent:
-            lend(entry, 1)
+        self.entries.lend(lent, 1)
         hold = self._take_seq()
         self._loans[hold] = tuple(lent)
         return hold
@@ -157,9 +155,7 @@ class Holds:
         if not isinstance(loan, Loan) or loan.owner is not self or loan.hold not in self._loans:
             raise MisuseError(f"no open loan {loan!r} of this cache")
         lent = self._loans.pop(loan.hold)
-        lend = self.entries.lend
-        for entry in lent:
-            lend(entry, -1)
+        self.entries.lend(lent, -1)
         return len(lent)
 
     def _take_seq(self) -> int:

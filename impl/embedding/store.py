@@ -217,8 +217,11 @@ def status_of_get(code: int, nbytes: int) -> ExtentStatus:
     return ExtentStatus.MISSING if classify(code) is ErrorKind.MISSING else ExtentStatus.FAILED
 
 
-def _log_failures(what: str, codes: Iterable[int]) -> None:
-    """One warning per failed call, with the count of each native code."""
+def _log_failures(what: str, codes: Sequence[int]) -> None:
+    """One warning per failed call, with the count of each native code (nothing is counted for
+    a call without a failure: the common case, once per call)."""
+    if not codes or min(codes) >= 0:
+        return
     bad = collections.Counter(code for code in codes if code < 0)
     if bad:
         summary = ", ".join(f"{count} x {code}" for code, count in sorted(bad.items()))
