@@ -303,11 +303,10 @@ class EmbeddingCache:
         seen = self._ops.visible(others) if probe else [True] * len(others)
         remote = [item for item, there in zip(others, seen, strict=True) if there]
         protect = frozenset(media for media, _tokens in batch)
-        victims, fits, no_space = self._entries.plan_room(remote, protect)
+        victims, fits, no_space = table.plan_room(remote, protect)
         # Nothing has changed so far; every step below is legal by construction.
         self._evict(victims)  # never a local entry: the batch is protected
-        for entry in local:
-            table.touch(entry)
+        table.touch_all(local)
         op = self._ops.submit(False, table.loads(fits))
         self._ops.start_request(request_id, op)
         self._count(skipped_no_space=no_space)

@@ -231,39 +231,32 @@ class Entries:
     def push_filled(self, entries: Sequence[LiveEntry]) -> None:
         """The caller wrote each FILLING entry of ``entries``: FILLED then PUSH, touched for LRU
         in order (each moves to the end of the table with the newest stamp)."""
-        step, table, clock = EMBEDDING_ENTRY.next, self._table, self._clock
-        filled, push = EntryEvent.FILLED, EntryEvent.PUSH
+        step, filled, push = EMBEDDING_ENTRY.next, EntryEvent.FILLED, EntryEvent.PUSH
         for entry in entries:
             entry.state = step(step(entry.state, filled), push)
-            del table[entry.media]
-            table[entry.media] = entry
-            clock += 1
-            entry.stamp = clock
-        self._clock = clock
+        self.touch_all(entries)
 
     def lend(self, entries: Sequence[LiveEntry], delta: int) -> None:
         """One loan of each entry's units opened (``delta`` 1: touched for LRU, in order) or
         closed (-1)."""
-        if delta < 0:
-            for entry in entries:
-                entry.readers += delta
-            return
-        table, clock = self._table, self._clock
         for entry in entries:
             entry.readers += delta
+        if delta > 0:
+            self.touch_all(entries)
+
+    def touch(self, entry: LiveEntry) -> None:
+        """``entry`` is the most recently used: the newest stamp, at the end of the table."""
+        self.touch_all((entry,))
+
+    def touch_all(self, entries: Iterable[LiveEntry]) -> None:
+        """:meth:`touch` each of ``entries``, in order (the last is the most recently used)."""
+        table, clock = self._table, self._clock
+        for entry in entries:
             del table[entry.media]
             table[entry.media] = entry
             clock += 1
             entry.stamp = clock
         self._clock = clock
-
-    def touch(self, entry: LiveEntry) -> None:
-        """``entry`` is the most recently used: the newest stamp, at the end of the table."""
-        table = self._table
-        del table[entry.media]
-        table[entry.media] = entry
-        self._clock += 1
-        entry.stamp = self._clock
 
     def advance(self, entry: LiveEntry, event: EntryEvent) -> None:
         """``entry`` after ``event``, in its place (no touch); never to FREE (:meth:`forget`)."""
