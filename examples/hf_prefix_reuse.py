@@ -270,6 +270,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--reference", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    # Both checks marked "bitwise" compare two prefills made in two processes. A multi-threaded CPU
+    # kernel may split its sums differently from call to call on a loaded machine (seen in CI: 1 run
+    # in 6 under two busy cores), so both processes run torch on one thread: same shapes, same order.
+    torch.set_num_threads(1)
     pages = (args.prompt_tokens - 1) // PAGE
     if pages < 2:
         raise SystemExit(f"--prompt-tokens must be at least {2 * PAGE + 1}")
