@@ -13,6 +13,11 @@ seconds) and last ``mutants: caught N of M``. Exit status 0 only if every mutant
 ``--jobs`` at a time (default: the number of CPUs), each pytest with one torch/BLAS thread, so the
 catalogue takes about 1/jobs of its serial time without oversubscribing the machine.
 
+A patch of the C kernels (``impl/*.c``, ``impl/*.h``) is built in the scratch copy
+(``kvstrata.impl._native`` from pyproject.toml's ``ext-modules``, the copied module replaced), and
+the copy must then import that module: a build that fails, or a kvstrata that falls back to the
+portable kernels, is an ERROR, never a catch or a survivor.
+
 Usage: python tests/mutants/run.py [--jobs N] [NAME ...]
 """
 
@@ -50,6 +55,10 @@ def prepare(scratch: Path, patch: Path) -> str | None:
     )
     if applied.returncode != 0:
         return f"patch does not apply: {applied.stderr.strip()}"
+    if touches_c(patch):
+        problem = build_native(scratch)
+        if problem:
+            return problem
     site = scratch / "_site" / "kvstrata"
     site.mkdir(parents=True)
     for package in ("model", "impl"):
@@ -63,6 +72,55 @@ def prepare(scratch: Path, patch: Path) -> str | None:
             if entry.name != "__pycache__":
                 shutil.move(str(entry), str(site / entry.name))
         shutil.rmtree(face)
+    return None
+
+
+def touches_c(patch: Path) -> bool:
+    """Whether ``patch`` changes a C source or header of the native kernels (``impl/*.c|h``)."""
+    for line in patch.read_text().splitlines():
+        if line.startswith("diff --git a/impl/") and line.split()[2].endswith((".c", ".h")):
+            return True
+    return False
+
+
+#: builds the scratch copy's ``kvstrata.impl._native`` from pyproject.toml's ext-modules into the
+#: folder given as its one argument (setuptools' build_ext, the options the package build uses)
+BUILD_NATIVE = """
+import sys, tomllib
+from pathlib import Path
+from setuptools import Distribution, Extension
+spec = tomllib.loads(Path("pyproject.toml").read_text())["tool"]["setuptools"]["ext-modules"]
+modules = []
+for module in spec:
+    options = {key.replace("-", "_"): value for key, value in module.items() if key != "optional"}
+    options["define_macros"] = [tuple(pair) for pair in options.get("define_macros", [])]
+    modules.append(Extension(**options))
+out = sys.argv[1]
+dist = Distribution({"ext_modules": modules, "script_name": "build", "script_args": [
+    "build_ext", "--build-lib", out, "--build-temp", out + "/temp"]})
+dist.parse_command_line()
+dist.run_commands()
+"""
+
+
+def build_native(scratch: Path) -> str | None:
+    """Build the patched C kernels in ``scratch`` and put the module in place of the copied one;
+    an error text when the build fails."""
+    out = scratch / "_build"
+    built = subprocess.run(
+        [sys.executable, "-c", BUILD_NATIVE, str(out)],
+        cwd=scratch,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    modules = sorted((out / "kvstrata" / "impl").glob("_native*.so"))
+    if built.returncode != 0 or len(modules) != 1:
+        return f"the patched C kernels do not build: {(built.stderr or built.stdout)[-2000:]}"
+    for old in (scratch / "impl").glob("_native*.so"):
+        old.unlink()
+    shutil.copy2(modules[0], scratch / "impl" / modules[0].name)
+    shutil.rmtree(out)
     return None
 
 
@@ -126,17 +184,28 @@ def environment(scratch: Path) -> dict[str, str]:
     return env
 
 
-def imports_scratch(scratch: Path, env: dict[str, str]) -> bool:
-    """True if ``kvstrata.model`` resolves to the scratch copy (not the installed tree)."""
+#: prints where kvstrata.model and the native kernels in use come from ("" for none)
+IMPORT_PROBE = (
+    "import kvstrata.model as m; from kvstrata.impl.kernels import native_module as n; "
+    "print(m.__file__); print(getattr(n(), '__file__', ''))"
+)
+
+
+def imports_scratch(scratch: Path, env: dict[str, str], *, native: bool = False) -> bool:
+    """True if ``kvstrata.model`` resolves to the scratch copy (not the installed tree), and with
+    ``native`` if the C kernels in use are the copy's too (a C mutant must run, not fall back)."""
     probe = subprocess.run(
-        [sys.executable, "-c", "import kvstrata.model as m; print(m.__file__)"],
+        [sys.executable, "-c", IMPORT_PROBE],
         cwd=scratch,
         env=env,
         capture_output=True,
         text=True,
         check=False,
     )
-    return probe.returncode == 0 and probe.stdout.strip().startswith(str(scratch))
+    lines = probe.stdout.split("\n")
+    if probe.returncode != 0 or not lines[0].startswith(str(scratch)):
+        return False
+    return not native or (len(lines) > 1 and lines[1].startswith(str(scratch)))
 
 
 #: exceptions that mean a patch broke the code (or the test file) rather than re-introducing a bug
@@ -163,7 +232,7 @@ def run_one(patch: Path) -> tuple[str, float, str]:
         if problem:
             return "ERROR", time.monotonic() - start, problem
         env = environment(scratch)
-        if not imports_scratch(scratch, env):
+        if not imports_scratch(scratch, env, native=touches_c(patch)):
             return "ERROR", time.monotonic() - start, "kvstrata does not import from the copy"
         result = subprocess.run(
             [

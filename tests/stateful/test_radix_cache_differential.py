@@ -26,6 +26,14 @@ class L1OnlyDifferential(DifferentialMachine):
     host_sizes = st.just(0)
 
 
+class WidePagesDifferential(DifferentialMachine):
+    """Pages of 8 and 9 tokens (the others use 1-2): the tree's page fingerprints then run their
+    8-token blocks (the AVX2 loop on x86) and an odd tail, and requests differ from cached ones in
+    one token anywhere in a page (mutant native_nh_odd_tokens_ignored)."""
+
+    wide_pages = st.sampled_from([8, 9])
+
+
 STEPS = settings(stateful_step_count=50)
 TestWriteThroughDifferential = WriteThroughDifferential.TestCase
 TestWriteThroughDifferential.settings = STEPS
@@ -33,6 +41,8 @@ TestSelectiveDifferential = SelectiveDifferential.TestCase
 TestSelectiveDifferential.settings = STEPS
 TestWriteBackDifferential = WriteBackDifferential.TestCase
 TestWriteBackDifferential.settings = STEPS
+TestWidePagesDifferential = WidePagesDifferential.TestCase
+TestWidePagesDifferential.settings = STEPS
 TestL1OnlyDifferential = L1OnlyDifferential.TestCase
 TestL1OnlyDifferential.settings = settings(
     STEPS, max_examples=max(10, settings().max_examples // 5)

@@ -53,6 +53,23 @@ def related_tokens(draw: st.DrawFn, known: list[tuple[int, ...]]) -> tuple[int, 
     return draw(fresh_tokens)
 
 
+@st.composite
+def wide_tokens(draw: st.DrawFn, known: list[tuple[int, ...]], page: int) -> tuple[int, ...]:
+    """Up to three pages of ``page`` tokens: fresh, a known request cut and extended, or a known
+    request with one token changed anywhere (pages that differ from a cached one in one position:
+    the tree must tell them apart whatever the position)."""
+    alphabet = st.integers(1, 3)
+    if not known or draw(st.integers(0, 2)) == 0:
+        return tuple(draw(st.lists(alphabet, max_size=3 * page)))
+    base = draw(st.sampled_from(known))
+    if base and draw(st.booleans()):
+        at = draw(st.integers(0, len(base) - 1))
+        other = draw(alphabet.filter(lambda token: token != base[at]))
+        return (*base[:at], other, *base[at + 1 :])
+    cut = draw(st.integers(0, len(base)))
+    return (*base[:cut], *draw(st.lists(alphabet, max_size=page)))[: 3 * page]
+
+
 def kv_for(shape: KVShape, page: PageHash) -> torch.Tensor:
     """The KV of one page: bytes derived from its page hash only, shaped [planes, L, 1, page, H, D]."""
     dims = shape.canonical(1)
@@ -93,6 +110,8 @@ class FlakyCopy:
 class DifferentialMachine(RuleBasedStateMachine):
     policy = WritePolicy.WRITE_THROUGH
     host_sizes: st.SearchStrategy[int] = st.integers(2, 10)
+    #: when set, the page size is drawn from it (not 1-2) and requests from :func:`wide_tokens`
+    wide_pages: st.SearchStrategy[int] | None = None
 
     def __init__(self) -> None:
         super().__init__()
@@ -115,6 +134,8 @@ class DifferentialMachine(RuleBasedStateMachine):
         layout: HostLayout,
         quota: int | None,
     ) -> None:
+        if self.wide_pages is not None:
+            page_size = data.draw(self.wide_pages, label="wide page_size")
         host_pages = data.draw(self.host_sizes, label="host_pages")
         threshold = data.draw(st.integers(1, 2), label="threshold")
         self.hashes = data.draw(self.page_hashes, label="page_hashes")
@@ -235,7 +256,10 @@ class DifferentialMachine(RuleBasedStateMachine):
 
     # ------------------------------------------------------------ helpers
     def draw_tokens(self, data: st.DataObject) -> tuple[tuple[int, ...], Namespace]:
-        tokens = data.draw(related_tokens(self.known), label="tokens")
+        if self.wide_pages is None:
+            tokens = data.draw(related_tokens(self.known), label="tokens")
+        else:
+            tokens = data.draw(wide_tokens(self.known, self.page_size), label="tokens")
         ns = data.draw(st.sampled_from(NAMESPACES), label="namespace")
         self.seen.add((ns, tokens))
         return tokens, ns
@@ -495,10 +519,23 @@ class DifferentialMachine(RuleBasedStateMachine):
                 ack()
 
     # ------------------------------------------------------------ misuse: same typed error, no change
-    @rule(bad=st.sampled_from(["tokens", "slots", "evict", "unlock", "node", "alloc"]))
+    @rule(bad=st.sampled_from(["tokens", "slots", "repeat", "evict", "unlock", "node", "alloc"]))
     def misuse(self, bad: str) -> None:
         before = self.observe()
-        if bad == "tokens":
+        held: tuple[tuple[int, ...], tuple[int, ...]] | None = None
+        if bad == "repeat":  # two held L1 slots, the first named twice (not only at position 0)
+            model_slots = try_alloc(self.model.alloc_device, 2)
+            impl_slots = try_alloc(self.impl.alloc_device, 2)
+            assert (model_slots is None) == (impl_slots is None)
+            if model_slots is None or impl_slots is None:
+                return
+            held, before = (model_slots, impl_slots), self.observe()
+            tokens = [7] * (2 * self.page_size)
+            calls = (
+                lambda: self.model.insert(tokens, DEFAULT_NAMESPACE, model_slots[:1] * 2),
+                lambda: self.impl.insert(tokens, np.repeat(impl_slots[:1], 2)),
+            )
+        elif bad == "tokens":
             calls = (lambda: self.model.insert([1, -1]), lambda: self.impl.insert([1, -1], []))
         elif bad == "slots":
             tokens = [7] * self.page_size
@@ -526,6 +563,9 @@ class DifferentialMachine(RuleBasedStateMachine):
             else:
                 raise AssertionError(f"{bad} misuse was accepted")
         assert self.observe() == before, f"{bad} misuse changed something"
+        if held is not None:
+            self.model.free_device(held[0])
+            self.impl.free_device(held[1])
         event(f"misuse {bad} rejected by both")
 
     # ------------------------------------------------------------ comparison
