@@ -383,6 +383,58 @@ class DifferentialMachine(RuleBasedStateMachine):
             self.lock_match(tokens, ns)
             event("a running request keeps its node locked")
 
+    @rule(data=st.data())
+    def racing_requests(self, data: st.DataObject) -> None:
+        """Two requests for the same tokens in one prefill batch: both match the same prefix and
+        compute its uncached pages, the first inserts, and the second's pages where the tree now
+        holds the first's are duplicates, given back (the spare pages of ``check_pages``)."""
+        tokens, ns = self.draw_tokens(data)
+        expected, actual = self.both_match(tokens, ns)
+        pages = chain_page_hashes(tokens, self.page_size, ns)
+        need = len(pages) - expected.device_pages  # type: ignore[attr-defined]
+        if not need:
+            return
+        node_id = expected.device_node  # type: ignore[attr-defined]
+        locked = not self.model.tree.nodes[node_id].is_root
+        if locked:
+            self.model.lock(node_id)
+            self.impl.lock(actual.device_node)  # type: ignore[attr-defined]
+        computed: list[tuple[tuple[int, ...], Any]] = []
+        for _ in range(2):
+            model_fresh = try_alloc(self.model.alloc_device, need)
+            impl_fresh = try_alloc(self.impl.alloc_device, need)
+            assert (model_fresh is None) == (impl_fresh is None)
+            if model_fresh is None or impl_fresh is None:
+                break
+            assert impl_fresh.tolist() == list(model_fresh)
+            for slot, page in zip(model_fresh, pages[-need:], strict=True):
+                self.model.write_device(slot, page)
+            self.write_fresh(impl_fresh, pages[-need:])
+            computed.append((model_fresh, impl_fresh))
+        prefix = list(expected.device_slots)  # type: ignore[attr-defined]
+        # the second may match again right before its insert: the tree's pages are then the
+        # match's own and its duplicates are found against them (the insert's fast path)
+        rematch = data.draw(st.booleans(), label="the second matches again")
+        for turn, (model_fresh, impl_fresh) in enumerate(computed):
+            if turn and rematch:
+                self.both_match(tokens, ns)
+            want = self.model.insert(tokens, ns, prefix + list(model_fresh))
+            got = self.impl.insert(tokens, prefix + impl_fresh.tolist(), ns)
+            assert (got.node.id, got.new_pages, got.revived_pages, got.duplicate_pages) == (
+                want.node_id,
+                want.new_pages,
+                want.revived_pages,
+                want.duplicate_pages,
+            )
+        if len(computed) == 2:
+            event("racing requests: the second one's pages given back as duplicates")
+            if tokens not in self.known:
+                self.known.append(tokens)
+        if locked:
+            self.model.unlock(node_id)
+            self.impl.unlock(actual.device_node)  # type: ignore[attr-defined]
+        self.both_match(tokens, ns)
+
     def lock_match(self, tokens: tuple[int, ...], ns: Namespace) -> None:
         """Lock, on both, the L1 node the match of ``tokens`` ends at (not the root)."""
         expected, actual = self.both_match(tokens, ns)
