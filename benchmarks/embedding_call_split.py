@@ -22,10 +22,12 @@ still runs the job, so it measures what waking the worker costs a caller that th
 Exit status: 0 when everything ran; 1 when a store call failed; 2 when the cluster cannot be
 started here.
 
-``--batch`` puts and gets that many embeddings per call (default 1; part 26).
+``--batch`` puts and gets that many embeddings per call (default 1; part 26). ``--wait-in-call``
+makes ``commit`` and ``prefetch`` take ``wait=True`` (part 28): the store call runs inside them, so
+``flush`` and ``wait`` have nothing left to do.
 
 Usage: python benchmarks/embedding_call_split.py [--shape small] [--batch 1] [--calls 384] [--repeats 4]
-       [--inline] [--no-notify]
+       [--inline] [--no-notify] [--wait-in-call]
 """
 
 from __future__ import annotations
@@ -107,7 +109,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         )
         timed = TimedNative(client._native)
         client._native = timed  # kvstrata's calls only: sides.native is the unwrapped instance
-        writer, reader, inline = sides.a2, sides.b2, args.inline
+        writer, reader, wait = sides.a2, sides.b2, args.wait_in_call
+        inline = args.inline or wait  # where the native call runs: in the verb itself
         try:
             for rep in range(args.repeats + 1):
                 l3.clear(client, raw)
@@ -125,7 +128,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         assert view is not None
                         view.copy_(sides.tensors[index])
                     t3 = now()
-                    writer.commit(reservation)
+                    writer.commit(reservation, wait=wait)
                     t4 = now()
                     if not writer.flush(bench.WAIT_S):
                         raise l3.BenchError("flush: the put did not complete")
@@ -156,7 +159,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     t0 = now()
                     sides.raw_get(call)
                     t1 = now()
-                    reader.prefetch(request, media, sizes, probe=False)
+                    reader.prefetch(request, media, sizes, probe=False, wait=wait)
                     t2 = now()
                     if not reader.wait(request, bench.WAIT_S):
                         raise l3.BenchError("wait: the get did not complete")
@@ -189,6 +192,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=4, help="recorded repetitions")
     parser.add_argument("--inline", action="store_true", help="InlineExecutor caches")
     parser.add_argument("--no-notify", action="store_true", help="submit without a wake-up")
+    parser.add_argument(
+        "--wait-in-call", action="store_true", help="commit / prefetch with wait=True (part 28)"
+    )
     args = parser.parse_args(argv)
     if args.calls < 1 or args.repeats < 1 or args.batch < 1:
         parser.error("--batch, --calls and --repeats must be >= 1")
@@ -197,6 +203,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.no_notify:
         executors.ThreadExecutor.submit = queue_without_waking  # type: ignore[method-assign]
     executor = "inline" if args.inline else "thread" + (", no wake-up" if args.no_notify else "")
+    executor += ", wait=True" if args.wait_in_call else ""
 
     def table(split: dict[str, float]) -> None:
         print(

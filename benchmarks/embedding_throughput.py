@@ -21,6 +21,8 @@ cluster, the raw client, the prefault and the store clearing are ``l3_throughput
   put (copying the tensors into the pool, one ``batch_is_exist``, one ``batch_put_from``, applying the
   per-key results); *prefetch* is node B's ``prefetch`` + ``wait`` + ``get`` of the same hashes (one
   ``batch_is_exist``, one ``batch_get_into`` into the pool, then a copy of each tensor out of it).
+  Since part 28 each verb takes ``wait=True`` (its store call made on the caller's thread, the I/O
+  thread not woken); ``--no-wait-in-call`` gives the verb, then ``flush`` / ``wait``, as before.
 
 The pool's unit is one whole embedding, so both sides move exactly one store object per embedding.
 Shapes (float16): ``image`` 576 x 1024 (a ViT-L/14-336 image, 1.125 MiB) and ``small`` 64 x 1024
@@ -137,9 +139,13 @@ class Sides:
         inline: bool = False,
         *,
         pool_units: int = 0,
+        wait_in_call: bool = True,
     ) -> None:
-        """``pool_units``: units per cache pool (0: one batch, one unit per embedding)."""
+        """``pool_units``: units per cache pool (0: one batch, one unit per embedding);
+        ``wait_in_call``: the cache verbs take ``wait=True`` (the store call made on the caller's
+        thread, no worker wake-up; part 28), else the verb, then ``flush`` / ``wait``."""
         self.cell, self.raw, self.client = cell, raw, client
+        self.wait_in_call = wait_in_call
         self.native: Any = client.native_store  # the headline baseline: kvstrata's own instance
         gen = torch.Generator().manual_seed(cell.tokens * 7919 + cell.batch)
         self.tensors = [
@@ -233,7 +239,7 @@ class Sides:
 
     def insert(self, call: int) -> None:
         before = self.a.counters.pushed
-        result = self.a.insert_batch(self.media[call], self.tensors)
+        result = self.a.insert_batch(self.media[call], self.tensors, wait=self.wait_in_call)
         if not self.a.flush(WAIT_S):
             raise l3.BenchError("insert_batch: the batch put did not complete")
         if result.stored != self.cell.batch or self.a.counters.pushed - before != self.cell.batch:
@@ -252,7 +258,7 @@ class Sides:
                 raise l3.BenchError("reserve: an entry of the bench pool is not one view")
             view.copy_(tensor)
         untimed = time.perf_counter() - start
-        result = self.a2.commit(reservation)
+        result = self.a2.commit(reservation, wait=self.wait_in_call)
         if not self.a2.flush(WAIT_S):
             raise l3.BenchError("commit: the batch put did not complete")
         if result.stored != self.cell.batch or self.a2.counters.pushed - before != self.cell.batch:
@@ -263,7 +269,7 @@ class Sides:
         request = f"r{self.requests}"
         self.requests += 1
         tokens = [self.cell.tokens] * self.cell.batch
-        result = cache.prefetch(request, media, tokens, probe=False)
+        result = cache.prefetch(request, media, tokens, probe=False, wait=self.wait_in_call)
         if not cache.wait(request, WAIT_S):
             raise l3.BenchError("prefetch: the batch get did not complete")
         if result.loading != self.cell.batch:
@@ -328,9 +334,15 @@ def repetition(
 
 
 def run_cell(
-    cell: Cell, client: MooncakeClient, raw: l3.RawStore, repeats: int, inline: bool
+    cell: Cell,
+    client: MooncakeClient,
+    raw: l3.RawStore,
+    repeats: int,
+    inline: bool,
+    *,
+    wait_in_call: bool = True,
 ) -> dict[str, Any]:
-    sides = Sides(cell, client, raw, inline)
+    sides = Sides(cell, client, raw, inline, wait_in_call=wait_in_call)
     samples: dict[str, list[float]] = {name: [] for name in NAMES}
     call_medians: dict[str, list[float]] = {name: [] for name in NAMES}  # per repetition
     try:
@@ -409,6 +421,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         action="store_true",
         help="the caches run their store calls on the caller's thread (InlineExecutor)",
     )
+    parser.add_argument(
+        "--no-wait-in-call",
+        dest="wait_in_call",
+        action="store_false",
+        help="the verb, then flush / wait (as before part 28) instead of the verb's wait=True",
+    )
     parser.add_argument("--json", type=Path, default=None, help="write every number here")
     args = parser.parse_args(argv)
     try:
@@ -447,6 +465,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "segment_bytes": args.segment_mib * MIB,
             "threads": args.threads,
             "executor": "inline" if args.inline else "thread",
+            "wait_in_call": args.wait_in_call,
             "cpus": os.cpu_count(),
             "python": platform.python_version(),
             "torch": torch.__version__,
@@ -462,7 +481,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 file=sys.stderr,
                 flush=True,
             )
-            result["cells"].append(run_cell(cell, client, raw, args.repeats, args.inline))
+            result["cells"].append(
+                run_cell(
+                    cell, client, raw, args.repeats, args.inline, wait_in_call=args.wait_in_call
+                )
+            )
             gc.collect()
     result["seconds"] = time.perf_counter() - started
     result["loadavg"] = {"start": load_start, "end": os.getloadavg()}

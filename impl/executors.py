@@ -31,6 +31,7 @@ __all__ = [
     "ManualExecutor",
     "ManualJoinableExecutor",
     "Mergeable",
+    "RunsHere",
     "Stepped",
     "ThreadExecutor",
     "deadline_after",
@@ -76,6 +77,16 @@ class Joinable(Protocol):
 
     def run_queued(
         self, timeout: float | None = None, until: Callable[[], bool] | None = None
+    ) -> int: ...
+
+
+@runtime_checkable
+class RunsHere(Protocol):
+    """A :class:`Joinable` executor that also takes a job for a caller about to wait for it and
+    runs it on the caller's thread without waking its worker (:meth:`ThreadExecutor.run_here`)."""
+
+    def run_here(
+        self, job: Callable[[], None], until: Callable[[], bool], timeout: float | None = None
     ) -> int: ...
 
 
@@ -164,6 +175,7 @@ class ThreadExecutor:
         self._drained = threading.Condition(self._lock)
         self._running = threading.Lock()  # held while a group is taken and run
         self._holder: int | None = None  # the caller thread holding _running, if one does
+        self.wake_ups = 0  # times the worker was signalled for queued jobs (under _lock)
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -229,7 +241,29 @@ class ThreadExecutor:
         with self._lock:
             self._unfinished += 1
             self._queue.append(job)
+            self.wake_ups += 1
             self._queued.notify()
+
+    def run_here(
+        self, job: Callable[[], None], until: Callable[[], bool], timeout: float | None = None
+    ) -> int:
+        """Queue ``job`` behind the queued jobs *without waking the worker*, then run the queue
+        on this thread as :meth:`run_queued` does until ``until()`` is true (the caller's result
+        of ``job`` arrived); how many jobs ran here. For a caller that waits for ``job`` at once:
+        the worker's wake-up would do no useful work (issue 20: 9-35 us a call on a 2-core VM).
+        Invariant: a job is never stranded in the queue of a sleeping worker. Whenever this
+        returns or raises with jobs still queued (``timeout``, an interrupt, a call from the
+        worker or from inside a job), the worker is woken for them."""
+        with self._lock:
+            self._unfinished += 1
+            self._queue.append(job)
+        try:
+            return self.run_queued(timeout, until)
+        finally:
+            with self._lock:
+                if self._queue:
+                    self.wake_ups += 1
+                    self._queued.notify()
 
     def run_queued(
         self, timeout: float | None = None, until: Callable[[], bool] | None = None
@@ -388,3 +422,11 @@ class ManualJoinableExecutor(ManualExecutor):
         while (until is None or not until()) and self.run_next():
             ran += 1
         return ran
+
+    def run_here(
+        self, job: Callable[[], None], until: Callable[[], bool], timeout: float | None = None
+    ) -> int:
+        """Queue ``job`` and run the queue until ``until()`` is true, as
+        :meth:`ThreadExecutor.run_here` (nothing to wake here)."""
+        self.submit(job)
+        return self.run_queued(timeout, until)

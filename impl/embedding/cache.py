@@ -39,6 +39,9 @@ Upheld here (the facade; checked by the differential machine against the model):
     * only READY entries are read (``get``) or pushed (the model's guard sets); a failed get
       frees and forgets its entry (:mod:`.ops`, through :mod:`.entries`).
 
+With ``wait=True``, ``insert_batch`` / ``commit`` / ``prefetch`` return once their op (and each
+older one) was applied, the store call made on this thread, the worker not woken (``Ops.submit``).
+
 Deviation from the bare issue API, forced by the model: ``prefetch`` and ``exists`` take each
 item's token count (the model's prefetch takes sizes: a reader must know how much room to
 allocate). Store round trips on the caller's thread: ``insert_batch`` asks ``exists`` only for
@@ -53,7 +56,7 @@ from collections.abc import Iterable
 import attrs
 import torch
 
-from kvstrata.impl.embedding.checks import check_hashes, check_insert, check_sizes
+from kvstrata.impl.embedding.checks import check_hashes, check_insert, check_sizes, check_wait
 from kvstrata.impl.embedding.entries import Entries, Entry, LiveEntry
 from kvstrata.impl.embedding.holds import Holds, Loan, Reservation, Reserved
 from kvstrata.impl.embedding.ops import Ops
@@ -227,10 +230,11 @@ class EmbeddingCache:
     # ----------------------------------------------------------------------------- operations
 
     def insert_batch(
-        self, hashes: Iterable[PageHash], tensors: Iterable[torch.Tensor]
+        self, hashes: Iterable[PageHash], tensors: Iterable[torch.Tensor], *, wait: bool = False
     ) -> InsertResult:
         """Insert freshly computed embeddings (one copy each into the pool) and push every READY
-        one in one batch put: :meth:`reserve`, the copies, :meth:`commit`."""
+        one in one batch put: :meth:`reserve`, the copies, :meth:`commit` (``wait`` as there)."""
+        check_wait(wait, self._ops.can_wait)
         self._ops.poll()  # already guarded: the verb itself checked the caller
         batch, first = check_insert(self._entries, hashes, tensors)
         reservation = self._reserve(batch, views=False)  # written here, never handed out
@@ -240,7 +244,7 @@ class EmbeddingCache:
         except BaseException:  # a copy failed: nothing of this batch is kept half-written
             self._abort(reservation)
             raise
-        return self._commit(reservation)
+        return self._commit(reservation, wait)
 
     def reserve(self, hashes: Iterable[PageHash], tokens: Iterable[int]) -> Reservation:
         """The first half of an insert without a copy: FILLING entries for the new items that fit
@@ -249,11 +253,13 @@ class EmbeddingCache:
         self._ops.poll()  # already guarded: the verb itself checked the caller
         return self._reserve(check_sizes(self._entries, hashes, tokens, merge=True))
 
-    def commit(self, reservation: Reservation) -> InsertResult:
+    def commit(self, reservation: Reservation, *, wait: bool = False) -> InsertResult:
         """The second half of an insert: the reservation's entries are READY, and every READY
-        entry of its batch the store may lack goes to one batch put (see the module docstring)."""
+        entry of its batch the store may lack goes to one batch put (see the module docstring).
+        ``wait=True``: ``commit`` then :meth:`flush` of that put in one call (module docstring)."""
+        check_wait(wait, self._ops.can_wait)
         self._ops.poll()  # already guarded: the verb itself checked the caller
-        return self._commit(reservation)
+        return self._commit(reservation, wait)
 
     def abort(self, reservation: Reservation) -> int:
         """Give up a reservation: its FILLING entries are freed and forgotten; how many."""
@@ -288,13 +294,16 @@ class EmbeddingCache:
         tokens: Iterable[int],
         *,
         probe: bool = True,
+        wait: bool = False,
     ) -> PrefetchResult:
         """Start one batch get for the items that are not local but visible in the store; their
         entries are LOADING (pinned) until the result is applied. ``probe=False`` skips the
         ``exists`` round trip (the caller just asked :meth:`exists`): every item that is not
-        local is fetched, and one the store lacks after all fails its load and frees its room."""
+        local is fetched, and one the store lacks after all fails its load and frees its room.
+        ``wait=True``: ``prefetch`` then :meth:`wait` in one call (see the module docstring)."""
         if not isinstance(probe, bool):
             raise MisuseError(f"prefetch: probe is a bool, got {probe!r}")
+        check_wait(wait, self._ops.can_wait)
         self._ops.poll()  # already guarded: the verb itself checked the caller
         self._ops.check_new_request(request_id)
         table = self._entries
@@ -307,7 +316,7 @@ class EmbeddingCache:
         # Nothing has changed so far; every step below is legal by construction.
         self._evict(victims)  # never a local entry: the batch is protected
         table.touch_all(local)
-        op = self._ops.submit(False, table.loads(fits))
+        op = self._ops.submit(False, table.loads(fits), wait=wait)
         self._ops.start_request(request_id, op)
         self._count(skipped_no_space=no_space)
         return PrefetchResult(
@@ -390,14 +399,14 @@ class EmbeddingCache:
             owner=self._holds,
         )
 
-    def _commit(self, reservation: Reservation) -> InsertResult:
+    def _commit(self, reservation: Reservation, wait: bool) -> InsertResult:
         reserved = self._holds.close_reservation(reservation)
         table = self._entries
         if len(reserved.fresh) == len(reserved.batch):  # the common case: every item is new
             written = reserved.fresh  # in batch order (the misses were planned in order)
             table.push_filled(written)
-            op = self._ops.submit(True, written)
             self._counted["new"] += len(written)
+            op = self._ops.submit(True, written, wait=wait)
             return InsertResult(op, len(written), 0, len(written), 0, 0, 0)
         fresh = {entry.media: entry for entry in reserved.fresh}
         hits = {m: e for m in reserved.hits if m not in fresh and (e := table.get(m))}
@@ -426,8 +435,8 @@ class EmbeddingCache:
             else:
                 table.advance(entry, EntryEvent.PUSH)
                 pushed.append(entry)
-        op = self._ops.submit(True, pushed)
         self._count(new=len(fresh), re_pushed=re_pushed)
+        op = self._ops.submit(True, pushed, wait=wait)
         return InsertResult(
             op, len(fresh), re_pushed, len(pushed), skipped, busy, reserved.skipped_no_space
         )

@@ -15,7 +15,7 @@ from kvstrata.impl.errors import CapacityError, MisuseError
 from kvstrata.model.errors import whole_count
 from kvstrata.model.keys import PageHash
 
-__all__ = ["check_hashes", "check_insert", "check_sizes"]
+__all__ = ["check_hashes", "check_insert", "check_sizes", "check_wait"]
 
 T = TypeVar("T")
 
@@ -97,3 +97,11 @@ def check_sizes(
         batch[media] = count
         pairs.append((media, count))
     return list(batch.items()) if merge else pairs
+
+
+def check_wait(wait: object, can_wait: bool) -> None:
+    """A verb's ``wait`` flag: a bool, and ``True`` only where the executor runs the I/O."""
+    if not isinstance(wait, bool):
+        raise MisuseError(f"wait is a bool, got {wait!r}")
+    if wait and not can_wait:
+        raise MisuseError("wait=True needs an executor that runs I/O, not a ManualExecutor")

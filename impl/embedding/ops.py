@@ -33,7 +33,13 @@ import attrs
 from kvstrata.impl.embedding.entries import Entries, LiveEntry
 from kvstrata.impl.embedding.store import EmbeddingStore, Extents, ExtentStatus
 from kvstrata.impl.errors import InvariantViolation, MisuseError
-from kvstrata.impl.executors import Joinable, deadline_after, seconds_left
+from kvstrata.impl.executors import (
+    Joinable,
+    ManualExecutor,
+    RunsHere,
+    deadline_after,
+    seconds_left,
+)
 from kvstrata.impl.kernels import join_keys
 from kvstrata.impl.transfer import Executor
 from kvstrata.model.keys import KeySpace, Namespace, PageHash, RenderedKeys, StoreKey
@@ -82,6 +88,9 @@ class Ops:
         self.namespace = namespace
         self.executor = executor
         self._joinable = executor if isinstance(executor, Joinable) else None
+        self._runs_here = executor if isinstance(executor, RunsHere) else None
+        # a ManualExecutor runs nothing until a test says so: a caller could never see its result
+        self.can_wait = self._joinable is not None or not isinstance(executor, ManualExecutor)
         self.pushed = self.loaded = self.failed = self.store_full = 0
         self._ops: dict[int, Op] = {}
         self._requests: dict[str, int | None] = {}
@@ -178,9 +187,12 @@ class Ops:
             )
         return tuple(items), Extents(keys, ptrs, sizes)
 
-    def submit(self, push: bool, entries: Sequence[LiveEntry]) -> int | None:
+    def submit(self, push: bool, entries: Sequence[LiveEntry], *, wait: bool = False) -> int | None:
         """One batch put (``push``) or get of ``entries`` (pinned by the caller: PUSHING or
-        LOADING) on the executor; the op's number, or ``None`` for no entries (no call)."""
+        LOADING) on the executor; the op's number, or ``None`` for no entries (no call). With
+        ``wait`` (only where :attr:`can_wait`), it returns once the op's result (and every result
+        before it) was applied: the job runs on this thread behind the queued ones, and a thread
+        executor's worker is not woken for it (:meth:`ThreadExecutor.run_here`)."""
         if not entries:
             return None
         items, extents = self.capture(entries)
@@ -199,8 +211,18 @@ class Ops:
                 self._landed.add(op.op_id)
                 self._results.put((op.op_id, done))
 
-        self.executor.submit(job)
-        return op.op_id
+        if not wait:
+            self.executor.submit(job)
+            return op.op_id
+        op_id, landed = op.op_id, self._landed
+        if self._runs_here is not None:
+            self._runs_here.run_here(job, lambda: op_id in landed)
+            while op_id in self._ops:  # its result is queued, behind those of the ops before it
+                self._apply_next(None)
+        else:
+            self.executor.submit(job)
+            self.wait(op_id, None)
+        return op_id
 
     def poll(self) -> int:
         """Apply every I/O result queued so far (on this thread); how many ops completed."""

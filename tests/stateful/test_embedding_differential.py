@@ -2,7 +2,7 @@
 store (SPEC §6, §7, §10).
 
 Two :class:`EmbeddingCacheModel` nodes over one :class:`StoreModel`, and two :class:`EmbeddingCache`
-nodes (each with its own pool, its own :class:`ManualExecutor` and its own
+nodes (each with its own pool, its own :class:`ManualJoinableExecutor` and its own
 :class:`MemoryEmbeddingStore` adapter) over one :class:`MemoryStore`; both stores start warm with the
 same objects (pushed by a node that is gone). Every rule picks a node and applies one operation to
 that node on both sides: insert / re-insert, prefetch (also steered toward objects the other node
@@ -10,7 +10,10 @@ pushed), finish the node's oldest I/O (``finish_io``: ack or fail it as a whole;
 executor is FIFO), ``partial_io`` (the oldest op answers item by item: a chosen subset of its items
 fails, and on the implementation side a chosen non-empty subset of each failed item's store objects
 fails while every other object is served, each failed object answering FAILED, or FULL for a put /
-MISSING for a get), the store dropping an object, local eviction, get, exists and bad input.
+MISSING for a get), the store dropping an object, local eviction, get, exists and bad input. An
+insert, commit or prefetch may be made with ``wait=True``: the implementation then runs the node's
+queued jobs itself up to its own op and applies their results before it returns, and the model
+acks the same ops, oldest first (``settle``).
 
 After every step, per node: the same media are cached in the same states with the same used units,
 the same ops pend, every request is ready on both sides or neither, the counters agree with the
@@ -47,8 +50,8 @@ from kvstrata.impl.embedding import (
     Reservation,
 )
 from kvstrata.impl.errors import CapacityError, MisuseError
+from kvstrata.impl.executors import ManualExecutor, ManualJoinableExecutor
 from kvstrata.impl.storage.memory import MemoryStore
-from kvstrata.impl.transfer import ManualExecutor
 from kvstrata.model.embedding import EmbeddingCacheModel, Hold, OpHandle, OpKind, Unit
 from kvstrata.model.keys import (
     KeySpace,
@@ -72,6 +75,7 @@ MEDIA = tuple(content_hash(f"media-{i}".encode()) for i in range(5))
 NODES = 2
 
 nodes = st.integers(0, NODES - 1)
+waits = st.sampled_from([False, False, True])  # wait=True: the verb settles its own op
 picks = st.lists(st.integers(0, len(MEDIA) - 1), min_size=1, max_size=3)
 
 
@@ -110,7 +114,7 @@ class EmbeddingDifferential(RuleBasedStateMachine):
             for name, capacity in zip("ab", capacities, strict=True)
         )
         self.stores = tuple(MemoryEmbeddingStore(self.objects) for _ in range(NODES))
-        self.executors = tuple(ManualExecutor() for _ in range(NODES))
+        self.executors = tuple(ManualJoinableExecutor() for _ in range(NODES))
         self.impls = tuple(
             EmbeddingCache(
                 EmbeddingPool(PoolShape(capacity, UNIT_TOKENS, DIM, torch.float16)),
@@ -177,6 +181,20 @@ class EmbeddingDifferential(RuleBasedStateMachine):
         self.pending.remove(op)
         return op
 
+    def settle(self, node: int, op: int | None) -> None:
+        """After a ``wait=True`` verb whose op is ``op``: the implementation ran the node's queued
+        jobs (its executor is FIFO) up to that op and applied their results; the model acks the
+        same ops, oldest first, each answered by the store as it is (nothing injected)."""
+        if op is None:  # no call was made: nothing ran, the older ops still pend
+            return
+        mine = [p for p in self.pending if p.node == node]
+        assert mine and mine[-1].op == op, (mine, op)
+        for pending in mine:
+            self.pending.remove(pending)
+            self.complete(pending, frozenset())
+        assert not self.executors[node].jobs and op not in self.impls[node].pending_ops()
+        event(f"wait=True: {len(mine)} op(s) settled by the caller")
+
     def complete(self, op: Pending, failed: frozenset[PageHash]) -> None:
         """Complete ``op`` on the model, item by item, after the implementation ran it."""
         model = self.models[op.node]
@@ -190,16 +208,17 @@ class EmbeddingDifferential(RuleBasedStateMachine):
 
     # ------------------------------------------------------------------------------ rules
 
-    @rule(node=nodes, chosen=picks)
-    def insert_batch(self, node: int, chosen: list[int]) -> None:
+    @rule(node=nodes, chosen=picks, wait=waits)
+    def insert_batch(self, node: int, chosen: list[int], wait: bool) -> None:
         other = self.models[1 - node]
         racing = {e.media for e in other.entries() if e.state is EntryState.PUSHING}
         hashes = [m for m in self.batch(chosen) if m not in racing]  # see the module docstring
         if not hashes:
             return
         want = self.models[node].insert_batch(hashes, [self.size[m] for m in hashes])
-        got = self.impls[node].insert_batch(hashes, [embedding(m, self.tokens[m]) for m in hashes])
-        note(f"node {node} insert {hashes}: {want} / {got}")
+        tensors = [embedding(m, self.tokens[m]) for m in hashes]
+        got = self.impls[node].insert_batch(hashes, tensors, wait=wait)
+        note(f"node {node} insert {hashes} wait={wait}: {want} / {got}")
         assert (got.new, got.re_pushed, got.stored, got.store_skipped, got.busy) == (
             want.new,
             want.re_pushed,
@@ -213,16 +232,18 @@ class EmbeddingDifferential(RuleBasedStateMachine):
         if want.new and any(self.model_store.contains(self.models[node].key(m)) for m in hashes):
             event("insert: a new entry the store holds, pushed unasked")
         self.track(node, want.op, got.op)
+        if wait:
+            self.settle(node, got.op)
 
-    @rule(node=nodes, chosen=picks, probe=st.booleans())
-    def prefetch(self, node: int, chosen: list[int], probe: bool) -> None:
+    @rule(node=nodes, chosen=picks, probe=st.booleans(), wait=waits)
+    def prefetch(self, node: int, chosen: list[int], probe: bool, wait: bool) -> None:
         hashes = self.batch(chosen)
         request = f"r{len(self.requests)}"
         self.requests[request] = node
         sizes, tokens = [self.size[m] for m in hashes], [self.tokens[m] for m in hashes]
         want = self.models[node].prefetch(request, hashes, sizes, probe=probe)
-        got = self.impls[node].prefetch(request, hashes, tokens, probe=probe)
-        note(f"node {node} prefetch {request} {hashes} probe={probe}: {want} / {got}")
+        got = self.impls[node].prefetch(request, hashes, tokens, probe=probe, wait=wait)
+        note(f"node {node} prefetch {request} {hashes} probe={probe} wait={wait}: {want} / {got}")
         assert (got.loading, got.local, got.missing, got.skipped_no_space) == (
             want.loading,
             want.local,
@@ -232,6 +253,9 @@ class EmbeddingDifferential(RuleBasedStateMachine):
         if want.loading and any(self.pushed_by.get(m) == 1 - node for m in hashes):
             event("prefetch: loads what the other node pushed")
         self.track(node, want.op, got.op)
+        if wait:
+            self.settle(node, got.op)
+            assert self.impls[node].is_ready(request)
 
     @precondition(lambda self: any(self.remote(node) for node in range(NODES)))
     @rule(data=st.data())
@@ -241,7 +265,12 @@ class EmbeddingDifferential(RuleBasedStateMachine):
         chosen = data.draw(
             st.lists(st.sampled_from(self.remote(node)), min_size=1, max_size=3), label="media"
         )
-        self.prefetch(node, [MEDIA.index(m) for m in chosen], data.draw(st.booleans(), "probe"))
+        self.prefetch(
+            node,
+            [MEDIA.index(m) for m in chosen],
+            data.draw(st.booleans(), "probe"),
+            data.draw(waits, "wait"),
+        )
 
     @precondition(lambda self: self.pending)
     @rule(data=st.data(), fail=st.booleans())
@@ -360,8 +389,8 @@ class EmbeddingDifferential(RuleBasedStateMachine):
         self.reservations.append((node, want.hold, got, tuple(hashes)))
 
     @precondition(lambda self: bool(self.reservations))
-    @rule(data=st.data(), commit=st.booleans())
-    def finish_reservation(self, data: st.DataObject, commit: bool) -> None:
+    @rule(data=st.data(), commit=st.booleans(), wait=waits)
+    def finish_reservation(self, data: st.DataObject, commit: bool, wait: bool) -> None:
         held = data.draw(st.sampled_from(self.reservations), label="reservation")
         self.reservations.remove(held)
         node, hold, reservation, hashes = held
@@ -369,10 +398,12 @@ class EmbeddingDifferential(RuleBasedStateMachine):
         racing = any((e := other.entry(m)) and e.state is EntryState.PUSHING for m in hashes)
         if commit and not racing:  # see the module docstring on racing pushes
             want = self.models[node].commit(hold)
-            got = self.impls[node].commit(reservation)
-            note(f"node {node} commit: {want} / {got}")
+            got = self.impls[node].commit(reservation, wait=wait)
+            note(f"node {node} commit wait={wait}: {want} / {got}")
             assert attrs.astuple(got)[1:] == attrs.astuple(want)[1:]
             self.track(node, want.op, got.op)
+            if wait:
+                self.settle(node, got.op)
             event("reservation committed")
         else:
             assert self.impls[node].abort(reservation) == self.models[node].abort(hold)

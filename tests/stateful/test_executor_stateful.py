@@ -10,7 +10,10 @@ what must hold under every timing is checked after every step:
 * merging: with ``merge``, each run is one job or consecutive jobs of one key within the first's
   page limit, as the worker forms them;
 * a caller waits: ``run_queued()`` returns only when every job submitted before it has finished,
-  and a caller with a timeout that meets a job held on the worker runs nothing beside it.
+  and a caller with a timeout that meets a job held on the worker runs nothing beside it;
+* ``run_here`` (issue 20, part 28): a caller's own job has run when it returns, without a signal
+  to an idle worker, and a job it had to leave queued is handed to the worker (mutant
+  ``impl_executor_run_here_strands_a_job``).
 
 The worker is parked now and then in a gate job (started, so no caller can take it) while jobs queue
 behind it. A caller that took jobs without waiting for the worker's (mutant
@@ -87,6 +90,22 @@ class Gate(Job):
         self.log.leave((self,))
 
 
+class Outer(Job):
+    """A job that, wherever it runs, hands ``inner`` to ``run_here`` from inside itself: that call
+    cannot run it (it would run ahead of this job), so ``inner`` is left queued, unannounced."""
+
+    def __init__(self, number: int, log: Log, executor: ThreadExecutor, inner: Job) -> None:
+        super().__init__(number, None, log)
+        self.executor, self.inner = executor, inner
+        self.ran_here: int | None = None
+
+    def run_merged(self, others: list[Mergeable]) -> None:
+        self.log.enter()
+        inner = self.inner
+        self.ran_here = self.executor.run_here(inner, lambda: inner in self.log.ran(), 0.005)
+        self.log.leave((self,))
+
+
 class ExecutorMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
@@ -140,6 +159,42 @@ class ExecutorMachine(RuleBasedStateMachine):
         ran = executor.run_queued()
         note(f"run_queued: {ran}")
         assert self.log.ran() == self.submitted, "run_queued returned before the queue ran"
+
+    @rule(key=st.sampled_from([None, 1, 2]), inside=st.booleans())
+    def run_here(self, key: int | None, inside: bool) -> None:
+        """A caller that waits for its job at once (``run_here``): with the worker idle, the job
+        runs by the time it returns and the worker is never signalled; with the worker parked,
+        nothing runs beside it. ``inside``: the job itself hands another job to ``run_here``,
+        which cannot run it there; that job must still run soon, on the worker, which
+        ``run_here`` wakes for it (a sleeping worker never sees an unannounced job)."""
+        executor = self._executor()
+        if self.gate is not None:
+            job = Job(len(self.submitted), key, self.log)
+            self.submitted.append(job)
+            before = len(self.log.ran())
+            ran = executor.run_here(job, lambda: job in self.log.ran(), timeout=0.005)
+            assert ran == 0 and len(self.log.ran()) == before, "a job ran beside the worker's"
+            return
+        woken = executor.wake_ups
+        if inside:
+            inner = Job(len(self.submitted) + 1, key, self.log)
+            job = Outer(len(self.submitted), self.log, executor, inner)
+            self.submitted += [job, inner]
+        else:
+            job = Job(len(self.submitted), key, self.log)
+            self.submitted.append(job)
+        executor.run_here(job, lambda: job in self.log.ran())
+        assert job in self.log.ran(), "run_here returned before its job ran"
+        if not inside:
+            assert executor.wake_ups == woken, "run_here signalled the worker for its own job"
+            assert self.log.ran() == self.submitted
+            return
+        assert isinstance(job, Outer) and job.ran_here == 0
+        drained = executor.wait_drained(5)
+        if not drained:  # wake the worker, so that the teardown does not wait for it again
+            executor.submit(lambda: None)
+        assert drained, "a job left queued by run_here was never run"
+        note(f"run_here from inside a job: {executor.wake_ups - woken} wake-up(s)")
 
     @invariant()
     def in_order_one_at_a_time(self) -> None:

@@ -16,8 +16,10 @@ import subprocess
 import sys
 
 import torch
+from support.embeddings import same_bits, seeded_embedding
 
 from kvstrata.impl.embedding import EmbeddingCache, EmbeddingPool, MooncakeEmbeddingStore, PoolShape
+from kvstrata.impl.executors import ThreadExecutor
 from kvstrata.impl.storage.mooncake import LocalCluster, MooncakeClient
 from kvstrata.model.keys import KeySpace, KVKind, ModelIdentity, PageHash, Shard, content_hash
 from kvstrata.model.lifecycles import EntryState
@@ -216,3 +218,42 @@ def test_in_place_insert_and_borrow_through_mooncake(
     finally:
         for cache in caches:
             cache.close()
+
+
+def test_wait_true_through_a_real_mooncake_master(mooncake_store: MooncakeClient) -> None:
+    """The put and the get made on the caller's thread against the session's master, bit for bit,
+    with the worker never signalled."""
+    keyspace = KeySpace(
+        ModelIdentity(name="clip-wait-mooncake", dtype="fp16", kind=KVKind.EMBEDDING, dim=DIM),
+        shard=Shard.replicated(),
+    )
+    media = [content_hash(f"wait-mooncake-{i}".encode()) for i in range(4)]
+    tokens = [16, 9, 40, 16]
+    shape = PoolShape(32, 16, DIM, torch.float16)
+    io_a, io_b = ThreadExecutor("test-wait-a"), ThreadExecutor("test-wait-b")
+    a = EmbeddingCache(
+        EmbeddingPool(shape), MooncakeEmbeddingStore(mooncake_store), keyspace, executor=io_a
+    )
+    b = EmbeddingCache(
+        EmbeddingPool(shape), MooncakeEmbeddingStore(mooncake_store), keyspace, executor=io_b
+    )
+    try:
+        reservation = a.reserve(media, tokens)
+        for m, t in zip(reservation.new, tokens, strict=True):
+            view = reservation.views[m]
+            assert view is not None
+            view.copy_(seeded_embedding(m, t, DIM, torch.float16))
+        report = a.commit(reservation, wait=True)
+        assert report.stored == 4 and a.pending_ops() == () and a.counters.pushed == 4
+        assert a.counters.failed == 0
+        fetched = b.prefetch("r", media, tokens, probe=False, wait=True)
+        assert fetched.loading == 4 and b.pending_ops() == ()
+        with b.borrow(media) as loan:
+            assert all(
+                same_bits(g, seeded_embedding(m, t, DIM, torch.float16))
+                for g, m, t in zip(loan.tensors, media, tokens, strict=True)
+            )
+        assert io_a.wake_ups == 0 and io_b.wake_ups == 0  # every store call ran on this thread
+    finally:
+        a.close()
+        b.close()

@@ -1,0 +1,183 @@
+"""A verb that submits and waits in one call (issue 20, part 28).
+
+``ThreadExecutor.run_here`` queues a job without waking the worker and runs the queue on the
+caller's thread up to it; the embedding cache's ``insert_batch`` / ``commit`` / ``prefetch`` take
+``wait=True`` and return once their own op's result was applied. What must hold:
+
+- with an idle worker the job runs on the caller's thread and the worker is never signalled (the
+  wake-up is the cost this saves);
+- no job is ever stranded in the queue of a sleeping worker: when ``run_here`` returns or raises
+  with jobs left (a timeout, an interrupt, a call from inside a job), the worker is woken for them;
+- the cache's results are applied before the verb returns (bit for bit on a real Mooncake master:
+  ``storage/test_embedding_mooncake.py``), and a ``ManualExecutor`` (which runs nothing until a
+  test says so) is refused with a typed error that changes nothing.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from support.embeddings import same_bits, seeded_embedding
+
+from kvstrata.impl.embedding import (
+    EmbeddingCache,
+    EmbeddingPool,
+    MemoryEmbeddingStore,
+    PoolShape,
+)
+from kvstrata.impl.errors import MisuseError
+from kvstrata.impl.executors import (
+    InlineExecutor,
+    ManualExecutor,
+    ManualJoinableExecutor,
+    RunsHere,
+    ThreadExecutor,
+)
+from kvstrata.model.keys import KeySpace, KVKind, ModelIdentity, PageHash, Shard, content_hash
+from kvstrata.model.lifecycles import EntryState
+
+DIM = 32
+KEYSPACE = KeySpace(
+    ModelIdentity(name="clip-wait", dtype="fp16", kind=KVKind.EMBEDDING, dim=DIM),
+    shard=Shard.replicated(),
+)
+A, B, C = (content_hash(f"wait-{name}".encode()) for name in ("a", "b", "c"))
+
+
+def embedding(media: PageHash, tokens: int) -> torch.Tensor:
+    return seeded_embedding(media, tokens, DIM, torch.float16)
+
+
+def test_run_here_runs_on_the_callers_thread_without_waking_an_idle_worker() -> None:
+    executor = ThreadExecutor("test-run-here")
+    try:
+        assert isinstance(executor, RunsHere) and isinstance(ManualJoinableExecutor(), RunsHere)
+        assert not isinstance(ManualExecutor(), RunsHere)
+        executor.submit(lambda: None)
+        assert executor.wait_drained(10)
+        woken = executor.wake_ups
+        threads: list[int] = []
+        for _ in range(20):
+            done = threading.Event()
+
+            def job(done: threading.Event = done) -> None:
+                threads.append(threading.get_ident())
+                done.set()
+
+            assert executor.run_here(job, done.is_set) == 1
+        assert threads == [threading.get_ident()] * 20
+        assert executor.wake_ups == woken  # the worker was never signalled
+    finally:
+        executor.close()
+
+
+def test_a_job_left_queued_by_run_here_is_handed_to_the_worker() -> None:
+    """``run_here`` called from inside a job that a caller runs (it cannot run ahead of that job):
+    it returns at once, and the worker is woken for what it queued, which then runs."""
+    executor = ThreadExecutor("test-run-here-left")
+    ran: list[str] = []
+    inner_done = threading.Event()
+
+    def inner() -> None:
+        ran.append("inner")
+        inner_done.set()
+
+    def outer() -> None:
+        ran.append("outer")
+        assert executor.run_here(inner, inner_done.is_set) == 0
+
+    try:
+        assert executor.run_here(outer, lambda: "outer" in ran) == 1
+        assert inner_done.wait(10), "a job queued without a wake-up was stranded"
+        assert ran == ["outer", "inner"] and executor.wait_drained(10)
+    finally:
+        executor.close()
+
+
+def test_an_interrupted_run_here_wakes_the_worker_for_the_job() -> None:
+    executor = ThreadExecutor("test-run-here-raise")
+    ran = threading.Event()
+
+    def interrupted() -> bool:
+        raise KeyboardInterrupt  # the caller gives up before it took the job
+
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            executor.run_here(ran.set, interrupted)
+        assert ran.wait(10), "a job queued without a wake-up was stranded"
+    finally:
+        executor.close()
+
+
+@pytest.mark.parametrize("kind", ["thread", "inline", "joinable"])
+def test_wait_true_applies_the_verbs_own_op_before_it_returns(kind: str) -> None:
+    store = MemoryEmbeddingStore()
+    executors = {
+        "thread": ThreadExecutor,
+        "inline": InlineExecutor,
+        "joinable": ManualJoinableExecutor,
+    }
+    shape = PoolShape(8, 4, DIM, torch.float16)
+    writer = EmbeddingCache(EmbeddingPool(shape), store, KEYSPACE, executor=executors[kind]())
+    reader = EmbeddingCache(EmbeddingPool(shape), store, KEYSPACE, executor=executors[kind]())
+    try:
+        report = writer.insert_batch([A], [embedding(A, 4)], wait=True)
+        assert report.stored == 1 and writer.pending_ops() == ()
+        entry = writer.entry(A)
+        assert entry is not None and entry.state is EntryState.READY
+        assert writer.counters.pushed == 1 and writer.exists([A], [4]) == (True,)
+        reservation = writer.reserve([B, C], [4, 7])
+        for media, tokens in zip(reservation.new, [4, 7], strict=True):
+            reservation.write(media, embedding(media, tokens))
+        assert writer.commit(reservation, wait=True).stored == 2 and writer.pending_ops() == ()
+        assert writer.counters.pushed == 3
+        fetched = reader.prefetch("r", [A, B, C], [4, 4, 7], probe=False, wait=True)
+        assert fetched.loading == 3 and reader.is_ready("r") and reader.pending_ops() == ()
+        got = reader.get([A, B, C])
+        assert all(
+            same_bits(g, embedding(m, t)) for g, m, t in zip(got, [A, B, C], [4, 4, 7], strict=True)
+        )
+    finally:
+        writer.close()
+        reader.close()
+
+
+def test_wait_true_settles_the_ops_queued_before_it_in_order() -> None:
+    store = MemoryEmbeddingStore()
+    executor = ManualJoinableExecutor()
+    cache = EmbeddingCache(
+        EmbeddingPool(PoolShape(8, 4, DIM, torch.float16)), store, KEYSPACE, executor=executor
+    )
+    first = cache.insert_batch([A], [embedding(A, 4)])
+    assert first.op is not None and cache.pending_ops() == (first.op,)
+    second = cache.insert_batch([B], [embedding(B, 4)], wait=True)
+    assert second.op is not None and cache.pending_ops() == () and not executor.jobs
+    assert cache.counters.pushed == 2
+    cache.close()
+
+
+def test_wait_true_on_a_manual_executor_is_refused_and_changes_nothing() -> None:
+    store = MemoryEmbeddingStore()
+    cache = EmbeddingCache(
+        EmbeddingPool(PoolShape(8, 4, DIM, torch.float16)),
+        store,
+        KEYSPACE,
+        executor=ManualExecutor(),
+    )
+    reservation = cache.reserve([A], [4])
+    reservation.write(A, embedding(A, 4))
+    with pytest.raises(MisuseError, match="ManualExecutor"):
+        cache.commit(reservation, wait=True)
+    with pytest.raises(MisuseError, match="ManualExecutor"):
+        cache.insert_batch([B], [embedding(B, 4)], wait=True)
+    with pytest.raises(MisuseError, match="ManualExecutor"):
+        cache.prefetch("r", [C], [4], probe=False, wait=True)
+    with pytest.raises(MisuseError, match="wait is a bool"):
+        cache.commit(reservation, wait="yes")  # type: ignore[arg-type]
+    entry = cache.entry(A)
+    assert entry is not None and entry.state is EntryState.FILLING  # still open
+    assert cache.entry(B) is None and cache.entry(C) is None and cache.pending_ops() == ()
+    assert cache.commit(reservation).stored == 1  # the reservation was left as it was
+    cache.close()
