@@ -310,6 +310,27 @@ class DifferentialMachine(RuleBasedStateMachine):
         kv = torch.cat([kv_for(self.shape, p) for p in pages], dim=2)
         self.device_pool.write_pages(slots, kv)
 
+    def alloc_both(self, pages: int) -> tuple[tuple[int, ...], np.ndarray] | None:
+        """``pages`` fresh L1 slots from both sides, the same ones (the pools hand out alike), or
+        ``None`` when both are full of locked pages (only one of them full is a failure)."""
+        model_slots = try_alloc(self.model.alloc_device, pages)
+        impl_slots = try_alloc(self.impl.alloc_device, pages)
+        assert (model_slots is None) == (impl_slots is None), (model_slots, impl_slots)
+        if model_slots is None or impl_slots is None:
+            return None
+        assert impl_slots.tolist() == list(model_slots)
+        return model_slots, impl_slots
+
+    def compute_fresh(
+        self, fresh: tuple[tuple[int, ...], np.ndarray], pages: tuple[PageHash, ...]
+    ) -> None:
+        """The request computed the KV of ``pages`` into the ``fresh`` slots of both sides."""
+        model_slots, impl_slots = fresh
+        for slot, page in zip(model_slots, pages, strict=True):
+            self.model.write_device(slot, page)
+        if pages:
+            self.write_fresh(impl_slots, pages)
+
     def take_state(self, page: PageHash) -> tuple[int | None, int | None]:
         """Hybrid machines: an L1 state slot from both, holding the state after ``page``."""
         raise NotImplementedError
@@ -333,15 +354,10 @@ class DifferentialMachine(RuleBasedStateMachine):
             self.model.lock(node_id)
             self.impl.lock(actual.device_node)  # type: ignore[attr-defined]
         need = len(pages) - expected.device_pages  # type: ignore[attr-defined]
-        model_fresh = try_alloc(self.model.alloc_device, need)
-        impl_fresh = try_alloc(self.impl.alloc_device, need)
-        assert (model_fresh is None) == (impl_fresh is None)
-        if model_fresh is not None and impl_fresh is not None:
-            assert impl_fresh.tolist() == list(model_fresh)
-            for slot, page in zip(model_fresh, pages[expected.device_pages :], strict=True):  # type: ignore[attr-defined]
-                self.model.write_device(slot, page)
-            if need:
-                self.write_fresh(impl_fresh, pages[-need:])
+        fresh = self.alloc_both(need)
+        if fresh is not None:
+            model_fresh, impl_fresh = fresh
+            self.compute_fresh(fresh, pages[len(pages) - need :])
             model_state = impl_state = None
             if with_state and pages:
                 model_state, impl_state = self.take_state(pages[-1])
@@ -379,7 +395,7 @@ class DifferentialMachine(RuleBasedStateMachine):
         if locked:
             self.model.unlock(node_id)
             self.impl.unlock(actual.device_node)  # type: ignore[attr-defined]
-        if running and model_fresh is not None:
+        if running and fresh is not None:
             self.lock_match(tokens, ns)
             event("a running request keeps its node locked")
 
@@ -399,18 +415,13 @@ class DifferentialMachine(RuleBasedStateMachine):
         if locked:
             self.model.lock(node_id)
             self.impl.lock(actual.device_node)  # type: ignore[attr-defined]
-        computed: list[tuple[tuple[int, ...], Any]] = []
+        computed: list[tuple[tuple[int, ...], np.ndarray]] = []
         for _ in range(2):
-            model_fresh = try_alloc(self.model.alloc_device, need)
-            impl_fresh = try_alloc(self.impl.alloc_device, need)
-            assert (model_fresh is None) == (impl_fresh is None)
-            if model_fresh is None or impl_fresh is None:
+            fresh = self.alloc_both(need)
+            if fresh is None:
                 break
-            assert impl_fresh.tolist() == list(model_fresh)
-            for slot, page in zip(model_fresh, pages[-need:], strict=True):
-                self.model.write_device(slot, page)
-            self.write_fresh(impl_fresh, pages[-need:])
-            computed.append((model_fresh, impl_fresh))
+            self.compute_fresh(fresh, pages[-need:])
+            computed.append(fresh)
         prefix = list(expected.device_slots)  # type: ignore[attr-defined]
         # the second may match again right before its insert: the tree's pages are then the
         # match's own and its duplicates are found against them (the insert's fast path)
@@ -492,12 +503,10 @@ class DifferentialMachine(RuleBasedStateMachine):
 
     @rule(pages=st.integers(0, 3))
     def aborted_request(self, pages: int) -> None:
-        model_slots = try_alloc(self.model.alloc_device, pages)
-        impl_slots = try_alloc(self.impl.alloc_device, pages)
-        assert (model_slots is None) == (impl_slots is None)
-        if model_slots is not None and impl_slots is not None:
-            self.model.free_device(model_slots)
-            self.impl.free_device(impl_slots)
+        fresh = self.alloc_both(pages)
+        if fresh is not None:
+            self.model.free_device(fresh[0])
+            self.impl.free_device(fresh[1])
 
     # ------------------------------------------------------------ background completion
     @precondition(lambda self: self.ready and self.executor.jobs)
@@ -574,14 +583,13 @@ class DifferentialMachine(RuleBasedStateMachine):
     @rule(bad=st.sampled_from(["tokens", "slots", "repeat", "evict", "unlock", "node", "alloc"]))
     def misuse(self, bad: str) -> None:
         before = self.observe()
-        held: tuple[tuple[int, ...], tuple[int, ...]] | None = None
+        held: tuple[tuple[int, ...], np.ndarray] | None = None
         if bad == "repeat":  # two held L1 slots, the first named twice (not only at position 0)
-            model_slots = try_alloc(self.model.alloc_device, 2)
-            impl_slots = try_alloc(self.impl.alloc_device, 2)
-            assert (model_slots is None) == (impl_slots is None)
-            if model_slots is None or impl_slots is None:
+            held = self.alloc_both(2)
+            if held is None:
                 return
-            held, before = (model_slots, impl_slots), self.observe()
+            model_slots, impl_slots = held
+            before = self.observe()
             tokens = [7] * (2 * self.page_size)
             calls = (
                 lambda: self.model.insert(tokens, DEFAULT_NAMESPACE, model_slots[:1] * 2),
@@ -917,11 +925,10 @@ class HybridDifferentialMachine(DifferentialMachine):
         slot = 0  # never held outside a request
         tokens = [7] * self.page_size
         if bad == "unheld":
-            fresh = try_alloc(self.model.alloc_device, 1)
-            impl_fresh = try_alloc(self.impl.alloc_device, 1)
-            assert (fresh is None) == (impl_fresh is None)
-            if fresh is None or impl_fresh is None:
+            both = self.alloc_both(1)
+            if both is None:
                 return
+            fresh, impl_fresh = both
             self.model.free_device(fresh)  # give them back: only the state slot is bad below
             self.impl.free_device(impl_fresh)
             before = self.observe()
