@@ -17,12 +17,21 @@ Every executor runs jobs in submission order; a merged group runs as one call of
 from __future__ import annotations
 
 import logging
-import queue
 import threading
-import time
 from collections import deque
 from collections.abc import Callable
-from typing import Protocol, TypeVar, runtime_checkable
+
+from kvstrata.impl.jobs import (
+    Executor,
+    JobGroup,
+    Joinable,
+    Mergeable,
+    RunsHere,
+    Stepped,
+    deadline_after,
+    drain,
+    seconds_left,
+)
 
 __all__ = [
     "Executor",
@@ -40,111 +49,6 @@ __all__ = [
 ]
 
 log = logging.getLogger("kvstrata.transfer")
-T = TypeVar("T")
-
-
-def deadline_after(timeout: float | None) -> float | None:
-    """The ``time.monotonic()`` reading ``timeout`` seconds from now; ``None``: no deadline."""
-    return None if timeout is None else time.monotonic() + timeout
-
-
-def seconds_left(deadline: float | None) -> float | None:
-    """Seconds to ``deadline`` (never negative); ``None``: no deadline."""
-    return None if deadline is None else max(deadline - time.monotonic(), 0.0)
-
-
-def drain(results: queue.SimpleQueue[T]) -> list[T]:
-    """Everything in ``results`` now, oldest first, without blocking (the scheduler thread's side
-    of a worker's result queue)."""
-    out: list[T] = []
-    while True:
-        try:
-            out.append(results.get_nowait())
-        except queue.Empty:
-            return out
-
-
-class Executor(Protocol):
-    def submit(self, job: Callable[[], None]) -> None: ...
-
-    def close(self) -> None: ...
-
-
-@runtime_checkable
-class Joinable(Protocol):
-    """An executor whose queued jobs a caller that is about to wait for them may run itself, on its
-    own thread, in their order (:meth:`ThreadExecutor.run_queued`)."""
-
-    def run_queued(
-        self, timeout: float | None = None, until: Callable[[], bool] | None = None
-    ) -> int: ...
-
-
-@runtime_checkable
-class RunsHere(Protocol):
-    """A :class:`Joinable` executor that also takes a job for a caller about to wait for it and
-    runs it on the caller's thread without waking its worker (:meth:`ThreadExecutor.run_here`)."""
-
-    def run_here(
-        self, job: Callable[[], None], until: Callable[[], bool], timeout: float | None = None
-    ) -> int: ...
-
-
-@runtime_checkable
-class Stepped(Protocol):
-    """A job a :class:`ManualExecutor` can advance a step at a time: :meth:`step` runs the next
-    step and says whether the job finished (calling the job runs every step left)."""
-
-    def __call__(self) -> None: ...
-
-    def step(self) -> bool: ...
-
-
-@runtime_checkable
-class Mergeable(Protocol):
-    """A job that may run together with the jobs queued right behind it (the store link's backup
-    and fetch calls: one store call for several ops). Jobs join the first while their ``merge_key``
-    equals its (``None``: never merged) and their ``merge_pages`` sum to at most its
-    ``merge_limit``; :meth:`run_merged` runs the group (the first job, then ``others`` in queue
-    order) and reports each job as if it had run alone."""
-
-    merge_key: object
-    merge_pages: int
-    merge_limit: int
-
-    def __call__(self) -> None: ...
-
-    def run_merged(self, others: list[Mergeable]) -> None: ...
-
-
-class _Group:
-    """A job and the queued jobs that joined it (see :class:`Mergeable`), with their pages."""
-
-    def __init__(self, first: Callable[[], None]) -> None:
-        self.jobs = [first]
-        self.key = getattr(first, "merge_key", None)
-        self.pages = getattr(first, "merge_pages", 0)
-
-    def take(self, job: object) -> bool:
-        """Add ``job`` if it joins (same key, pages within the first's limit); whether it did."""
-        if self.key is None or getattr(job, "merge_key", None) != self.key:
-            return False
-        first = self.jobs[0]
-        if not isinstance(first, Mergeable) or not isinstance(job, Mergeable):
-            return False  # a merge_key alone does not make a job mergeable
-        if self.pages + job.merge_pages > first.merge_limit:
-            return False
-        self.jobs.append(job)
-        self.pages += job.merge_pages
-        return True
-
-    def run(self) -> None:
-        first, *others = self.jobs
-        if not others:
-            first()
-            return
-        assert isinstance(first, Mergeable)
-        first.run_merged(others)  # type: ignore[arg-type]  # take() checked every member
 
 
 class ThreadExecutor:
@@ -176,17 +80,18 @@ class ThreadExecutor:
         self._running = threading.Lock()  # held while a group is taken and run
         self._holder: int | None = None  # the caller thread holding _running, if one does
         self.wake_ups = 0  # times the worker was signalled for queued jobs (under _lock)
+        self._closing = False  # close() queued the stop mark (under _lock)
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
-    def _take(self) -> _Group | None:
+    def _take(self) -> JobGroup | None:
         """The oldest queued job and the queued jobs that join it, out of the queue; ``None``
         when the queue is empty or the stop mark is next (only the worker takes that)."""
         with self._lock:
             queue_ = self._queue
             if not queue_ or queue_[0] is None:
                 return None
-            group = _Group(queue_.popleft())  # type: ignore[arg-type]  # not None, checked
+            group = JobGroup(queue_.popleft())  # type: ignore[arg-type]  # not None, checked
             while self._merge and group.key is not None and queue_:
                 job = queue_[0]
                 if job is None or not group.take(job):
@@ -194,7 +99,7 @@ class ThreadExecutor:
                 queue_.popleft()
             return group
 
-    def _execute(self, group: _Group) -> None:
+    def _execute(self, group: JobGroup) -> None:
         """Run ``group``; its jobs count as finished whatever happens, also when something other
         than an ``Exception`` (a ``KeyboardInterrupt`` on a caller's thread) goes through."""
         try:
@@ -250,13 +155,19 @@ class ThreadExecutor:
         """Queue ``job`` behind the queued jobs *without waking the worker*, then run the queue
         on this thread as :meth:`run_queued` does until ``until()`` is true (the caller's result
         of ``job`` arrived); how many jobs ran here. For a caller that waits for ``job`` at once:
-        the worker's wake-up would do no useful work (issue 20: 9-35 us a call on a 2-core VM).
-        Invariant: a job is never stranded in the queue of a sleeping worker. Whenever this
-        returns or raises with jobs still queued (``timeout``, an interrupt, a call from the
-        worker or from inside a job), the worker is woken for them."""
+        the worker's wake-up would do no useful work (issue 20, part 28: 14-26 us a call on a
+        2-core VM). Invariant: a job is never stranded. Whenever this returns or raises with jobs
+        still queued (``timeout``, an interrupt, a call from the worker or from inside a job), the
+        worker is woken for them; once :meth:`close` queued the stop mark (the worker stops
+        there), ``job`` runs here after the jobs ahead of the mark (:meth:`_run_after_the_stop`).
+        A caller that must see ``job`` run before it returns asks :meth:`can_run_here` first."""
         with self._lock:
             self._unfinished += 1
-            self._queue.append(job)
+            closing = self._closing
+            if not closing:
+                self._queue.append(job)
+        if closing:
+            return self._run_after_the_stop(job)
         try:
             return self.run_queued(timeout, until)
         finally:
@@ -264,6 +175,35 @@ class ThreadExecutor:
                 if self._queue:
                     self.wake_ups += 1
                     self._queued.notify()
+
+    def can_run_here(self) -> bool:
+        """Whether :meth:`run_here` called now on this thread can run its job here: not on the
+        worker, not inside a job this thread runs (either would wait for itself)."""
+        return threading.current_thread() is not self._thread and self._holder != (
+            threading.get_ident()
+        )
+
+    def _run_after_the_stop(self, job: Callable[[], None]) -> int:
+        """:meth:`run_here` after :meth:`close` queued the stop mark: the jobs ahead of the mark
+        run first (the worker's current one to its end, the rest here), then ``job``, never
+        beside another; how many ran here."""
+        me = threading.get_ident()
+        if not self.can_run_here():  # this thread already runs a job: nothing runs beside it
+            self._execute(JobGroup(job))
+            return 1
+        ran = 0
+        with self._running:
+            self._holder = me
+            try:
+                while (group := self._take()) is not None:
+                    self._execute(group)
+                    ran += len(group.jobs)
+                self._execute(JobGroup(job))
+                ran += 1
+            finally:
+                self._holder = None
+        self._let_go()
+        return ran
 
     def run_queued(
         self, timeout: float | None = None, until: Callable[[], bool] | None = None
@@ -325,6 +265,7 @@ class ThreadExecutor:
         """Finish every submitted job, then stop the worker."""
         if self._thread.is_alive():
             with self._lock:
+                self._closing = True
                 self._queue.append(None)
                 self._queued.notify()
             self._thread.join()
@@ -367,7 +308,7 @@ class ManualExecutor:
         :class:`ThreadExecutor` with ``merge`` does); how many jobs ran."""
         if not self.jobs:
             return 0
-        group = _Group(self.jobs.popleft())
+        group = JobGroup(self.jobs.popleft())
         while self.jobs and group.take(self.jobs[0]):
             self.jobs.popleft()
         group.run()
@@ -430,3 +371,7 @@ class ManualJoinableExecutor(ManualExecutor):
         :meth:`ThreadExecutor.run_here` (nothing to wake here)."""
         self.submit(job)
         return self.run_queued(timeout, until)
+
+    def can_run_here(self) -> bool:
+        """Always: any thread may drive a manual executor."""
+        return True

@@ -234,7 +234,7 @@ class EmbeddingCache:
     ) -> InsertResult:
         """Insert freshly computed embeddings (one copy each into the pool) and push every READY
         one in one batch put: :meth:`reserve`, the copies, :meth:`commit` (``wait`` as there)."""
-        check_wait(wait, self._ops.can_wait)
+        check_wait(wait, self._ops.wait_refused)
         self._ops.poll()  # already guarded: the verb itself checked the caller
         batch, first = check_insert(self._entries, hashes, tensors)
         reservation = self._reserve(batch, views=False)  # written here, never handed out
@@ -257,7 +257,7 @@ class EmbeddingCache:
         """The second half of an insert: the reservation's entries are READY, and every READY
         entry of its batch the store may lack goes to one batch put (see the module docstring).
         ``wait=True``: ``commit`` then :meth:`flush` of that put in one call (module docstring)."""
-        check_wait(wait, self._ops.can_wait)
+        check_wait(wait, self._ops.wait_refused)
         self._ops.poll()  # already guarded: the verb itself checked the caller
         return self._commit(reservation, wait)
 
@@ -303,7 +303,7 @@ class EmbeddingCache:
         ``wait=True``: ``prefetch`` then :meth:`wait` in one call (see the module docstring)."""
         if not isinstance(probe, bool):
             raise MisuseError(f"prefetch: probe is a bool, got {probe!r}")
-        check_wait(wait, self._ops.can_wait)
+        check_wait(wait, self._ops.wait_refused)
         self._ops.poll()  # already guarded: the verb itself checked the caller
         self._ops.check_new_request(request_id)
         table = self._entries

@@ -4,7 +4,7 @@ returns the batch in the form the cache plans with."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import TypeVar
 
 import torch
@@ -99,9 +99,10 @@ def check_sizes(
     return list(batch.items()) if merge else pairs
 
 
-def check_wait(wait: object, can_wait: bool) -> None:
-    """A verb's ``wait`` flag: a bool, and ``True`` only where the executor runs the I/O."""
+def check_wait(wait: object, refused: Callable[[], str | None]) -> None:
+    """A verb's ``wait`` flag: a bool, and ``True`` only where ``refused()`` (why the verb may
+    not wait here and now, or ``None``) allows it."""
     if not isinstance(wait, bool):
         raise MisuseError(f"wait is a bool, got {wait!r}")
-    if wait and not can_wait:
-        raise MisuseError("wait=True needs an executor that runs I/O, not a ManualExecutor")
+    if wait and (why := refused()) is not None:
+        raise MisuseError(why)

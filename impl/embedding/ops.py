@@ -90,7 +90,7 @@ class Ops:
         self._joinable = executor if isinstance(executor, Joinable) else None
         self._runs_here = executor if isinstance(executor, RunsHere) else None
         # a ManualExecutor runs nothing until a test says so: a caller could never see its result
-        self.can_wait = self._joinable is not None or not isinstance(executor, ManualExecutor)
+        self._can_wait = self._joinable is not None or not isinstance(executor, ManualExecutor)
         self.pushed = self.loaded = self.failed = self.store_full = 0
         self._ops: dict[int, Op] = {}
         self._requests: dict[str, int | None] = {}
@@ -141,6 +141,14 @@ class Ops:
         if not isinstance(request_id, str) or request_id in self._requests:
             raise MisuseError(f"prefetch: request id must be a new string, got {request_id!r}")
 
+    def wait_refused(self) -> str | None:
+        """Why a verb may not wait for its own op here and now (``wait=True``); ``None``: it may."""
+        if not self._can_wait:
+            return "wait=True needs an executor that runs I/O, not a ManualExecutor"
+        if self._runs_here is not None and not self._runs_here.can_run_here():
+            return "wait=True on the I/O thread or inside one of its jobs would wait for itself"
+        return None
+
     def is_pending(self, op_id: int | None) -> bool:
         return op_id in self._ops
 
@@ -190,9 +198,9 @@ class Ops:
     def submit(self, push: bool, entries: Sequence[LiveEntry], *, wait: bool = False) -> int | None:
         """One batch put (``push``) or get of ``entries`` (pinned by the caller: PUSHING or
         LOADING) on the executor; the op's number, or ``None`` for no entries (no call). With
-        ``wait`` (only where :attr:`can_wait`), it returns once the op's result (and every result
-        before it) was applied: the job runs on this thread behind the queued ones, and a thread
-        executor's worker is not woken for it (:meth:`ThreadExecutor.run_here`)."""
+        ``wait`` (only where :meth:`wait_refused` is ``None``), it returns once the op's result
+        (and every result before it) was applied: the job runs on this thread behind the queued
+        ones, and a thread executor's worker is not woken for it (:meth:`ThreadExecutor.run_here`)."""
         if not entries:
             return None
         items, extents = self.capture(entries)

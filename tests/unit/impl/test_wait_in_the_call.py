@@ -16,6 +16,7 @@ caller's thread up to it; the embedding cache's ``insert_batch`` / ``commit`` / 
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
@@ -50,6 +51,15 @@ def embedding(media: PageHash, tokens: int) -> torch.Tensor:
     return seeded_embedding(media, tokens, DIM, torch.float16)
 
 
+def parked(executor: ThreadExecutor) -> None:
+    """Wait until the worker sleeps for work (it then takes nothing it was not woken for). It
+    looks at the worker's condition's waiters: CPython's ``threading.Condition`` internals."""
+    deadline = time.monotonic() + 10
+    while not executor._queued._waiters:  # type: ignore[attr-defined]
+        assert time.monotonic() < deadline, "the worker never went to sleep"
+        time.sleep(0.001)
+
+
 def test_run_here_runs_on_the_callers_thread_without_waking_an_idle_worker() -> None:
     executor = ThreadExecutor("test-run-here")
     try:
@@ -57,6 +67,7 @@ def test_run_here_runs_on_the_callers_thread_without_waking_an_idle_worker() -> 
         assert not isinstance(ManualExecutor(), RunsHere)
         executor.submit(lambda: None)
         assert executor.wait_drained(10)
+        parked(executor)
         woken = executor.wake_ups
         threads: list[int] = []
         for _ in range(20):
@@ -84,16 +95,48 @@ def test_a_job_left_queued_by_run_here_is_handed_to_the_worker() -> None:
         ran.append("inner")
         inner_done.set()
 
+    answers: list[int] = []
+
     def outer() -> None:
         ran.append("outer")
-        assert executor.run_here(inner, inner_done.is_set) == 0
+        answers.append(executor.run_here(inner, inner_done.is_set))
 
     try:
-        assert executor.run_here(outer, lambda: "outer" in ran) == 1
+        parked(executor)
+        assert executor.run_here(outer, lambda: "outer" in ran) == 1 and answers == [0]
         assert inner_done.wait(10), "a job queued without a wake-up was stranded"
         assert ran == ["outer", "inner"] and executor.wait_drained(10)
     finally:
         executor.close()
+
+
+def test_run_here_after_close_runs_the_job_after_those_ahead_of_the_stop() -> None:
+    """A caller that hands a job over while ``close`` stops the worker: the worker ends at the stop
+    mark, so the job runs on the caller, after every job queued before the mark."""
+    executor = ThreadExecutor("test-run-here-closed")
+    order: list[str] = []
+    gate, started = threading.Event(), threading.Event()
+
+    def held() -> None:
+        started.set()
+        gate.wait(10)
+        order.append("held")
+
+    executor.submit(held)
+    assert started.wait(10)
+    executor.submit(lambda: order.append("queued"))
+    closer = threading.Thread(target=executor.close)
+    closer.start()
+    deadline = time.monotonic() + 10
+    while not executor._closing:  # type: ignore[attr-defined]
+        assert time.monotonic() < deadline
+        time.sleep(0.001)
+    threading.Timer(0.05, gate.set).start()
+    ran = executor.run_here(lambda: order.append("mine"), lambda: "mine" in order)
+    closer.join(10)
+    assert order == ["held", "queued", "mine"] and ran in (1, 2)
+    assert executor.run_here(lambda: order.append("late"), lambda: "late" in order) == 1
+    assert order[-1] == "late" and executor.wait_drained(1)
 
 
 def test_an_interrupted_run_here_wakes_the_worker_for_the_job() -> None:
@@ -181,3 +224,34 @@ def test_wait_true_on_a_manual_executor_is_refused_and_changes_nothing() -> None
     assert cache.entry(B) is None and cache.entry(C) is None and cache.pending_ops() == ()
     assert cache.commit(reservation).stored == 1  # the reservation was left as it was
     cache.close()
+
+
+def test_wait_true_inside_a_job_of_its_own_executor_is_refused_and_changes_nothing() -> None:
+    """A verb with ``wait=True`` made from inside a job this thread runs for the cache's executor
+    would wait for itself (its put queues behind the running job): refused, nothing changed."""
+    executor = ThreadExecutor("test-wait-inside")
+    cache = EmbeddingCache(
+        EmbeddingPool(PoolShape(8, 4, DIM, torch.float16)),
+        MemoryEmbeddingStore(),
+        KEYSPACE,
+        executor=executor,
+    )
+    raised: list[BaseException] = []
+    finished = threading.Event()
+
+    def job() -> None:
+        try:
+            cache.insert_batch([A], [embedding(A, 4)], wait=True)
+        except MisuseError as error:
+            raised.append(error)
+        finally:
+            finished.set()
+
+    try:
+        parked(executor)
+        executor.run_here(job, finished.is_set)
+        assert len(raised) == 1 and "wait for itself" in str(raised[0])
+        assert cache.entry(A) is None and cache.pending_ops() == ()
+        assert cache.insert_batch([A], [embedding(A, 4)], wait=True).stored == 1
+    finally:
+        cache.close()
