@@ -13,7 +13,8 @@ what must hold under every timing is checked after every step:
   and a caller with a timeout that meets a job held on the worker runs nothing beside it;
 * ``run_here`` (issue 20, part 28): a caller's own job has run when it returns, without a signal
   to an idle worker, and a job it had to leave queued is handed to the worker (mutant
-  ``impl_executor_run_here_strands_a_job``).
+  ``impl_executor_run_here_strands_a_job``), also while another thread closes the executor (mutant
+  ``impl_executor_run_here_behind_the_stop``).
 
 The worker is parked now and then in a gate job (started, so no caller can take it) while jobs queue
 behind it. A caller that took jobs without waiting for the worker's (mutant
@@ -23,6 +24,7 @@ behind it. A caller that took jobs without waiting for the worker's (mutant
 from __future__ import annotations
 
 import threading
+import time
 
 import hypothesis.strategies as st
 from hypothesis import note
@@ -195,6 +197,31 @@ class ExecutorMachine(RuleBasedStateMachine):
             executor.submit(lambda: None)
         assert drained, "a job left queued by run_here was never run"
         note(f"run_here from inside a job: {executor.wake_ups - woken} wake-up(s)")
+
+    @rule(queued=st.integers(0, 2))
+    def run_here_while_closing(self, queued: int) -> None:
+        """A caller hands a job to ``run_here`` while another thread closes the executor (its own
+        executor, with ``queued`` jobs behind a held one): the worker stops at the mark, so the
+        job must run on the caller, after every job ahead of the mark, never beside one."""
+        log = Log()
+        executor = ThreadExecutor("test-executor-closing")
+        gate = Gate(0, log)
+        jobs = [Job(n + 1, None, log) for n in range(queued)]
+        mine = Job(queued + 1, None, log)
+        executor.submit(gate)
+        assert gate.started.wait(30)
+        for job in jobs:
+            executor.submit(job)
+        closer = threading.Thread(target=executor.close)
+        closer.start()
+        while not executor._closing:  # the stop mark is queued (the worker is held in the gate)
+            time.sleep(0.0005)
+        threading.Timer(0.002, gate.opened.set).start()
+        executor.run_here(mine, lambda: mine in log.ran())
+        closer.join(30)
+        assert not closer.is_alive()
+        assert log.ran() == [gate, *jobs, mine], f"after the stop mark: {log.ran()}"
+        assert log.overlaps == 0
 
     @invariant()
     def in_order_one_at_a_time(self) -> None:
