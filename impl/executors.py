@@ -185,25 +185,20 @@ class ThreadExecutor:
 
     def _run_after_the_stop(self, job: Callable[[], None]) -> int:
         """:meth:`run_here` after :meth:`close` queued the stop mark: the jobs ahead of the mark
-        run first (the worker's current one to its end, the rest here), then ``job``, never
-        beside another; how many ran here."""
-        me = threading.get_ident()
+        run first (:meth:`run_queued`: here, or the worker's current one to its end), then
+        ``job`` here, never beside another; how many ran here."""
         if not self.can_run_here():  # this thread already runs a job: nothing runs beside it
             self._execute(JobGroup(job))
             return 1
-        ran = 0
-        with self._running:
-            self._holder = me
+        ran = self.run_queued()  # returns at the stop mark
+        with self._running:  # after the job the worker may still be running
+            self._holder = threading.get_ident()
             try:
-                while (group := self._take()) is not None:
-                    self._execute(group)
-                    ran += len(group.jobs)
                 self._execute(JobGroup(job))
-                ran += 1
             finally:
                 self._holder = None
         self._let_go()
-        return ran
+        return ran + 1
 
     def run_queued(
         self, timeout: float | None = None, until: Callable[[], bool] | None = None
