@@ -81,6 +81,7 @@ class ThreadExecutor:
         self._holder: int | None = None  # the caller thread holding _running, if one does
         self.wake_ups = 0  # times the worker was signalled for queued jobs (under _lock)
         self._closing = False  # close() queued the stop mark (under _lock)
+        self._stopped = False  # the worker reached the stop mark and ended (under _lock)
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -126,6 +127,7 @@ class ThreadExecutor:
                 with self._running:  # the stop mark too: a caller's job ends before the worker's
                     with self._lock:
                         if self._queue and self._queue[0] is None:
+                            self._stopped = True
                             return
                     try:
                         group = self._take()
@@ -143,11 +145,23 @@ class ThreadExecutor:
             self._drained.notify_all()
 
     def submit(self, job: Callable[[], None]) -> None:
+        """Queue ``job`` for the worker. Invariant: a submitted job always runs, also one that
+        races :meth:`close`: while the worker has not reached the stop mark, the job is queued
+        right before it (every job ahead of the mark was submitted earlier, so the order holds and
+        the worker runs it before it stops); once the worker has stopped, the job runs on this
+        thread at once (:meth:`_run_after_the_stop`), never beside another."""
         with self._lock:
             self._unfinished += 1
-            self._queue.append(job)
-            self.wake_ups += 1
-            self._queued.notify()
+            stopped = self._stopped
+            if not stopped:
+                if self._closing:  # the stop mark is the queue's last entry (close queues one)
+                    self._queue.insert(len(self._queue) - 1, job)
+                else:
+                    self._queue.append(job)
+                self.wake_ups += 1
+                self._queued.notify()
+        if stopped:
+            self._run_after_the_stop(job)
 
     def run_here(
         self, job: Callable[[], None], until: Callable[[], bool], timeout: float | None = None
@@ -184,9 +198,10 @@ class ThreadExecutor:
         )
 
     def _run_after_the_stop(self, job: Callable[[], None]) -> int:
-        """:meth:`run_here` after :meth:`close` queued the stop mark: the jobs ahead of the mark
-        run first (:meth:`run_queued`: here, or the worker's current one to its end), then
-        ``job`` here, never beside another; how many ran here."""
+        """:meth:`run_here` after :meth:`close` queued the stop mark, or :meth:`submit` after the
+        worker stopped there: the jobs ahead of the mark run first (:meth:`run_queued`: here, or
+        the worker's current one to its end), then ``job`` here, never beside another; how many
+        ran here."""
         if not self.can_run_here():  # this thread already runs a job: nothing runs beside it
             self._execute(JobGroup(job))
             return 1
@@ -257,12 +272,14 @@ class ThreadExecutor:
             return self._drained.wait_for(lambda: self._unfinished == 0, timeout)
 
     def close(self) -> None:
-        """Finish every submitted job, then stop the worker."""
-        if self._thread.is_alive():
-            with self._lock:
+        """Finish every submitted job, then stop the worker. The stop mark is queued once, so a
+        second (or concurrent) close only waits for the worker."""
+        with self._lock:
+            if not self._closing:
                 self._closing = True
                 self._queue.append(None)
                 self._queued.notify()
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join()
 
 

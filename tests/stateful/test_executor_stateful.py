@@ -14,7 +14,10 @@ what must hold under every timing is checked after every step:
 * ``run_here`` (issue 20, part 28): a caller's own job has run when it returns, without a signal
   to an idle worker, and a job it had to leave queued is handed to the worker (mutant
   ``impl_executor_run_here_strands_a_job``), also while another thread closes the executor (mutant
-  ``impl_executor_run_here_behind_the_stop``).
+  ``impl_executor_run_here_behind_the_stop``);
+* a plain ``submit`` that races ``close`` still runs, in order: ahead of the stop mark while the
+  worker has not reached it, on the submitter once it has (mutant
+  ``impl_executor_submit_behind_the_stop``).
 
 The worker is parked now and then in a gate job (started, so no caller can take it) while jobs queue
 behind it. A caller that took jobs without waiting for the worker's (mutant
@@ -221,6 +224,41 @@ class ExecutorMachine(RuleBasedStateMachine):
         closer.join(30)
         assert not closer.is_alive()
         assert log.ran() == [gate, *jobs, mine], f"after the stop mark: {log.ran()}"
+        assert log.overlaps == 0
+
+    @rule(queued=st.integers(0, 2), stopped=st.booleans())
+    def submit_while_closing(self, queued: int, stopped: bool) -> None:
+        """A plain ``submit`` that races ``close`` (its own executor, ``queued`` jobs behind a
+        held one): before the worker reaches the stop mark, the job goes ahead of the mark and the
+        worker runs it before it stops; once the worker has stopped (``stopped``), it runs on the
+        submitting thread at once. Either way it runs, after every job submitted before it, never
+        beside one, and nothing waits for it forever."""
+        log = Log()
+        executor = ThreadExecutor("test-executor-submit-closing")
+        gate = Gate(0, log)
+        jobs = [Job(n + 1, None, log) for n in range(queued)]
+        mine = Job(queued + 1, None, log)
+        executor.submit(gate)
+        assert gate.started.wait(30)
+        for job in jobs:
+            executor.submit(job)
+        closer = threading.Thread(target=executor.close)
+        closer.start()
+        while not executor._closing:  # the stop mark is queued (the worker is held in the gate)
+            time.sleep(0.0005)
+        if stopped:
+            gate.opened.set()
+            closer.join(30)
+            assert not closer.is_alive()
+            executor.submit(mine)
+            assert log.ran() == [gate, *jobs, mine], "a job submitted after the stop did not run"
+        else:
+            executor.submit(mine)
+            gate.opened.set()
+            closer.join(30)
+            assert not closer.is_alive()
+            assert log.ran() == [gate, *jobs, mine], f"submitted while closing: {log.ran()}"
+        assert executor.wait_drained(5), "a job submitted while closing is counted unfinished"
         assert log.overlaps == 0
 
     @invariant()

@@ -156,7 +156,7 @@ def test_after_job_and_the_drain_count_the_jobs_a_caller_ran() -> None:
         executor.close()
 
 
-def test_run_queued_does_nothing_on_the_worker_or_after_close() -> None:
+def test_run_queued_does_nothing_on_the_worker_or_after_close_and_a_late_job_still_runs() -> None:
     executor = ThreadExecutor("test-reentry")
     recorder = Recorder()
     answers: list[int] = []
@@ -170,9 +170,10 @@ def test_run_queued_does_nothing_on_the_worker_or_after_close() -> None:
     assert answers == [0]
     assert [name for name, _ in recorder.log] == ["late"]  # the worker ran it afterwards
     executor.close()
-    executor.submit(recorder.job("after close"))
-    assert executor.run_queued() == 0
-    assert [name for name, _ in recorder.log] == ["late"]
+    executor.submit(recorder.job("after close"))  # the worker stopped: it runs here, at once
+    assert [name for name, _ in recorder.log] == ["late", "after close"]
+    assert executor.run_queued() == 0  # nothing is left queued after the stop
+    assert executor.wait_drained(0)
 
 
 def test_a_job_that_raises_on_the_caller_is_logged_and_the_rest_run() -> None:
