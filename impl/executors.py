@@ -75,11 +75,13 @@ class ThreadExecutor:
         self._queue: deque[Callable[[], None] | None] = deque()  # None: the worker stops there
         self._unfinished = 0  # jobs submitted and not finished
         self._turns = 0  # times a thread let go of _running (a waiting caller looks again)
+        self._turn_waiters = 0  # callers of run_queued waiting for a turn (under _lock)
         self._queued = threading.Condition(self._lock)
         self._drained = threading.Condition(self._lock)
         self._running = threading.Lock()  # held while a group is taken and run
         self._holder: int | None = None  # the caller thread holding _running, if one does
         self.wake_ups = 0  # times the worker was signalled for queued jobs (under _lock)
+        self.ran_now = 0  # jobs run_now ran (written only while holding _running)
         self._closing = False  # close() queued the stop mark (under _lock)
         self._stopped = False  # the worker reached the stop mark and ended (under _lock)
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
@@ -139,10 +141,13 @@ class ThreadExecutor:
                 self._let_go()  # also at the stop mark: a waiting caller looks again and ends
 
     def _let_go(self) -> None:
-        """``_running`` was just released: wake the callers waiting in :meth:`run_queued`."""
+        """``_running`` was just released: wake the callers waiting in :meth:`run_queued` (a
+        caller counts itself in ``_turn_waiters`` under ``_lock`` before it waits, so a turn is
+        never missed; with none, no condition is signalled: the common case of :meth:`run_now`)."""
         with self._lock:
             self._turns += 1
-            self._drained.notify_all()
+            if self._turn_waiters:
+                self._drained.notify_all()
 
     def submit(self, job: Callable[[], None]) -> None:
         """Queue ``job`` for the worker. Invariant: a submitted job always runs, also one that
@@ -189,6 +194,38 @@ class ThreadExecutor:
                 if self._queue:
                     self.wake_ups += 1
                     self._queued.notify()
+
+    def run_now(self, job: Callable[[], None]) -> bool:
+        """Run ``job`` on this thread at once when no job is queued or running; whether it ran
+        (``False``: nothing happened, the caller hands it to :meth:`run_here`). The fast path of a
+        caller that waits for its job on an idle executor (issue 20, part 29): no queue, no
+        condition, no wake-up; about 4 µs a call less than :meth:`run_here` on the 2-core VM.
+        Invariant: as for every job, it runs while holding ``_running`` (never beside another)
+        and after every job submitted before it (the queue is empty when it takes the lock, and
+        a job queued later waits for the lock). ``after_job`` runs after it; an exception it
+        raises is logged. It is never counted in :attr:`busy`: it is run, not submitted."""
+        me = threading.get_ident()
+        if self._queue or self._holder == me or threading.current_thread() is self._thread:
+            return False
+        if not self._running.acquire(blocking=False):
+            return False
+        try:
+            if self._queue:  # queued between the first look and the lock: theirs go first
+                return False
+            self._holder = me
+            self.ran_now += 1
+            try:
+                job()
+            except Exception:
+                log.exception("kvstrata: background job raised")
+            finally:
+                self._holder = None
+                if self._after_job is not None:
+                    self._after_job()
+        finally:
+            self._running.release()
+            self._let_go()
+        return True
 
     def can_run_here(self) -> bool:
         """Whether :meth:`run_here` called now on this thread can run its job here: not on the
@@ -256,7 +293,11 @@ class ThreadExecutor:
             if left is not None and left <= 0:
                 return ran
             with self._lock:
-                self._drained.wait_for(lambda seen=seen: self._turns != seen, left)  # type: ignore[misc]
+                self._turn_waiters += 1
+                try:
+                    self._drained.wait_for(lambda seen=seen: self._turns != seen, left)  # type: ignore[misc]
+                finally:
+                    self._turn_waiters -= 1
         return ran
 
     @property
@@ -386,4 +427,12 @@ class ManualJoinableExecutor(ManualExecutor):
 
     def can_run_here(self) -> bool:
         """Always: any thread may drive a manual executor."""
+        return True
+
+    def run_now(self, job: Callable[[], None]) -> bool:
+        """Run ``job`` at once when nothing is queued, as :meth:`ThreadExecutor.run_now`;
+        whether it ran."""
+        if self.jobs:
+            return False
+        job()
         return True

@@ -64,13 +64,16 @@ class Joinable(Protocol):
 @runtime_checkable
 class RunsHere(Protocol):
     """A :class:`Joinable` executor that also takes a job for a caller about to wait for it and
-    runs it on the caller's thread without waking its worker (:meth:`ThreadExecutor.run_here`)."""
+    runs it on the caller's thread without waking its worker (:meth:`ThreadExecutor.run_here`),
+    or at once when nothing is queued or running (:meth:`ThreadExecutor.run_now`)."""
 
     def run_here(
         self, job: Callable[[], None], until: Callable[[], bool], timeout: float | None = None
     ) -> int: ...
 
     def can_run_here(self) -> bool: ...
+
+    def run_now(self, job: Callable[[], None]) -> bool: ...
 
 
 @runtime_checkable

@@ -200,7 +200,9 @@ class Ops:
         LOADING) on the executor; the op's number, or ``None`` for no entries (no call). With
         ``wait`` (only where :meth:`wait_refused` is ``None``), it returns once the op's result
         (and every result before it) was applied: the job runs on this thread behind the queued
-        ones, and a thread executor's worker is not woken for it (:meth:`ThreadExecutor.run_here`)."""
+        ones, and a thread executor's worker is not woken for it (:meth:`ThreadExecutor.run_here`;
+        at once, :meth:`ThreadExecutor.run_now`, when no other op of this node is pending and the
+        executor is idle)."""
         if not entries:
             return None
         items, extents = self.capture(entries)
@@ -224,7 +226,11 @@ class Ops:
             return op.op_id
         op_id, landed = op.op_id, self._landed
         if self._runs_here is not None:
-            self._runs_here.run_here(job, lambda: op_id in landed)
+            # no op of this node in flight (the only one pending is this): nothing to run first,
+            # so the executor runs it at once if it is idle (no queue, no wake-up; part 29)
+            alone = len(self._ops) == 1
+            if not (alone and self._runs_here.run_now(job)):
+                self._runs_here.run_here(job, lambda: op_id in landed)
             while op_id in self._ops:  # its result is queued, behind those of the ops before it
                 self._apply_next(None)
         else:

@@ -16,13 +16,13 @@ queued jobs itself up to its own op and applies their results before it returns,
 acks the same ops, oldest first (``settle``).
 
 After every step, per node: the same media are cached in the same states with the same used units,
-the same ops pend, every request is ready on both sides or neither, the counters agree with the
-model's (items new, re-pushed, pushed, loaded, failed, evicted; and the failed put items the store
-refused for room are the ones ``partial_io`` failed with FULL); and the store holds an
-embedding (every object of it) exactly when the model's store does. Every ``get`` checks bytes: a
-hit on either side must be a hit on the other, and the tensor must equal, bit for bit, the embedding
-its media hash names. This is what shows that what one node pushes (or pushes again after the store
-lost it) the other can load.
+in the same LRU order (by stamp; part 29), the same ops pend, every request is ready on both sides
+or neither, the counters agree with the model's (items new, re-pushed, pushed, loaded, failed,
+evicted; and the failed put items the store refused for room are the ones ``partial_io`` failed with
+FULL); and the store holds an embedding (every object of it) exactly when the model's store does.
+Every ``get`` checks bytes: a hit on either side must be a hit on the other, and the tensor must
+equal, bit for bit, the embedding its media hash names. This is what shows that what one node pushes
+(or pushes again after the store lost it) the other can load.
 
 Not driven here: a node inserting a media item whose push by the *other* node is still pending. The
 model reserves the key when the first push starts (the second node's item is ``store_skipped``),
@@ -505,6 +505,11 @@ class EmbeddingDifferential(RuleBasedStateMachine):
             want = {e.media: (e.state, e.size, e.readers) for e in model.entries()}
             got = {e.media: (e.state, len(e.units), e.readers) for e in impl.entries()}
             assert got == want, node
+            # the LRU order itself, not only the victims it picks (part 29, from the review of
+            # the native entry table: an order kept by another table must match the stamps')
+            want_order = [e.media for e in sorted(model.entries(), key=lambda e: e.stamp)]
+            got_order = [e.media for e in sorted(impl.entries(), key=lambda e: e.stamp)]
+            assert got_order == want_order, (node, "LRU order")
             assert impl.used_units == model.used_units, node
             ours = [p for p in self.pending if p.node == node]
             assert impl.pending_ops() == tuple(p.op for p in ours), node

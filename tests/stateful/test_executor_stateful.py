@@ -15,6 +15,8 @@ what must hold under every timing is checked after every step:
   to an idle worker, and a job it had to leave queued is handed to the worker (mutant
   ``impl_executor_run_here_strands_a_job``), also while another thread closes the executor (mutant
   ``impl_executor_run_here_behind_the_stop``);
+* ``run_now`` (part 29) runs a job at once only when nothing is queued or running (mutants
+  ``impl_executor_run_now_ahead_of_the_queue``, ``impl_executor_run_now_beside_the_worker``);
 * a plain ``submit`` that races ``close`` still runs, in order: ahead of the stop mark while the
   worker has not reached it, on the submitter once it has (mutant
   ``impl_executor_submit_behind_the_stop``).
@@ -200,6 +202,29 @@ class ExecutorMachine(RuleBasedStateMachine):
             executor.submit(lambda: None)
         assert drained, "a job left queued by run_here was never run"
         note(f"run_here from inside a job: {executor.wake_ups - woken} wake-up(s)")
+
+    @rule(queued=st.integers(0, 3))
+    def run_now(self, queued: int) -> None:
+        """A caller that would run its job at once (``run_now``, part 29) right after submitting
+        ``queued`` jobs: it runs only when nothing is queued or running (then after every job
+        submitted before it, never beside one); with the worker parked in the gate it never runs.
+        Whether the worker has taken the queued jobs yet is the threads' race: both outcomes are
+        legal, the order invariant says which one is not."""
+        executor = self._executor()
+        for _ in range(queued):
+            job = Job(len(self.submitted), None, self.log)
+            self.submitted.append(job)
+            executor.submit(job)
+        mine = Job(len(self.submitted), None, self.log)
+        self.submitted.append(mine)
+        ran = executor.run_now(mine)
+        note(f"run_now after {queued} queued: {ran}")
+        if not ran:
+            self.submitted.pop()  # never handed over: it is not the executor's
+            assert mine not in self.log.ran(), "run_now said no but ran the job"
+            return
+        assert self.gate is None, "run_now ran a job beside the worker's"
+        assert self.log.ran()[-1] is mine, "run_now returned before its job ran"
 
     @rule(queued=st.integers(0, 2))
     def run_here_while_closing(self, queued: int) -> None:

@@ -8,6 +8,9 @@ caller's thread up to it; the embedding cache's ``insert_batch`` / ``commit`` / 
   wake-up is the cost this saves);
 - no job is ever stranded in the queue of a sleeping worker: when ``run_here`` returns or raises
   with jobs left (a timeout, an interrupt, a call from inside a job), the worker is woken for them;
+- ``run_now`` (part 29) runs a job at once only on an idle executor (nothing queued, nothing
+  running, not from inside a job), and a ``wait=True`` verb of a node with no other op pending
+  takes it;
 - the cache's results are applied before the verb returns (bit for bit on a real Mooncake master:
   ``storage/test_embedding_mooncake.py``), and a ``ManualExecutor`` (which runs nothing until a
   test says so) is refused with a typed error that changes nothing.
@@ -152,6 +155,78 @@ def test_an_interrupted_run_here_wakes_the_worker_for_the_job() -> None:
         assert ran.wait(10), "a job queued without a wake-up was stranded"
     finally:
         executor.close()
+
+
+def test_run_now_runs_at_once_only_on_an_idle_executor() -> None:
+    """``run_now`` (part 29) runs the job on the caller when nothing is queued or running, and
+    does nothing otherwise: with the worker held in a job, and with a job queued ahead."""
+    executor = ThreadExecutor("test-run-now")
+    order: list[str] = []
+    gate, started = threading.Event(), threading.Event()
+
+    def held() -> None:
+        started.set()
+        gate.wait(10)
+        order.append("held")
+
+    try:
+        parked(executor)
+        woken = executor.wake_ups
+        assert executor.run_now(lambda: order.append(threading.current_thread().name))
+        assert order == [threading.current_thread().name] and executor.ran_now == 1
+        assert executor.wake_ups == woken and not executor.busy
+        order.clear()
+        executor.submit(held)
+        assert started.wait(10)
+        assert not executor.run_now(lambda: order.append("beside"))  # the worker holds a job
+        executor.submit(lambda: order.append("queued"))
+        gate.set()
+        assert executor.wait_drained(10) and order == ["held", "queued"]
+        assert executor.ran_now == 1
+    finally:
+        gate.set()
+        executor.close()
+
+
+def test_run_now_refuses_a_job_queued_ahead_and_from_inside_a_job() -> None:
+    executor = ManualJoinableExecutor()
+    order: list[str] = []
+    executor.submit(lambda: order.append("first"))
+    assert not executor.run_now(lambda: order.append("second")) and order == []
+    assert executor.run_all() == 1 and executor.run_now(lambda: order.append("now"))
+    assert order == ["first", "now"]
+    thread_executor = ThreadExecutor("test-run-now-inside")
+    answers: list[bool] = []
+    try:
+        thread_executor.submit(lambda: answers.append(thread_executor.run_now(lambda: None)))
+        assert thread_executor.wait_drained(10) and answers == [False]  # on the worker
+        inside: list[bool] = []
+        assert thread_executor.run_now(lambda: inside.append(thread_executor.run_now(lambda: None)))
+        assert inside == [False]  # inside a job this thread runs: it would run beside it
+    finally:
+        thread_executor.close()
+
+
+def test_wait_true_on_an_idle_node_runs_its_store_call_at_once() -> None:
+    """A ``wait=True`` verb with no other op of the node pending takes ``run_now`` (no queue, no
+    wake-up); with an op in flight it takes ``run_here`` behind it."""
+    store = MemoryEmbeddingStore()
+    executor = ThreadExecutor("test-run-now-cache")
+    shape = PoolShape(8, 4, DIM, torch.float16)
+    cache = EmbeddingCache(EmbeddingPool(shape), store, KEYSPACE, executor=executor)
+    try:
+        parked(executor)
+        woken = executor.wake_ups
+        assert cache.insert_batch([A], [embedding(A, 4)], wait=True).stored == 1
+        assert executor.ran_now == 1 and executor.wake_ups == woken
+        assert cache.prefetch("r", [A], [4], wait=True).local == 1  # no store call: nothing run
+        assert executor.ran_now == 1
+        cache.insert_batch([B], [embedding(B, 4)])  # in flight (or applied by now)
+        cache.insert_batch([C], [embedding(C, 4)], wait=True)
+        assert cache.pending_ops() == () and cache.counters.pushed == 3
+        assert executor.ran_now in (1, 2)  # 2 only when B's put had finished and was applied
+    finally:
+        cache.close()
 
 
 @pytest.mark.parametrize("kind", ["thread", "inline", "joinable"])
