@@ -32,7 +32,15 @@ import torch
 from kvstrata.impl import embedding
 from kvstrata.impl.embedding import EmbeddingCache, EmbeddingPool, Extents, ExtentStatus, PoolShape
 from kvstrata.impl.transfer import ManualExecutor
-from kvstrata.model.keys import KeySpace, KVKind, ModelIdentity, Shard, StoreKey, content_hash
+from kvstrata.model.keys import (
+    KeySpace,
+    KVKind,
+    ModelIdentity,
+    RenderedKeys,
+    Shard,
+    StoreKey,
+    content_hash,
+)
 
 ITEMS = 1920
 ROUNDS = 5
@@ -51,7 +59,7 @@ class NullStore:
     def unregister(self, ptr: int) -> None:
         """Nothing to unregister."""
 
-    def exists(self, keys: Sequence[StoreKey]) -> list[bool]:
+    def exists(self, keys: Sequence[StoreKey] | RenderedKeys) -> list[bool]:
         return [self.there] * len(keys)
 
     def put(self, extents: Extents) -> list[ExtentStatus]:

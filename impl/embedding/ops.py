@@ -122,9 +122,23 @@ class Ops:
     def visible(self, batch: Sequence[tuple[PageHash, int]]) -> list[bool]:
         """Per item: all its unit objects are visible in the store (one batch exists call); an
         object a short answer does not cover counts as absent (pushed again), as a put or get
-        answer too short fails the items it does not cover."""
+        answer too short fails the items it does not cover. A batch of one-unit items (the
+        common case) has its keys rendered as one batch, as :meth:`capture` does (part 29)."""
+        if not batch:
+            return []
+        one = self.pool.shape.unit_tokens
+        if all(tokens <= one for _media, tokens in batch):  # one object an item, in batch order
+            rendered = self.keyspace.rendered(
+                self.namespace,
+                [media for media, _tokens in batch],
+                POOL,
+                self._labels_of(1),
+                join_keys,
+            )
+            answered = self.store.exists(rendered)[: len(batch)]
+            return [bool(there) for there in answered] + [False] * (len(batch) - len(answered))
         keys = [self.object_keys(media, tokens) for media, tokens in batch]
-        flat = self.store.exists([key for group in keys for key in group]) if batch else []
+        flat = self.store.exists([key for group in keys for key in group])
         out, at = [], 0
         for group in keys:
             covered = flat[at : at + len(group)]

@@ -114,7 +114,7 @@ class EmbeddingStore(Protocol):
 
     def unregister(self, ptr: int) -> None: ...
 
-    def exists(self, keys: Sequence[StoreKey]) -> list[bool]: ...
+    def exists(self, keys: Sequence[StoreKey] | RenderedKeys) -> list[bool]: ...
 
     def put(self, extents: Extents) -> list[ExtentStatus]: ...
 
@@ -146,9 +146,10 @@ class MemoryEmbeddingStore:
     def unregister(self, ptr: int) -> None:
         """Nothing to unregister in process."""
 
-    def exists(self, keys: Sequence[StoreKey]) -> list[bool]:
-        visible = set(self.objects.visible_keys())
-        return [key in visible for key in keys]
+    def exists(self, keys: Sequence[StoreKey] | RenderedKeys) -> list[bool]:
+        visible = {key.text for key in self.objects.visible_keys()}
+        texts = keys.texts if isinstance(keys, RenderedKeys) else [key.text for key in keys]
+        return [text in visible for text in texts]
 
     def _failing(self) -> bool:
         if self.fail_next > 0:
@@ -251,7 +252,7 @@ class MooncakeEmbeddingStore:
     def unregister(self, ptr: int) -> None:
         self.client.unregister_buffer(ptr)
 
-    def exists(self, keys: Sequence[StoreKey]) -> list[bool]:
+    def exists(self, keys: Sequence[StoreKey] | RenderedKeys) -> list[bool]:
         try:
             return [rc == 1 for rc in self.client.batch_is_exist(keys)]
         except StoreError as error:

@@ -29,6 +29,7 @@ from kvstrata.model.keys import (
     KVKind,
     ModelIdentity,
     PageHash,
+    RenderedKeys,
     Shard,
     StoreKey,
     content_hash,
@@ -665,7 +666,7 @@ def test_an_exists_answer_too_short_counts_what_it_misses_as_absent() -> None:
     as visible, so a local hit the store had lost was never pushed again)."""
 
     class ShortExists(MemoryEmbeddingStore):
-        def exists(self, keys: Sequence[StoreKey]) -> list[bool]:
+        def exists(self, keys: Sequence[StoreKey] | RenderedKeys) -> list[bool]:
             return super().exists(keys)[:1]
 
     store = ShortExists()

@@ -257,3 +257,43 @@ def test_wait_true_through_a_real_mooncake_master(mooncake_store: MooncakeClient
     finally:
         a.close()
         b.close()
+
+
+def test_exists_of_one_unit_items_asks_one_rendered_batch_of_a_real_store(
+    mooncake_store: MooncakeClient,
+) -> None:
+    """A batch of one-unit items is asked as one rendered batch (part 29): on a real master the
+    answer is per item, a missing item reads as absent beside visible ones, and ``prefetch`` with
+    its probe fetches exactly the visible ones, bit for bit."""
+    keyspace = KeySpace(
+        ModelIdentity(name="clip-exists-mooncake", dtype="fp16", kind=KVKind.EMBEDDING, dim=DIM),
+        shard=Shard.replicated(),
+    )
+    media = [content_hash(f"exists-mooncake-{i}".encode()) for i in range(4)]
+    tokens = [16, 9, 1, 16]  # every one of them one unit of 16 rows
+    shape = PoolShape(32, 16, DIM, torch.float16)
+    a = EmbeddingCache(EmbeddingPool(shape), MooncakeEmbeddingStore(mooncake_store), keyspace)
+    b = EmbeddingCache(EmbeddingPool(shape), MooncakeEmbeddingStore(mooncake_store), keyspace)
+    try:
+        written = [media[0], media[2], media[3]]
+        a.insert_batch(
+            written,
+            [
+                seeded_embedding(m, t, DIM, torch.float16)
+                for m, t in zip(written, [16, 1, 16], strict=True)
+            ],
+            wait=True,
+        )
+        assert a.counters.pushed == 3
+        assert b.exists(media, tokens) == (True, False, True, True)
+        fetched = b.prefetch("r", media, tokens, wait=True)
+        assert (fetched.loading, fetched.missing) == (3, 1) and b.pending_ops() == ()
+        got = b.get(media)
+        assert got[1] is None
+        assert all(
+            g is not None and same_bits(g, seeded_embedding(m, t, DIM, torch.float16))
+            for g, m, t in zip([got[0], got[2], got[3]], written, [16, 1, 16], strict=True)
+        )
+    finally:
+        a.close()
+        b.close()
