@@ -136,7 +136,7 @@ class Ops:
                 join_keys,
             )
             answered = self.store.exists(rendered)[: len(batch)]
-            return [bool(there) for there in answered] + [False] * (len(batch) - len(answered))
+            return answered + [False] * (len(batch) - len(answered))
         keys = [self.object_keys(media, tokens) for media, tokens in batch]
         flat = self.store.exists([key for group in keys for key in group])
         out, at = [], 0

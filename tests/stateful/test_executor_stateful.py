@@ -113,6 +113,28 @@ class Outer(Job):
         self.log.leave((self,))
 
 
+def closing_with_jobs_held(
+    queued: int, name: str
+) -> tuple[Log, ThreadExecutor, Gate, list[Job], Job, threading.Thread]:
+    """A fresh executor whose worker is held in a gate with ``queued`` jobs behind it, and a
+    thread that is closing it (returned once the stop mark is queued); and the caller's own job,
+    not handed over yet."""
+    log = Log()
+    executor = ThreadExecutor(f"test-executor-{name}")
+    gate = Gate(0, log)
+    jobs = [Job(n + 1, None, log) for n in range(queued)]
+    mine = Job(queued + 1, None, log)
+    executor.submit(gate)
+    assert gate.started.wait(30)
+    for job in jobs:
+        executor.submit(job)
+    closer = threading.Thread(target=executor.close)
+    closer.start()
+    while not executor._closing:  # the stop mark is queued (the worker is held in the gate)
+        time.sleep(0.0005)
+    return log, executor, gate, jobs, mine, closer
+
+
 class ExecutorMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
@@ -231,19 +253,7 @@ class ExecutorMachine(RuleBasedStateMachine):
         """A caller hands a job to ``run_here`` while another thread closes the executor (its own
         executor, with ``queued`` jobs behind a held one): the worker stops at the mark, so the
         job must run on the caller, after every job ahead of the mark, never beside one."""
-        log = Log()
-        executor = ThreadExecutor("test-executor-closing")
-        gate = Gate(0, log)
-        jobs = [Job(n + 1, None, log) for n in range(queued)]
-        mine = Job(queued + 1, None, log)
-        executor.submit(gate)
-        assert gate.started.wait(30)
-        for job in jobs:
-            executor.submit(job)
-        closer = threading.Thread(target=executor.close)
-        closer.start()
-        while not executor._closing:  # the stop mark is queued (the worker is held in the gate)
-            time.sleep(0.0005)
+        log, executor, gate, jobs, mine, closer = closing_with_jobs_held(queued, "closing")
         threading.Timer(0.002, gate.opened.set).start()
         executor.run_here(mine, lambda: mine in log.ran())
         closer.join(30)
@@ -258,19 +268,7 @@ class ExecutorMachine(RuleBasedStateMachine):
         worker runs it before it stops; once the worker has stopped (``stopped``), it runs on the
         submitting thread at once. Either way it runs, after every job submitted before it, never
         beside one, and nothing waits for it forever."""
-        log = Log()
-        executor = ThreadExecutor("test-executor-submit-closing")
-        gate = Gate(0, log)
-        jobs = [Job(n + 1, None, log) for n in range(queued)]
-        mine = Job(queued + 1, None, log)
-        executor.submit(gate)
-        assert gate.started.wait(30)
-        for job in jobs:
-            executor.submit(job)
-        closer = threading.Thread(target=executor.close)
-        closer.start()
-        while not executor._closing:  # the stop mark is queued (the worker is held in the gate)
-            time.sleep(0.0005)
+        log, executor, gate, jobs, mine, closer = closing_with_jobs_held(queued, "submit-closing")
         if stopped:
             gate.opened.set()
             closer.join(30)

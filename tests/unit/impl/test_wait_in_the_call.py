@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -113,17 +114,25 @@ def test_a_job_left_queued_by_run_here_is_handed_to_the_worker() -> None:
         executor.close()
 
 
-def test_run_here_after_close_runs_the_job_after_those_ahead_of_the_stop() -> None:
-    """A caller that hands a job over while ``close`` stops the worker: the worker ends at the stop
-    mark, so the job runs on the caller, after every job queued before the mark."""
-    executor = ThreadExecutor("test-run-here-closed")
-    order: list[str] = []
+def held_job(order: list[str]) -> tuple[Callable[[], None], threading.Event, threading.Event]:
+    """A job that says it started, waits for its gate (at most 10 s), then logs "held" in
+    ``order``; with its gate and its started event."""
     gate, started = threading.Event(), threading.Event()
 
     def held() -> None:
         started.set()
         gate.wait(10)
         order.append("held")
+
+    return held, gate, started
+
+
+def test_run_here_after_close_runs_the_job_after_those_ahead_of_the_stop() -> None:
+    """A caller that hands a job over while ``close`` stops the worker: the worker ends at the stop
+    mark, so the job runs on the caller, after every job queued before the mark."""
+    executor = ThreadExecutor("test-run-here-closed")
+    order: list[str] = []
+    held, gate, started = held_job(order)
 
     executor.submit(held)
     assert started.wait(10)
@@ -162,12 +171,7 @@ def test_run_now_runs_at_once_only_on_an_idle_executor() -> None:
     does nothing otherwise: with the worker held in a job, and with a job queued ahead."""
     executor = ThreadExecutor("test-run-now")
     order: list[str] = []
-    gate, started = threading.Event(), threading.Event()
-
-    def held() -> None:
-        started.set()
-        gate.wait(10)
-        order.append("held")
+    held, gate, started = held_job(order)
 
     try:
         parked(executor)
